@@ -1,0 +1,10 @@
+"""The Long-Context Inference Lab's importable package.
+
+Importing it first runs :mod:`labsrc.runtime`, which picks the device and, with no GPU, switches Triton to
+its CPU interpreter before anything imports ``triton``.
+"""
+from labsrc import runtime
+from labsrc.runtime import DEVICE, INTERPRETED, PROFILE, seed_everything, sizes, stamp
+
+__all__ = ["runtime", "DEVICE", "INTERPRETED", "PROFILE", "seed_everything", "sizes", "stamp"]
+__version__ = "0.1.0"

@@ -1,0 +1,188 @@
+"""Check cells for exercises: compare a student's answer with the truth and say what is right or wrong.
+
+Every exercise in the lab is a function the student fills in. A check calls it:
+
+* if it raises ``NotImplementedError`` (the stub in the student build), the check prints
+  ``not solved yet`` and the notebook carries on;
+* if its answer is right, the check prints ``passed``;
+* otherwise it prints what is wrong and a hint, never the solution.
+
+With ``LAB_EXERCISES=strict`` in the environment (set when the instructor notebooks are executed by the
+tests and the book build) anything but ``passed`` raises :class:`ExerciseFailed`, so a broken solution
+cannot slip into the book.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+PASSED, FAILED, NOT_SOLVED = "passed", "failed", "not solved yet"
+
+# Tolerances follow the dtype: about 1e-5 relative for fp32, 1e-3 for fp16, 1e-2 for bf16.
+_TOLERANCES = {
+    torch.float64: (1e-9, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-2, 1e-2),
+}
+
+
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """The ``(rtol, atol)`` the lab uses when comparing tensors of ``dtype``; exact (0, 0) for integers."""
+    return _TOLERANCES.get(dtype, (0.0, 0.0))
+
+
+class ExerciseFailed(AssertionError):
+    """Raised in strict mode when an exercise is not passed."""
+
+
+@dataclass
+class Result:
+    """The outcome of one check: ``status`` is ``"passed"``, ``"failed"`` or ``"not solved yet"``."""
+
+    name: str
+    status: str
+    message: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == PASSED
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        mark = {PASSED: "✅", FAILED: "❌", NOT_SOLVED: "⏳"}[self.status]
+        text = f"{mark} {self.name}: {self.status}"
+        return f"{text}. {self.message}" if self.message else text
+
+
+def strict() -> bool:
+    """True when ``LAB_EXERCISES=strict``: checks raise instead of printing a failure."""
+    return os.environ.get("LAB_EXERCISES", "").strip().lower() == "strict"
+
+
+def _report(result: Result) -> Result:
+    print(result)
+    if strict() and not result.passed:
+        raise ExerciseFailed(str(result))
+    return result
+
+
+def _call(answer: Any, *args: Any) -> tuple[Any, Result | None]:
+    """Call ``answer`` (when callable) and turn the student-build stub into a 'not solved' result."""
+    if not callable(answer):
+        return answer, None
+    try:
+        return answer(*args), None
+    except NotImplementedError:
+        return None, Result("", NOT_SOLVED, "Fill in the function above, then run this cell again.")
+
+
+def _with_hint(message: str, hint: str) -> str:
+    return f"{message} Hint: {hint}" if hint else message
+
+
+def check_value(name: str, answer: Any, expected: Any, *, rtol: float = 1e-6, atol: float = 0.0,
+                hint: str = "") -> Result:
+    """Check a number (or any value compared with ``==``).
+
+    ``answer`` is the student's function (called with no arguments) or the value itself. Numbers are
+    compared with ``rtol``/``atol``; the expected value is never printed.
+    """
+    got, unsolved = _call(answer)
+    if unsolved is not None:
+        unsolved.name = name
+        return _report(unsolved)
+    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            return _report(Result(name, FAILED, _with_hint(f"expected a number, got {type(got).__name__}.", hint)))
+        if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
+            direction = "too large" if got > expected else "too small"
+            return _report(Result(name, FAILED, _with_hint(f"{got!r} is {direction}.", hint)))
+        return _report(Result(name, PASSED))
+    if got != expected:
+        return _report(Result(name, FAILED, _with_hint(f"{got!r} is not the expected answer.", hint)))
+    return _report(Result(name, PASSED))
+
+
+def _compare_tensors(got: Any, expected: torch.Tensor, rtol: float | None, atol: float | None) -> str | None:
+    """Return what is wrong with ``got`` compared to ``expected``, or None when they agree."""
+    if not isinstance(got, torch.Tensor):
+        return f"expected a tensor, got {type(got).__name__}."
+    if got.shape != expected.shape:
+        return f"shape {tuple(got.shape)} should be {tuple(expected.shape)}."
+    if got.dtype != expected.dtype:
+        return f"dtype {got.dtype} should be {expected.dtype}."
+    default_rtol, default_atol = tolerance(expected.dtype)
+    rtol = default_rtol if rtol is None else rtol
+    atol = default_atol if atol is None else atol
+    got_c, exp_c = got.detach().cpu(), expected.detach().cpu()
+    if torch.isnan(got_c).any() and not torch.isnan(exp_c).any():
+        return f"{int(torch.isnan(got_c).sum())} element(s) are NaN."
+    if not torch.allclose(got_c.double(), exp_c.double(), rtol=rtol, atol=atol, equal_nan=True):
+        diff = (got_c.double() - exp_c.double()).abs()
+        bad = ~torch.isclose(got_c.double(), exp_c.double(), rtol=rtol, atol=atol, equal_nan=True)
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        return (f"{int(bad.sum())} of {bad.numel()} elements differ (largest difference {diff.max().item():.3g}; "
+                f"first at index {first}).")
+    return None
+
+
+def check_tensor(name: str, answer: Any, expected: torch.Tensor, *, rtol: float | None = None,
+                 atol: float | None = None, hint: str = "") -> Result:
+    """Check a tensor: same shape, same dtype and values within the dtype's tolerance (or the one given)."""
+    got, unsolved = _call(answer)
+    if unsolved is not None:
+        unsolved.name = name
+        return _report(unsolved)
+    problem = _compare_tensors(got, expected, rtol, atol)
+    if problem:
+        return _report(Result(name, FAILED, _with_hint(problem, hint)))
+    return _report(Result(name, PASSED))
+
+
+def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Callable[[torch.Generator], tuple],
+                   *, trials: int = 5, seed: int = 0, rtol: float | None = None, atol: float | None = None,
+                   hint: str = "") -> Result:
+    """Check ``fn`` against ``reference`` on ``trials`` fresh random inputs.
+
+    ``make_inputs(generator)`` returns the argument tuple for one trial. Outputs may be tensors or numbers.
+    The failing inputs' shapes are shown so the student can reproduce the case.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        args = make_inputs(gen)
+        got, unsolved = _call(fn, *args)
+        if unsolved is not None:
+            unsolved.name = name
+            return _report(unsolved)
+        expected = reference(*args)
+        if isinstance(expected, torch.Tensor):
+            problem = _compare_tensors(got, expected, rtol, atol)
+        else:
+            ok = isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=rtol or 1e-6, abs_tol=atol or 0.0)
+            problem = None if ok else f"returned {got!r}, which is wrong."
+        if problem:
+            shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
+            return _report(Result(name, FAILED, _with_hint(f"trial {trial + 1} with inputs {shapes}: {problem}", hint)))
+    return _report(Result(name, PASSED, f"agrees with the reference on {trials} random inputs."))
+
+
+def check_raises(name: str, fn: Callable, exception: type[BaseException], *args: Any, hint: str = "") -> Result:
+    """Check that calling ``fn(*args)`` raises ``exception`` (a student's input validation)."""
+    try:
+        fn(*args)
+    except NotImplementedError:
+        return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+    except exception:
+        return _report(Result(name, PASSED))
+    except Exception as err:  # noqa: BLE001 - we report which exception it was
+        return _report(Result(name, FAILED, _with_hint(f"raised {type(err).__name__}, expected {exception.__name__}.", hint)))
+    return _report(Result(name, FAILED, _with_hint(f"raised nothing, expected {exception.__name__}.", hint)))

@@ -1,0 +1,121 @@
+"""Where the lab runs and how big its experiments are.
+
+Importing :mod:`labsrc` imports this module first. It decides, once per process:
+
+* the device: CUDA when a GPU is visible, else the CPU;
+* whether Triton kernels are compiled or *interpreted*: with no GPU, Triton's interpreter
+  (``TRITON_INTERPRET=1``) runs every kernel on the CPU with NumPy, so the same notebook works on a
+  laptop. The variable must be set before ``triton`` is imported, which is why this module sets it;
+* the profile: ``"cpu"`` (small sizes that run in about two minutes on two cores) or ``"gpu"`` (real
+  sizes). It follows the device unless the environment variable ``LAB_PROFILE`` says otherwise.
+
+Every size a notebook uses comes from :func:`sizes`, never from constants scattered in cells.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import random
+import sys
+from types import MappingProxyType, SimpleNamespace
+
+import numpy as np
+import torch
+
+HAS_CUDA: bool = torch.cuda.is_available()
+"""True when a CUDA device is visible to torch."""
+
+if not HAS_CUDA and "triton" not in sys.modules:
+    # Must happen before the first `import triton`; a user who sets it to 0 on purpose keeps 0.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+"""True when Triton kernels run in the interpreter (on the CPU) rather than compiled for a GPU."""
+
+DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
+"""The device the lab's tensors live on."""
+
+_PROFILES = ("cpu", "gpu")
+
+
+def _profile_from_env() -> str:
+    profile = os.environ.get("LAB_PROFILE", "gpu" if HAS_CUDA else "cpu").strip().lower()
+    if profile not in _PROFILES:
+        raise ValueError(f"LAB_PROFILE must be one of {_PROFILES}, got {profile!r}")
+    return profile
+
+
+PROFILE: str = _profile_from_env()
+"""``"cpu"`` or ``"gpu"``: which column of :data:`SIZES` the notebooks use."""
+
+# One table of every size a notebook uses, per chapter and per profile. Each chapter owns its own key.
+# CPU sizes are chosen so the chapter runs in about two minutes on two cores; GPU sizes are the real ones.
+SIZES: dict[str, dict[str, dict]] = {
+    "kv_cache": {
+        "cpu": dict(n_tokens=48, prompt_len=16, n_layers=4, hidden=128, n_heads=4, n_kv_heads=2,
+                    kernel_rows=37, kernel_slots=101, kernel_heads=3, kernel_dim=48, n_requests=200),
+        "gpu": dict(n_tokens=256, prompt_len=64, n_layers=8, hidden=512, n_heads=8, n_kv_heads=2,
+                    kernel_rows=4096, kernel_slots=65536, kernel_heads=8, kernel_dim=128, n_requests=2000),
+    },
+}
+
+
+def sizes(chapter: str, profile: str | None = None) -> SimpleNamespace:
+    """Return the sizes chapter ``chapter`` uses in the current (or the given) profile.
+
+    >>> s = sizes("kv_cache"); s.n_tokens   # doctest: +SKIP
+    48
+    """
+    if chapter not in SIZES:
+        raise KeyError(f"no sizes for chapter {chapter!r}; known chapters: {sorted(SIZES)}")
+    profile = PROFILE if profile is None else profile
+    if profile not in _PROFILES:
+        raise ValueError(f"profile must be one of {_PROFILES}, got {profile!r}")
+    return SimpleNamespace(**MappingProxyType(SIZES[chapter][profile]))
+
+
+def seed_everything(seed: int = 0) -> torch.Generator:
+    """Seed Python, NumPy and torch (CPU and CUDA) and return a fresh torch generator seeded with ``seed``.
+
+    Call it at the top of every notebook so that every figure is the same on every run.
+    """
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if HAS_CUDA:
+        torch.cuda.manual_seed_all(seed)
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def _version(name: str) -> str:
+    try:
+        module = __import__(name)
+    except ImportError:
+        return "not installed"
+    return getattr(module, "__version__", "unknown")
+
+
+def device_name() -> str:
+    """A human-readable name of the device: the GPU's name, or the CPU's architecture and core count."""
+    if HAS_CUDA:
+        return torch.cuda.get_device_name(0)
+    return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
+
+
+def stamp(file=None) -> dict:
+    """Print (and return) what produced a notebook's numbers: device, profile, kernel mode, versions."""
+    info = {
+        "device": device_name(),
+        "profile": PROFILE,
+        "triton kernels": "interpreted on the CPU (TRITON_INTERPRET=1)" if INTERPRETED else "compiled for the GPU",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+    }
+    width = max(map(len, info))
+    for key, value in info.items():
+        print(f"{key:>{width}} : {value}", file=file)
+    return info
