@@ -1,0 +1,118 @@
+import json
+
+import pytest
+import torch
+
+from labsrc import exercises as ex
+from labsrc.exercises import student
+
+
+def unsolved(*args):
+    raise NotImplementedError("not solved yet")
+
+
+@pytest.fixture(autouse=True)
+def lenient(monkeypatch):
+    monkeypatch.delenv("LAB_EXERCISES", raising=False)
+
+
+def test_check_value_passes_fails_and_reports_unsolved(capsys):
+    assert ex.check_value("answer", lambda: 42, 42).passed
+    wrong = ex.check_value("answer", lambda: 41.0, 42, hint="count both K and V")
+    assert wrong.status == "failed" and "too small" in wrong.message and "count both K and V" in wrong.message
+    assert "42" not in wrong.message, "a failed check must not reveal the expected value"
+    assert ex.check_value("answer", unsolved, 42).status == "not solved yet"
+    assert "not solved yet" in capsys.readouterr().out
+    assert ex.check_value("answer", lambda: "x", 42).status == "failed"
+    assert ex.check_value("answer", lambda: (1, 2), (1, 2)).passed
+
+
+def test_check_tensor_uses_dtype_tolerance_and_names_the_problem():
+    ref = torch.linspace(0, 1, 10)
+    assert ex.check_tensor("t", lambda: ref * (1 + 1e-7), ref).passed
+    assert "differ" in ex.check_tensor("t", lambda: ref + 1e-3, ref).message
+    assert "shape" in ex.check_tensor("t", lambda: ref[:5], ref).message
+    assert "dtype" in ex.check_tensor("t", lambda: ref.half(), ref).message
+    poisoned = ref.clone()
+    poisoned[3] = float("nan")
+    assert "NaN" in ex.check_tensor("t", lambda: poisoned, ref).message
+    half = ref.half()
+    assert ex.check_tensor("t", lambda: half * (1 + 5e-4), half).passed
+
+
+def test_check_function_tries_random_inputs():
+    def make(gen):
+        return (torch.randn(int(torch.randint(1, 9, (1,), generator=gen)), generator=gen),)
+    assert ex.check_function("softmax", lambda x: torch.softmax(x, 0), lambda x: torch.softmax(x, 0), make).passed
+    bad = ex.check_function("softmax", lambda x: torch.exp(x) / 2, lambda x: torch.softmax(x, 0), make)
+    assert bad.status == "failed" and "trial 1" in bad.message
+    assert ex.check_function("softmax", unsolved, lambda x: x, make).status == "not solved yet"
+
+
+def test_check_raises():
+    def validates(n):
+        if n <= 0:
+            raise ValueError("n must be positive")
+    assert ex.check_raises("v", validates, ValueError, 0).passed
+    assert ex.check_raises("v", validates, ValueError, 1).status == "failed"
+    assert ex.check_raises("v", unsolved, ValueError, 0).status == "not solved yet"
+
+
+def test_strict_mode_raises_on_anything_but_passed(monkeypatch):
+    monkeypatch.setenv("LAB_EXERCISES", "strict")
+    assert ex.check_value("a", lambda: 1, 1).passed
+    with pytest.raises(ex.ExerciseFailed):
+        ex.check_value("a", lambda: 2, 1)
+    with pytest.raises(ex.ExerciseFailed):
+        ex.check_value("a", unsolved, 1)
+
+
+SOLVED_CELL = """def kv_bytes(layers, tokens):
+    \"\"\"Bytes of K and V.\"\"\"
+    ### BEGIN SOLUTION
+    per_token = 2 * layers
+    return per_token * tokens
+    ### END SOLUTION
+
+print("after")
+"""
+
+
+def test_strip_solutions_keeps_indentation_and_the_rest():
+    text, count = student.strip_solutions(SOLVED_CELL)
+    assert count == 1
+    assert "per_token" not in text and "BEGIN SOLUTION" not in text
+    assert '    raise NotImplementedError("not solved yet")\n' in text
+    assert text.endswith('print("after")\n')
+    namespace = {}
+    exec(text, namespace)  # the stubbed cell is valid Python
+    with pytest.raises(NotImplementedError):
+        namespace["kv_bytes"](1, 2)
+
+
+@pytest.mark.parametrize("source, message", [
+    ("### BEGIN SOLUTION\nx = 1\n", "without"),
+    ("x = 1\n### END SOLUTION\n", "without"),
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "inside another"),
+])
+def test_strip_solutions_rejects_broken_markers(source, message):
+    with pytest.raises(ValueError, match=message):
+        student.strip_solutions(source)
+
+
+def test_build_writes_student_notebooks_without_outputs(tmp_path):
+    nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": "### BEGIN SOLUTION is prose here"},
+                    {"cell_type": "code", "metadata": {}, "execution_count": 3, "outputs": [{"output_type": "stream"}],
+                     "source": SOLVED_CELL.splitlines(keepends=True)}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    (src / "01_x.ipynb").write_text(json.dumps(nb))
+    assert student.build(src, out) == {"01_x.ipynb": 1}
+    written = json.loads((out / "01_x.ipynb").read_text())
+    code = written["cells"][1]
+    assert code["outputs"] == [] and code["execution_count"] is None
+    assert "NotImplementedError" in code["source"]
+    assert written["cells"][0]["source"] == nb["cells"][0]["source"], "markdown is left alone"
+    with pytest.raises(ValueError, match="no notebooks"):
+        student.build(tmp_path / "empty", out)

@@ -1,0 +1,65 @@
+"""Lay out the book's sources in one folder, with executed notebooks and generated pages.
+
+``make book`` never executes a notebook itself: ``make execute`` ran each chapter once (through nbmake, which is
+also the notebook test) and left executed copies in ``_build/executed/``. This script copies the book pages and
+those executed copies into ``_build/src/`` and writes the fragments that two pages include:
+
+* ``book/_generated/claims_table.md``: the claims ledger, from the records the notebooks wrote;
+* ``book/_generated/bench_tables.md``: the latest GPU results under ``kernels/results/``, or a sentence saying
+  that none were recorded.
+
+Usage: ``python tools/stage_book.py`` (from the repository root).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kernels.bench import format_table  # noqa: E402
+from labsrc import claims  # noqa: E402
+
+
+def bench_markdown(results_dir: Path) -> str:
+    """Markdown for every GPU result file (newest first); a plain statement when there is none."""
+    files = sorted(results_dir.glob("*-gpu.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    if not files:
+        return ("**No GPU results have been recorded yet.** Every kernel is checked and smoke-timed under Triton's "
+                "interpreter in CI, but interpreter timings say nothing about GPU speed, so none are shown here. "
+                "Run `python -m kernels.bench --all --size gpu` on a GPU box to fill this page.\n")
+    parts = []
+    for path in files:
+        data = json.loads(path.read_text())
+        s = data["stamp"]
+        parts.append(f"### {s['device']} ({s['date']})\n\ntorch {s['torch']}, triton {s['triton']}, "
+                     f"labsrc {s['labsrc']}\n\n```text\n{format_table(data['rows'])}\n```\n")
+    return "\n".join(parts)
+
+
+def stage(out: Path = ROOT / "_build" / "src", executed: Path = ROOT / "_build" / "executed") -> Path:
+    chapters = sorted((ROOT / "chapters").glob("*.ipynb"))
+    missing = [p.name for p in chapters if not (executed / p.name).exists()]
+    if missing:
+        raise SystemExit(f"not executed yet: {missing}; run `make execute` first")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for name in ("_config.yml", "_toc.yml"):
+        shutil.copy2(ROOT / name, out / name)
+    shutil.copytree(ROOT / "book", out / "book")
+    (out / "chapters").mkdir()
+    for path in chapters:
+        shutil.copy2(executed / path.name, out / "chapters" / path.name)
+    generated = out / "book" / "_generated"
+    generated.mkdir()
+    (generated / "claims_table.md").write_text(claims.render_markdown(claims.load()))
+    (generated / "bench_tables.md").write_text(bench_markdown(ROOT / "kernels" / "results"))
+    return out
+
+
+if __name__ == "__main__":
+    print(f"staged the book in {stage()}")
