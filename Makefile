@@ -9,7 +9,8 @@
 # and never executes anything itself. The executed copies are redone only when a chapter or labsrc changes.
 
 PYTHON      ?= python3
-VENV        := .venv
+# A conda user points VENV at the activated environment: make book VENV=$CONDA_PREFIX TORCH_SPEC=
+VENV        ?= .venv
 PY          := $(VENV)/bin/python
 PYTEST      := $(VENV)/bin/pytest
 # The CPU build of torch 2.13 lies on this workplace's disk; on a GPU box, `make ... TORCH_SPEC=torch` (or conda).
@@ -27,9 +28,9 @@ help:
 	@sed -n '1,12p' Makefile
 
 $(VENV)/.ready: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
 	$(PY) -m pip install -q -e ".[dev,book]"
 	touch $@
 
