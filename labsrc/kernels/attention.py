@@ -1,0 +1,640 @@
+"""FlashAttention forward and flash-decoding, written in Triton, with plain PyTorch references beside them.
+
+Two kernels for the two phases of inference:
+
+* :func:`flash_attention` is the *prefill* kernel: many queries against many keys. It never materialises the
+  ``Tq x Tk`` score matrix. Each program owns a block of queries, streams the keys and values past them
+  block by block, and keeps a running ("online") softmax: the row maximum ``m``, the row sum ``l`` and the
+  un-normalised output ``acc`` (FlashAttention-2 {cite}`dao2023flashattention2`, online softmax
+  {cite}`milakov2018online`).
+* :func:`decode_attention` is the *decode* kernel: one new query per sequence against a long KV cache. One
+  query gives too little work to fill a GPU if a program must walk the whole cache, so the cache is split
+  into ``num_splits`` chunks that run in parallel, each writing a partial output and its log-sum-exp; a
+  second kernel merges them (flash-decoding {cite}`dao2023flashdecoding`).
+
+Both handle grouped-query attention (GQA, {cite}`ainslie2023gqa`): ``Hq`` query heads share ``Hkv`` key/value
+heads, ``Hq % Hkv == 0``, and query head ``h`` reads key/value head ``h // (Hq // Hkv)``. The repeated K/V
+are never built: the kernels compute the right K/V head from the query head.
+
+Conventions shared by the kernels and their references:
+
+* ``causal=True`` with ``Tq != Tk`` aligns the mask **bottom-right**: query ``i`` sees keys
+  ``j <= i + (Tk - Tq)``. The last query is the newest token and sees every key, which is what chunked
+  prefill (a chunk of new queries after a cached prefix) and decode need. (PyTorch's
+  ``scaled_dot_product_attention(is_causal=True)`` aligns top-left instead; the two agree when ``Tq == Tk``.)
+* A causal query row that sees **no** key (``i < Tq - Tk``, only possible when ``Tq > Tk``) has output
+  **0** and log-sum-exp **-inf**: the softmax over an empty set is defined as contributing nothing.
+* Inputs are fp32, fp16 or bf16; scores, softmax statistics and the output accumulator are fp32; the
+  output has the input dtype and the log-sum-exp (natural log) is fp32.
+* Head dims from 16 to 128, including non-powers of two (48, 80, 96): tiles are padded to the next power
+  of two and the padded lanes are masked to zero, which leaves every dot product unchanged.
+
+Under the Triton interpreter (no GPU) ``tl.dot`` on bf16 operands returns garbage, so when interpreted the
+kernels upcast bf16 tiles to fp32 right after loading them (the ``UPCAST`` constexpr). Compiled on a GPU the
+bf16 tiles go to the tensor cores as they are.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+import labsrc  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from labsrc import runtime
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+__all__ = ["flash_attention", "flash_attention_ref", "decode_attention", "decode_attention_ref"]
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
+LN2 = 0.6931471805599453  # ln(2): log(x) == log2(x) * LN2
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plain PyTorch references: the definition the kernels are tested against.
+# ----------------------------------------------------------------------------------------------------------------
+def flash_attention_ref(q, k, v, causal=False, sm_scale=None, return_lse=False):
+    """Attention written the obvious way: build the full score matrix, mask it, softmax it.
+
+    Args:
+        q: queries ``(B, Hq, Tq, D)``.
+        k, v: keys and values ``(B, Hkv, Tk, D)`` with ``Hq % Hkv == 0`` (grouped-query attention).
+        causal: mask so that query ``i`` sees keys ``j <= i + (Tk - Tq)`` (bottom-right aligned).
+        sm_scale: the factor applied to ``q @ k^T``; ``1 / sqrt(D)`` by default.
+        return_lse: also return the log-sum-exp of each row of scaled scores, ``(B, Hq, Tq)`` in fp32.
+
+    Returns:
+        The output ``(B, Hq, Tq, D)`` in ``q.dtype`` (and the log-sum-exp). The arithmetic is fp32; a row that
+        sees no key (causal with ``Tq > Tk``) gives output 0 and log-sum-exp ``-inf``.
+    """
+    _check_attention_args(q, k, v, causal, sm_scale, None, None, need_kernel_device=False)
+    scale = _default_scale(q.shape[-1], sm_scale)
+    group = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.float(), k.float(), v.float()
+    # The reference may repeat K/V: it is the definition, not the fast path.
+    kf = kf.repeat_interleave(group, dim=1)
+    vf = vf.repeat_interleave(group, dim=1)
+    scores = (qf @ kf.transpose(-1, -2)) * scale  # (B, Hq, Tq, Tk)
+    if causal:
+        tq, tk = q.shape[2], k.shape[2]
+        i = torch.arange(tq, device=q.device)[:, None]
+        j = torch.arange(tk, device=q.device)[None, :]
+        scores = scores.masked_fill(j > i + (tk - tq), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf for a row with no visible key
+    # exp(s - lse) is the softmax; for an empty row use 0 instead of exp(-inf - -inf) = nan.
+    finite = torch.isfinite(lse)
+    probs = torch.where(finite[..., None], torch.exp(scores - torch.where(finite, lse, 0.0)[..., None]), 0.0)
+    out = (probs @ vf).to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def decode_attention_ref(q, k_cache, v_cache, seq_lens, sm_scale=None):
+    """One query per sequence against the first ``seq_lens[b]`` cached keys of sequence ``b``.
+
+    Args:
+        q: the new queries ``(B, Hq, D)``.
+        k_cache, v_cache: ``(B, Hkv, Tmax, D)``; only the first ``seq_lens[b]`` positions of row ``b`` count.
+        seq_lens: ``(B,)`` integer lengths in ``[1, Tmax]``.
+        sm_scale: the factor applied to ``q @ k^T``; ``1 / sqrt(D)`` by default.
+
+    Returns:
+        ``(B, Hq, D)`` in ``q.dtype``, computed in fp32 one sequence at a time.
+    """
+    _check_decode_args(q, k_cache, v_cache, seq_lens, sm_scale, None, None, need_kernel_device=False)
+    outs = []
+    for b, n in enumerate(seq_lens.tolist()):
+        qb = q[b : b + 1, :, None, :]
+        outs.append(flash_attention_ref(qb, k_cache[b : b + 1, :, :n], v_cache[b : b + 1, :, :n], sm_scale=sm_scale))
+    return torch.cat(outs)[:, :, 0, :]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autotuning: a few configurations per GPU generation, exactly one under the interpreter.
+# ----------------------------------------------------------------------------------------------------------------
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability() if runtime.HAS_CUDA else (0, 0)
+
+
+def _flash_configs() -> list:
+    if runtime.INTERPRETED:
+        # The interpreter runs every program one after another in NumPy: fewer, bigger tiles are faster, and
+        # one configuration means no benchmarking. 64 x 64 still leaves several query blocks and a
+        # full/diagonal split at the test lengths (129, 257), so the block-skipping paths are exercised.
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    if _capability()[0] >= 9:  # Hopper: big tiles, deeper software pipelines (more shared memory per SM)
+        shapes = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 2), (64, 64, 4, 4), (64, 128, 4, 3)]
+    else:  # Ampere and older: 164 KB (A100) or 100 KB (consumer) of shared memory, shallower pipelines
+        shapes = [(128, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 4)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+
+
+def _decode_configs() -> list:
+    if runtime.INTERPRETED:
+        return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    stages = (3, 4) if _capability()[0] >= 9 else (2, 3)
+    return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+            for n in (32, 64, 128) for w in (4, 8) for s in stages]
+
+
+def _bucket(n: int) -> int:
+    """Autotuning key for a length: retune per power of two, not for every new length a decoder produces."""
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The FlashAttention forward kernel.
+# ----------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n0, d_mask,
+                   lo, hi, Tk, diag, qk_scale,
+                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Fold key blocks ``[lo, hi)`` into the running softmax state ``(acc, l_i, m_i)`` of one query block.
+
+    ``MASKED=False`` is the fast path for blocks that lie entirely inside the sequence and below the causal
+    diagonal: no comparison is needed per score. ``MASKED=True`` handles the diagonal block(s) and the ragged
+    last block. Scores are kept in base 2 (already multiplied by log2(e)), so each exponential is one
+    ``exp2`` -- the hardware instruction -- instead of ``exp`` = ``exp2`` after a multiply.
+    """
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        if MASKED:
+            kv_mask = (offs_n[:, None] < Tk) & d_mask[None, :]
+        else:
+            kv_mask = d_mask[None, :]
+        # Padded head-dim lanes and keys past the end load as 0: they add nothing to q.k and p.v.
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), fp32, log2 units
+        if MASKED:
+            visible = offs_n[None, :] < Tk
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
+            s = tl.where(visible, s, float("-inf"))
+        # Online softmax: a new, larger maximum rescales everything accumulated so far by exp2(m_old - m_new).
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of -inf avoids
+        # (-inf) - (-inf) = nan, and its p and alpha come out as exp2(-inf) = 0, leaving acc = 0 and l = 0.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        p = tl.math.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # P goes to the tensor cores in the input precision (as in FlashAttention); the sum stays fp32.
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+        # The pointers arrive pointing at key `lo` and advance with the loop: no index multiply per block.
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_flash_configs(), key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"])
+@triton.jit
+def _flash_attention_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_lb, stride_lh,
+    Hq, Tq, Tk, D, GROUP, qk_scale,
+    TQ_BUCKET, TK_BUCKET,  # used only as autotuning keys
+    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program = one block of BLOCK_M queries of one (batch, query head). Axis 0 walks the query blocks so
+    # that programs launched together share the same K/V head and hit the same lines in L2.
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // Hq
+    hq = pid_bh % Hq
+    hkv = hq // GROUP  # grouped-query attention: pick the shared K/V head, never copy it
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D  # head dims like 48, 80, 96 are padded up to BLOCK_D, a power of two
+
+    q_ptrs = Q + b * stride_qb + hq * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=(offs_m[:, None] < Tq) & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Bottom-right causal alignment: query i sees keys j <= i + diag.
+    diag = Tk - Tq
+    if CAUSAL:
+        # Causal block skipping: keys past the last row's diagonal are never loaded at all...
+        hi = tl.minimum(Tk, start_m + BLOCK_M + diag)
+        # ...and keys up to the first row's diagonal are visible to every row, so they need no mask.
+        full_end = tl.maximum(tl.minimum(start_m + diag + 1, Tk), 0) // BLOCK_N * BLOCK_N
+    else:
+        hi = Tk
+        full_end = Tk // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row maximum (log2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running sum of p @ v, not yet divided by l
+
+    k_base = K + b * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
+    v_base = V + b * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
+    acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n0, d_mask,
+                                   0, full_end, Tk, diag, qk_scale,
+                                   BLOCK_N, False, CAUSAL, UPCAST, PRECISION)
+    acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_base + full_end * stride_kn, v_base + full_end * stride_vn,
+                                   stride_kn, stride_vn, offs_m, offs_n0, d_mask,
+                                   full_end, hi, Tk, diag, qk_scale,
+                                   BLOCK_N, True, CAUSAL, UPCAST, PRECISION)
+
+    # Normalise once at the end (FlashAttention-2), not after every block. A row that saw no key has
+    # l = 0 and acc = 0: dividing by 1 instead gives the defined output 0.
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    o_ptrs = O + b * stride_ob + hq * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < Tq) & d_mask[None, :])
+    if WRITE_LSE:
+        # log(sum exp(s)) = (m + log2(l)) * ln 2, with s in natural units; -inf for an empty row.
+        lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + b * stride_lb + hq * stride_lh + offs_m, lse, mask=offs_m < Tq)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Flash-decoding: split-K over the cache, then a log-sum-exp merge.
+# ----------------------------------------------------------------------------------------------------------------
+@triton.autotune(configs=_decode_configs(), key=["TMAX_BUCKET", "BLOCK_G", "BLOCK_D", "NUM_SPLITS", "PRECISION"])
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, SEQ_LENS, MID_O, MID_LSE,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    Hkv, D, GROUP, NUM_SPLITS, qk_scale,
+    TMAX_BUCKET,  # used only as an autotuning key
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program = one split of the cache of one (batch, K/V head), for ALL the query heads that share that
+    # K/V head. Each K/V tile is loaded once and used GROUP times: decode is memory-bound, so this divides the
+    # traffic per query head by GROUP -- the whole point of GQA at inference time.
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bh // Hkv
+    hkv = pid_bh % Hkv
+
+    # Each sequence splits its own length evenly, so ragged batches give every program similar work.
+    seq_len = tl.load(SEQ_LENS + b)
+    split_len = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)  # may be <= start: an empty split (short sequence)
+
+    offs_g = tl.arange(0, BLOCK_G)  # query heads of this group, padded to >= 16 rows for tl.dot
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < D
+    heads = hkv * GROUP + offs_g
+
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    k_base = K + b * stride_kb + hkv * stride_kh + offs_d[None, :]
+    v_base = V + b * stride_vb + hkv * stride_vh + offs_d[None, :]
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_n0
+        n_mask = offs_n < end
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kn, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N), log2 units
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # Every block inside the loop holds at least one real key, so m_new is finite: no -inf guard needed.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    # Store the split's *normalised* output and its log-sum-exp (log2 units); an empty split stores 0 and
+    # -inf, which the merge weighs by exp2(-inf) = 0.
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
+    mo_ptrs = MID_O + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+    tl.store(mo_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(MID_LSE + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    MID_O, MID_LSE, O,
+    stride_mob, stride_moh, stride_mos,
+    stride_mlb, stride_mlh,
+    stride_ob, stride_oh,
+    Hq, D, NUM_SPLITS,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per (batch, query head). Split s holds o_s = softmax-weighted mean over its keys and
+    # lse_s = log2 sum exp2(scores); the full softmax weighs each split by its share of the total mass:
+    #   o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s (for stability).
+    pid = tl.program_id(0)
+    b = pid // Hq
+    h = pid % Hq
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < NUM_SPLITS
+    d_mask = offs_d < D
+    lse = tl.load(MID_LSE + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)  # finite: split 0 always holds at least one key because seq_len >= 1
+    w = tl.math.exp2(lse - m)
+    o = tl.load(MID_O + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Argument checks shared by the wrappers and the references.
+# ----------------------------------------------------------------------------------------------------------------
+def _check_tensor(name, t, ndim, dims):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(t.shape)}")
+
+
+def _check_float_dtype(name, t, like=None):
+    if like is None:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
+    elif t.dtype != like.dtype:
+        raise TypeError(f"{name} must have the same dtype as q ({like.dtype}), got {t.dtype}")
+
+
+def _check_device(name, t, q, need_kernel_device):
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    if need_kernel_device and name == "q":
+        if t.device.type == "meta":
+            raise ValueError("q must hold data; got a tensor on the meta device")
+        if not runtime.INTERPRETED and t.device.type != "cuda":
+            raise ValueError(f"q must be on a CUDA device for the compiled Triton kernels, got {t.device}")
+
+
+def _check_last_dim_contiguous(name, t):
+    # The kernels take any strides for batch, head and position (views such as transpose(1, 2) are fine) but
+    # read the head dimension as one contiguous run.
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last (head) dimension, got strides {t.stride()}")
+
+
+def _check_head_dim(d):
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim D={d} is not supported: it must be between {MIN_HEAD_DIM} and {MAX_HEAD_DIM}")
+
+
+def _check_scale(sm_scale):
+    if sm_scale is None:
+        return
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}")
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale}")
+
+
+def _default_scale(d, sm_scale):
+    return 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+
+
+def _check_out(name, out, shape, like):
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.device != like.device:
+        raise ValueError(f"{name} must be on the same device as q ({like.device}), got {out.device}")
+    _check_last_dim_contiguous(name, out)
+
+
+def _check_attention_args(q, k, v, causal, sm_scale, out, lse_out, need_kernel_device=True):
+    _check_tensor("q", q, 4, "(B, Hq, Tq, D)")
+    _check_tensor("k", k, 4, "(B, Hkv, Tk, D)")
+    _check_tensor("v", v, 4, "(B, Hkv, Tk, D)")
+    _check_float_dtype("q", q)
+    _check_float_dtype("k", k, like=q)
+    _check_float_dtype("v", v, like=q)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_device(name, t, q, need_kernel_device)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    _check_scale(sm_scale)
+    B, Hq, Tq, D = q.shape
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
+    Bk, Hkv, Tk, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"k must have the same batch size as q ({B}), got {Bk}")
+    if Dk != D:
+        raise ValueError(f"k must have the same head dim as q ({D}), got {Dk}")
+    if min(B, Hq, Tq, D) < 1 or min(Hkv, Tk) < 1:
+        raise ValueError(f"q and k must be non-empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"q's heads Hq={Hq} must be a multiple of k's heads Hkv={Hkv} (grouped-query attention)")
+    _check_head_dim(D)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_last_dim_contiguous(name, t)
+    _check_out("out", out, q.shape, q)
+    if out is not None and out.dtype != q.dtype:
+        raise TypeError(f"out must have the same dtype as q ({q.dtype}), got {out.dtype}")
+    _check_out("lse_out", lse_out, (B, Hq, Tq), q)
+    if lse_out is not None:
+        if lse_out.dtype != torch.float32:
+            raise TypeError(f"lse_out must be float32, got {lse_out.dtype}")
+        if lse_out.stride(-1) != 1:  # (checked for Tq == 1 too: the kernel writes positions at unit stride)
+            raise ValueError(f"lse_out must be contiguous in its last dimension, got strides {lse_out.stride()}")
+
+
+def _check_decode_args(q, k_cache, v_cache, seq_lens, sm_scale, num_splits, out, need_kernel_device=True):
+    _check_tensor("q", q, 3, "(B, Hq, D)")
+    _check_tensor("k_cache", k_cache, 4, "(B, Hkv, Tmax, D)")
+    _check_tensor("v_cache", v_cache, 4, "(B, Hkv, Tmax, D)")
+    _check_tensor("seq_lens", seq_lens, 1, "(B,)")
+    _check_float_dtype("q", q)
+    _check_float_dtype("k_cache", k_cache, like=q)
+    _check_float_dtype("v_cache", v_cache, like=q)
+    if seq_lens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"seq_lens must be int32 or int64, got {seq_lens.dtype}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("seq_lens", seq_lens)):
+        _check_device(name, t, q, need_kernel_device)
+    _check_scale(sm_scale)
+    B, Hq, D = q.shape
+    if tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError(f"v_cache must have the same shape as k_cache {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    Bk, Hkv, Tmax, Dk = k_cache.shape
+    if Bk != B:
+        raise ValueError(f"k_cache must have the same batch size as q ({B}), got {Bk}")
+    if Dk != D:
+        raise ValueError(f"k_cache must have the same head dim as q ({D}), got {Dk}")
+    if min(B, Hq, D, Hkv, Tmax) < 1:
+        raise ValueError(f"q and k_cache must be non-empty, got q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"q's heads Hq={Hq} must be a multiple of k_cache's heads Hkv={Hkv} (grouped-query attention)")
+    _check_head_dim(D)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_last_dim_contiguous(name, t)
+    if seq_lens.shape[0] != B:
+        raise ValueError(f"seq_lens must have one length per sequence, shape ({B},), got {tuple(seq_lens.shape)}")
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())  # one host sync; cheap next to a decode step
+    if lo < 1 or hi > Tmax:
+        raise ValueError(f"seq_lens must lie in [1, Tmax={Tmax}], got values from {lo} to {hi}")
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+            raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+        if not 1 <= num_splits <= Tmax:
+            raise ValueError(f"num_splits must lie in [1, Tmax={Tmax}], got {num_splits}")
+    _check_out("out", out, q.shape, q)
+    if out is not None and out.dtype != q.dtype:
+        raise TypeError(f"out must have the same dtype as q ({q.dtype}), got {out.dtype}")
+
+
+def _launch_flags(dtype):
+    # bf16 tl.dot is broken in the interpreter, so upcast there; fp32 inputs ask for true fp32 dots ("ieee")
+    # rather than TF32, so that fp32 really means fp32 on a GPU too.
+    upcast = runtime.INTERPRETED and dtype == torch.bfloat16
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return upcast, precision
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Wrappers.
+# ----------------------------------------------------------------------------------------------------------------
+def flash_attention(q, k, v, causal=False, sm_scale=None, return_lse=False, out=None, lse_out=None):
+    """FlashAttention forward: ``softmax(q k^T * sm_scale) v`` without building the score matrix.
+
+    Args:
+        q: queries ``(B, Hq, Tq, D)``, float32/float16/bfloat16, 16 <= D <= 128.
+        k, v: keys and values ``(B, Hkv, Tk, D)`` of q's dtype; ``Hq`` must be a multiple of ``Hkv`` (GQA).
+            Any strides are accepted as long as the last (head) dimension is contiguous.
+        causal: query ``i`` sees keys ``j <= i + (Tk - Tq)`` (bottom-right aligned, see the module docstring).
+            A row that sees no key (``Tq > Tk``) gives output 0 and log-sum-exp ``-inf``.
+        sm_scale: factor on the scores, ``1/sqrt(D)`` by default.
+        return_lse: also return the natural-log log-sum-exp of each row, ``(B, Hq, Tq)`` float32.
+        out, lse_out: optional tensors to write into (same shapes; ``out`` in q's dtype). Tests pass
+            NaN-filled buffers here to prove the kernel writes every element.
+
+    Returns:
+        ``out`` ``(B, Hq, Tq, D)`` in q's dtype, or ``(out, lse)`` when ``return_lse``.
+    """
+    _check_attention_args(q, k, v, causal, sm_scale, out, lse_out)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    write_lse = return_lse or lse_out is not None
+    if write_lse and lse_out is None:
+        lse_out = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
+    lse_arg = lse_out if write_lse else out  # a placeholder pointer: the kernel never touches it then
+    upcast, precision = _launch_flags(q.dtype)
+    qk_scale = _default_scale(D, sm_scale) * LOG2E  # fold log2(e) in once, so the kernel uses exp2 only
+
+    def grid(meta):
+        return (triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq)
+
+    _flash_attention_kernel[grid](
+        q, k, v, out, lse_arg,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse_out.stride(0) if write_lse else 0, lse_out.stride(1) if write_lse else 0,
+        Hq, Tq, Tk, D, Hq // Hkv, qk_scale,
+        _bucket(Tq), _bucket(Tk),
+        CAUSAL=causal, WRITE_LSE=write_lse, UPCAST=upcast, PRECISION=precision,
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+    )
+    return (out, lse_out) if return_lse else out
+
+
+def _default_num_splits(batch_heads: int, tmax: int) -> int:
+    if runtime.INTERPRETED:
+        # The interpreter runs programs one by one: splitting buys no parallelism, only exercises the merge.
+        return max(1, min(4, tmax // 64))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    # Enough programs for about two waves over the SMs, but no split shorter than 128 keys.
+    return max(1, min(triton.cdiv(2 * sms, batch_heads), triton.cdiv(tmax, 128), 64))
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, sm_scale=None, num_splits=None, out=None):
+    """Flash-decoding: one new query per sequence against its first ``seq_lens[b]`` cached keys.
+
+    A first kernel splits each sequence's cached length into ``num_splits`` chunks; each program handles one
+    chunk of one (sequence, K/V head) for all ``Hq // Hkv`` query heads that share it, and writes a partial
+    output with its log-sum-exp. A second kernel merges the chunks exactly.
+
+    Args:
+        q: ``(B, Hq, D)`` queries, float32/float16/bfloat16, 16 <= D <= 128.
+        k_cache, v_cache: ``(B, Hkv, Tmax, D)`` of q's dtype, last dimension contiguous; ``Hq % Hkv == 0``.
+        seq_lens: ``(B,)`` int32/int64 valid lengths in ``[1, Tmax]``; positions past them are ignored.
+        sm_scale: factor on the scores, ``1/sqrt(D)`` by default.
+        num_splits: chunks per sequence in ``[1, Tmax]``; by default enough to fill the device.
+        out: optional ``(B, Hq, D)`` tensor of q's dtype to write into.
+
+    Returns:
+        ``(B, Hq, D)`` in q's dtype, equal to attention over each sequence's first ``seq_lens[b]`` keys.
+    """
+    _check_decode_args(q, k_cache, v_cache, seq_lens, sm_scale, num_splits, out)
+    B, Hq, D = q.shape
+    Hkv, Tmax = k_cache.shape[1], k_cache.shape[2]
+    group = Hq // Hkv
+    splits = int(num_splits) if num_splits is not None else _default_num_splits(B * Hkv, Tmax)
+    if out is None:
+        out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
+    mid_o = torch.empty((B, Hq, splits, D), device=q.device, dtype=torch.float32)
+    mid_lse = torch.empty((B, Hq, splits), device=q.device, dtype=torch.float32)
+    lens = seq_lens.to(torch.int32)
+    upcast, precision = _launch_flags(q.dtype)
+    block_d = max(16, triton.next_power_of_2(D))
+    _decode_split_kernel[(B * Hkv, splits)](
+        q, k_cache, v_cache, lens, mid_o, mid_lse,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        Hkv, D, group, splits, _default_scale(D, sm_scale) * LOG2E,
+        _bucket(Tmax),
+        UPCAST=upcast, PRECISION=precision,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+    )
+    _decode_merge_kernel[(B * Hq,)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        Hq, D, splits,
+        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+    )
+    return out
