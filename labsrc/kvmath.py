@@ -296,38 +296,52 @@ def sequences_that_fit(memory_bytes: float, kv_bytes_per_sequence: float, weight
 
 # ----------------------------------------------------------------------------------------------------------
 # FLOPs of generation with and without the cache
-def forward_flops(n_matmul_params: int, n_layers: int, attn_width: int, n_query: int, context_end: int) -> int:
-    """Multiply-add FLOPs (2 per MAC) of a forward pass over ``n_query`` new tokens ending at ``context_end``.
+def forward_flops(n_matmul_params: int, n_layers: int, attn_width: int, n_query: int, context_end: int, *,
+                  lm_head_params: int = 0, full_square: bool = False) -> int:
+    """FLOPs (2 per multiply-add) of a forward pass over ``n_query`` new tokens ending at position ``context_end``.
 
-    The matmuls cost ``2 * n_matmul_params`` per token; attention costs, per layer, ``2 * attn_width`` for
-    ``q . k`` and again for ``p . v`` per (query, visible key) pair, with ``attn_width = n_heads * head_dim``.
-    Causal masking means query ``i`` (1-based position) sees ``i`` keys. Norms, softmax and RoPE are ignored.
+    * the layers' matmuls cost ``2 * n_matmul_params`` per new token (every Linear weight of the layers);
+    * the LM head costs ``2 * lm_head_params`` once: to pick the next token only the last position's
+      logits are needed (what ``transformers``' ``generate`` computes);
+    * attention costs, per layer, ``2 * attn_width`` for ``q . k`` and again for ``p . v`` per
+      (query, key) pair, with ``attn_width = n_heads * head_dim``. With causal masking query ``i``
+      (1-based position) needs ``i`` keys; an eager implementation computes all ``n_query x context_end``
+      scores and masks afterwards, which ``full_square=True`` counts instead.
+
+    Norms, softmax, RoPE and the embedding lookup are ignored (they are not matmuls).
     """
     n_matmul_params = _positive_int("n_matmul_params", n_matmul_params)
     n_layers = _positive_int("n_layers", n_layers)
     attn_width = _positive_int("attn_width", attn_width)
     n_query = _positive_int("n_query", n_query)
     context_end = _positive_int("context_end", context_end)
+    if lm_head_params < 0:
+        raise ValueError(f"lm_head_params must be non-negative, got {lm_head_params!r}")
     if n_query > context_end:
         raise ValueError(f"n_query ({n_query}) cannot exceed context_end ({context_end})")
-    first = context_end - n_query + 1
-    pairs = (first + context_end) * n_query // 2          # sum of visible keys over the new queries
-    return 2 * n_matmul_params * n_query + 4 * n_layers * attn_width * pairs
+    if full_square:
+        pairs = n_query * context_end
+    else:
+        first = context_end - n_query + 1
+        pairs = (first + context_end) * n_query // 2      # sum of visible keys over the new queries
+    return 2 * n_matmul_params * n_query + 2 * int(lm_head_params) + 4 * n_layers * attn_width * pairs
 
 
 def generation_flops(n_matmul_params: int, n_layers: int, attn_width: int, prompt_len: int, n_new: int,
-                     use_cache: bool) -> int:
+                     use_cache: bool, *, lm_head_params: int = 0, full_square: bool = False) -> int:
     """FLOPs to greedily generate ``n_new`` tokens after a ``prompt_len``-token prompt.
 
     With the cache: one prefill over the prompt, then one single-token step per further token. Without it,
-    every step re-runs the forward pass over the whole sequence so far.
+    every step re-runs the forward pass over the whole sequence so far. Arguments as in
+    :func:`forward_flops`.
     """
     prompt_len = _positive_int("prompt_len", prompt_len)
     n_new = _positive_int("n_new", n_new)
-    total = forward_flops(n_matmul_params, n_layers, attn_width, prompt_len, prompt_len)
+    kw = dict(lm_head_params=lm_head_params, full_square=full_square)
+    total = forward_flops(n_matmul_params, n_layers, attn_width, prompt_len, prompt_len, **kw)
     for step in range(1, n_new):
         end = prompt_len + step
-        total += forward_flops(n_matmul_params, n_layers, attn_width, 1 if use_cache else end, end)
+        total += forward_flops(n_matmul_params, n_layers, attn_width, 1 if use_cache else end, end, **kw)
     return total
 
 

@@ -1,0 +1,241 @@
+"""Tests of labsrc.kvmath: the exact figures the chapter quotes, each formula against an independent count,
+and the bytes a transformers DynamicCache really holds."""
+import labsrc  # noqa: F401
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from labsrc import hardware, kvmath
+from labsrc.kvmath import GiB, PRESETS
+
+
+# --- the figures the chapter quotes ------------------------------------------------------------------------
+def test_source_70b_mha_example_is_320_gib():
+    assert kvmath.kv_cache_bytes(80, 64, 128, 131072) == 343_597_383_680
+    assert kvmath.kv_cache_bytes(80, 64, 128, 131072) == 320 * GiB
+    assert PRESETS["source-70B-MHA"].kv_cache_bytes(131072) == 320 * GiB
+
+
+def test_real_llama3_70b_with_gqa_is_40_gib():
+    assert kvmath.kv_cache_bytes(80, 8, 128, 131072) == 40 * GiB
+    assert kvmath.gqa_cache_bytes(80, 64, 8, 128, 131072) == 40 * GiB
+    assert PRESETS["Llama-3-70B"].kv_cache_bytes(131072) == 40 * GiB
+    # the same model with its 64 query heads each keeping K/V is the source's figure
+    assert PRESETS["Llama-3-70B"].kv_cache_bytes(131072, grouping="mha") == 320 * GiB
+    assert PRESETS["Llama-3-70B"].kv_cache_bytes(131072, grouping="mqa") == 5 * GiB
+
+
+def test_per_token_figures():
+    assert PRESETS["Llama-3-8B"].kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2 == 128 * 1024
+    assert PRESETS["Llama-3-70B"].kv_bytes_per_token() == 320 * 1024
+    assert kvmath.kv_bytes_per_token(80, 8, 128) == 327_680
+
+
+def test_deepseek_mla_figures():
+    v2, v3 = PRESETS["DeepSeek-V2"], PRESETS["DeepSeek-V3"]
+    assert (v2.kv_lora_rank, v2.qk_rope_head_dim, v2.n_layers) == (512, 64, 60)
+    assert (v3.kv_lora_rank, v3.qk_rope_head_dim, v3.n_layers) == (512, 64, 61)
+    assert v2.kv_bytes_per_token() == 60 * 576 * 2 == 69_120
+    assert v3.kv_bytes_per_token() == 61 * 576 * 2 == 70_272
+    assert kvmath.mla_cache_bytes(61, 512, 64, 131072) == 61 * 576 * 131072 * 2
+    # the DeepSeek-V2 paper: MLA costs as much as GQA with 2.25 groups of head_dim 128
+    assert kvmath.mla_equivalent_kv_heads(512, 64, 128) == 2.25
+    # against the MHA it replaces (128 heads x 128) the cache is 32768/576 ~ 57x smaller per layer
+    assert v2.kv_bytes_per_token(grouping="mha") / v2.kv_bytes_per_token() == pytest.approx(60 * 2 * 128 * 128 / (60 * 576))
+    # against a GQA layer with 8 K/V heads (Llama-3) it is only 2048/576 ~ 3.6x smaller
+    assert kvmath.kv_cache_bytes(1, 8, 128, 1) / kvmath.mla_cache_bytes(1, 512, 64, 1) == pytest.approx(2048 / 576)
+
+
+def test_mqa_gqa_mha_heads():
+    assert kvmath.kv_heads(64, "mha") == 64
+    assert kvmath.kv_heads(64, "mqa") == 1
+    assert kvmath.kv_heads(64, "gqa", 8) == 8
+    mha = kvmath.kv_cache_bytes(32, kvmath.kv_heads(32, "mha"), 128, 1000)
+    gqa = kvmath.kv_cache_bytes(32, kvmath.kv_heads(32, "gqa", 8), 128, 1000)
+    mqa = kvmath.kv_cache_bytes(32, kvmath.kv_heads(32, "mqa"), 128, 1000)
+    assert mha == 4 * gqa == 32 * mqa
+
+
+def test_mlkv_sharing():
+    full = kvmath.kv_cache_bytes(80, 8, 128, 4096)
+    assert kvmath.mlkv_cache_bytes(80, 1, 8, 128, 4096) == full
+    assert kvmath.mlkv_cache_bytes(80, 2, 8, 128, 4096) * 2 == full
+    assert kvmath.mlkv_cache_bytes(80, 4, 8, 128, 4096) * 4 == full
+    # 61 layers in pairs: 31 caches (the last "pair" is a single layer)
+    assert kvmath.mlkv_cache_bytes(61, 2, 8, 128, 10) == kvmath.kv_cache_bytes(31, 8, 128, 10)
+    assert kvmath.mlkv_cache_bytes(80, 80, 8, 128, 1) == kvmath.kv_cache_bytes(1, 8, 128, 1)
+
+
+def test_quantized_cache_bytes_count_scales_and_zero_points():
+    elements = 2 * 80 * 8 * 128 * 131072
+    groups = elements // 32
+    assert kvmath.quantized_kv_cache_bytes(80, 8, 128, 131072, bits=8, group_size=32) == elements + groups * 4
+    assert kvmath.quantized_kv_cache_bytes(80, 8, 128, 131072, bits=4, group_size=32) == elements // 2 + groups * 4
+    assert kvmath.quantized_kv_cache_bytes(80, 8, 128, 131072, bits=4, group_size=32, zero_point=False) \
+        == elements // 2 + groups * 2
+    assert kvmath.quantized_kv_cache_bytes(2, 1, 64, 3, bits=2, group_size=64, scale_bytes=4) == (2 * 2 * 64 * 3) * 2 // 8 + (2 * 2 * 64 * 3 // 64) * 8
+    # int4 with group 128 and fp16 scale + zero: 4.25 bits per element, so 3.76x smaller than FP16
+    q = kvmath.quantized_kv_cache_bytes(32, 8, 128, 1000, bits=4, group_size=128)
+    assert kvmath.kv_cache_bytes(32, 8, 128, 1000) / q == pytest.approx(16 / 4.25)
+
+
+def test_int4_dtype_bytes_gives_fraction_free_count():
+    assert kvmath.kv_cache_bytes(1, 1, 3, 1, dtype_bytes=0.5) == 3
+    assert kvmath.kv_cache_bytes(1, 1, 1, 1, dtype_bytes=0.25) == 0.5
+
+
+# --- validation: every argument is named ----------------------------------------------------------------
+@pytest.mark.parametrize("name,kwargs", [
+    ("n_layers", dict(n_layers=0)), ("n_kv_heads", dict(n_kv_heads=-8)), ("head_dim", dict(head_dim=0)),
+    ("seq_len", dict(seq_len=0)), ("batch", dict(batch=0)), ("dtype_bytes", dict(dtype_bytes=0)),
+    ("seq_len", dict(seq_len=1.5)), ("n_layers", dict(n_layers=True)), ("dtype_bytes", dict(dtype_bytes=float("nan"))),
+])
+def test_kv_cache_bytes_rejects(name, kwargs):
+    args = dict(n_layers=2, n_kv_heads=2, head_dim=4, seq_len=5, batch=1, dtype_bytes=2) | kwargs
+    with pytest.raises(ValueError, match=name):
+        kvmath.kv_cache_bytes(**args)
+
+
+def test_heads_that_do_not_divide():
+    with pytest.raises(ValueError, match=r"n_kv_heads \(6\) must divide n_heads \(64\)"):
+        kvmath.gqa_cache_bytes(80, 64, 6, 128, 10)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        kvmath.kv_heads(64, "gqa", 0)
+    with pytest.raises(ValueError, match="n_kv_heads is required"):
+        kvmath.kv_heads(64, "gqa")
+    with pytest.raises(ValueError, match="grouping"):
+        kvmath.kv_heads(64, "mla")
+    with pytest.raises(ValueError, match="n_heads"):
+        kvmath.kv_heads(0, "mha")
+
+
+def test_other_validation():
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        kvmath.mla_cache_bytes(60, 0, 64, 10)
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        kvmath.mla_cache_bytes(60, 512, -1, 10)
+    with pytest.raises(ValueError, match="layers_per_kv"):
+        kvmath.mlkv_cache_bytes(8, 0, 8, 128, 10)
+    with pytest.raises(ValueError, match=r"layers_per_kv \(9\) cannot exceed n_layers \(8\)"):
+        kvmath.mlkv_cache_bytes(8, 9, 8, 128, 10)
+    with pytest.raises(ValueError, match=r"group_size \(48\) must divide head_dim \(128\)"):
+        kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, group_size=48)
+    with pytest.raises(ValueError, match="bits"):
+        kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, bits=3)
+    with pytest.raises(ValueError, match="hbm_bytes_per_s"):
+        kvmath.decode_time_floor(1e9, 0, 0)
+    with pytest.raises(ValueError, match="kv_bytes"):
+        kvmath.decode_time_floor(1e9, -1, 1e9)
+    with pytest.raises(ValueError, match="max_len"):
+        kvmath.reservation_utilisation([5, 10], 8)
+    with pytest.raises(ValueError, match="lengths"):
+        kvmath.reservation_utilisation([], 8)
+    with pytest.raises(ValueError, match="n_query"):
+        kvmath.forward_flops(10, 1, 4, 5, 4)
+
+
+# --- the memory wall --------------------------------------------------------------------------------------
+def test_bandwidth_floor_and_crossover():
+    h100 = hardware.ACCELERATORS["H100-SXM"]
+    m = PRESETS["Llama-3-8B"]
+    w, per_tok = m.weight_bytes(), m.kv_bytes_per_token()
+    ctx = kvmath.kv_equals_weights_context(w, per_tok)
+    assert ctx * per_tok == pytest.approx(w)
+    assert ctx == pytest.approx(8.03e9 * 2 / 131072)
+    # at the crossover the floor is exactly twice the weights-only floor
+    t0 = kvmath.decode_time_floor(w, 0, h100.hbm_gbps * 1e9)
+    assert kvmath.decode_time_floor(w, ctx * per_tok, h100.hbm_gbps * 1e9) == pytest.approx(2 * t0)
+    ceiling = kvmath.tokens_per_s_ceiling(w, per_tok, np.array([0.0, ctx]), h100.hbm_gbps * 1e9)
+    assert ceiling[0] == pytest.approx(1 / t0) and ceiling[1] == pytest.approx(0.5 / t0)
+    # a batch shares the weight read: B tokens per step
+    b4 = kvmath.tokens_per_s_ceiling(w, per_tok, 0, h100.hbm_gbps * 1e9, batch=4)
+    assert b4 == pytest.approx(4 / t0)
+    assert kvmath.kv_equals_weights_context(w, per_tok, batch=4) == pytest.approx(ctx / 4)
+
+
+def test_sequences_that_fit():
+    assert kvmath.sequences_that_fit(80e9, 10e9) == 8
+    assert kvmath.sequences_that_fit(80e9, 10e9, weight_bytes=16e9) == 6
+    assert kvmath.sequences_that_fit(80e9, 10e9, weight_bytes=141e9) == 0
+
+
+# --- FLOPs: the formula against an independent count by torch's FlopCounterMode -------------------------------
+def _tiny_llama(n_kv_heads=2, attn="eager"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=n_kv_heads, max_position_embeddings=128, attn_implementation=attn)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_flops_match_flop_counter(use_cache):
+    from torch.utils.flop_counter import FlopCounterMode
+    model = _tiny_llama()
+    layer_params = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    prompt = torch.randint(0, 97, (1, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        out = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False, use_cache=use_cache,
+                             pad_token_id=0)
+    assert out.shape[1] == 12
+    expected = kvmath.generation_flops(layer_params, 3, 64, 7, 5, use_cache, lm_head_params=model.lm_head.weight.numel(),
+                                       full_square=True)
+    assert counter.get_total_flops() == expected
+
+
+def test_causal_flops_are_about_half_the_square():
+    causal = kvmath.forward_flops(1, 1, 1, 100, 100) - 2 * 100
+    square = kvmath.forward_flops(1, 1, 1, 100, 100, full_square=True) - 2 * 100
+    assert causal == 4 * 5050 and square == 4 * 10000
+    assert kvmath.forward_flops(1, 1, 1, 1, 100) == kvmath.forward_flops(1, 1, 1, 1, 100, full_square=True)
+
+
+def test_cache_saves_flops():
+    with_cache = kvmath.generation_flops(10**6, 4, 128, 16, 48, True)
+    without = kvmath.generation_flops(10**6, 4, 128, 16, 48, False)
+    assert without > 10 * with_cache
+
+
+# --- measured equals computed: a transformers DynamicCache --------------------------------------------------------
+@pytest.mark.parametrize("n_kv_heads,dtype,batch", [(4, torch.float32, 1), (2, torch.float16, 3), (1, torch.bfloat16, 2)])
+def test_dynamic_cache_bytes_equal_formula(n_kv_heads, dtype, batch):
+    from transformers import DynamicCache
+    model = _tiny_llama(n_kv_heads, attn="sdpa").to(dtype)
+    cfg = model.config
+    cache = DynamicCache(config=cfg)
+    ids = torch.randint(0, 97, (batch, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)   # one decode step adds one token
+    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    assert cache.get_seq_length() == 12
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert held == kvmath.kv_cache_bytes(cfg.num_hidden_layers, n_kv_heads, head_dim, 12, batch,
+                                         torch.finfo(dtype).bits // 8)
+
+
+# --- fragmentation -------------------------------------------------------------------------------------------
+def test_request_mix_is_seeded_and_bounded():
+    a = kvmath.sample_request_lengths(500, 2048, seed=3)
+    b = kvmath.sample_request_lengths(500, 2048, seed=3)
+    assert np.array_equal(a, b) and a.min() >= 1 and a.max() <= 2048
+    assert not np.array_equal(a, kvmath.sample_request_lengths(500, 2048, seed=4))
+
+
+def test_utilisation():
+    assert kvmath.reservation_utilisation([512, 1024, 2048], 2048) == pytest.approx(3584 / 6144)
+    assert kvmath.paged_utilisation([1, 16, 17], 16) == pytest.approx(34 / 64)
+    assert kvmath.paged_utilisation([5, 7], 1) == 1.0
+    lengths = kvmath.sample_request_lengths(1000, 4096, seed=0)
+    assert kvmath.paged_utilisation(lengths, 16) > kvmath.reservation_utilisation(lengths, 4096)
+
+
+def test_presets_are_consistent():
+    for preset in PRESETS.values():
+        assert preset.n_heads % preset.n_kv_heads == 0
+        assert preset.n_active_params <= preset.n_params
+        assert preset.source
+        assert preset.kv_bytes_per_token() > 0 and math.isfinite(preset.weight_bytes())
