@@ -1,0 +1,199 @@
+"""Rotary position embedding applied to queries and keys, in Triton, with its PyTorch reference beside it.
+
+:func:`apply_rope` rotates ``q (B, Hq, T, D)`` and ``k (B, Hkv, T, D)`` with the cos/sin tables of
+:func:`labsrc.rope.rope_cos_sin`, in Llama's "rotate half" layout: coordinates ``i`` and ``i + D/2`` form
+pair ``i``, and
+
+    out[..., :D/2] = x1 * cos[:D/2] - x2 * sin[:D/2]
+    out[..., D/2:] = x2 * cos[D/2:] + x1 * sin[D/2:]
+
+which is ``x * cos + rotate_half(x) * sin``, the formula of ``transformers``' ``apply_rotary_pos_emb``.
+Token ``t`` of sequence ``b`` uses table row ``positions[b, t]`` (or ``positions[t]``; ``t`` by default), so a
+decode step at position 4711 passes ``positions=torch.tensor([4711])`` and nothing else changes.
+
+One program handles one token ``(b, t)``: it reads its position, loads that row of cos and sin once, and
+rotates every head of ``q`` (first launch) or ``k`` (second launch) at that token, a ``BLOCK_H x D/2`` tile
+at a time. The kernel does one multiply-add per element loaded, so it is bound by memory bandwidth: its
+figure of merit is GB/s (see ``kernels/bench_rope.py``). Arithmetic is fp32 whatever the storage dtype
+(fp32, fp16, bf16); the outputs have the dtype of ``q``/``k``.
+
+The outputs are **new tensors** by default. ``out_q``/``out_k`` let the caller give the output buffers; they
+may be ``q``/``k`` themselves for an in-place rotation, which is safe because each program reads all of its
+token's elements before it writes them and no two programs touch the same token.
+"""
+from __future__ import annotations
+
+import torch
+
+import labsrc  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
+from labsrc import runtime
+from labsrc.rope import apply_rope_ref
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+__all__ = ["apply_rope", "apply_rope_ref"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TILE_ELEMENTS = 2048  # BLOCK_H * BLOCK_D per half: two 8 KB fp32 tiles in registers per loop step
+
+
+@triton.jit
+def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
+                 T, H,
+                 stride_xb, stride_xh, stride_xt,
+                 stride_ob, stride_oh, stride_ot,
+                 stride_pb, stride_pt, stride_cos, stride_sin,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    # int64 so that b * stride never overflows on large batches
+    b = (token // T).to(tl.int64)
+    t = (token % T).to(tl.int64)
+    p = tl.load(pos_ptr + b * stride_pb + t * stride_pt).to(tl.int64)
+
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HALF
+    # The two halves of the table row are loaded separately: for tables from rope_cos_sin they are equal,
+    # but apply_rotary_pos_emb accepts any table, and so does this kernel.
+    cos1 = tl.load(cos_ptr + p * stride_cos + d, mask=d_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + p * stride_cos + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin_ptr + p * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + p * stride_sin + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+
+    x_row = x_ptr + b * stride_xb + t * stride_xt
+    o_row = out_ptr + b * stride_ob + t * stride_ot
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < H)[:, None] & d_mask[None, :]
+        x_ptrs = x_row + h[:, None].to(tl.int64) * stride_xh + d[None, :]
+        o_ptrs = o_row + h[:, None].to(tl.int64) * stride_oh + d[None, :]
+        x1 = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+        y1 = x1 * cos1[None, :] - x2 * sin1[None, :]
+        y2 = x2 * cos2[None, :] + x1 * sin2[None, :]
+        tl.store(o_ptrs, y1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_ptrs + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_tensor(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _check_args(q, k, cos, sin, positions, out_q, out_k):
+    for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        _check_tensor(name, x)
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (B, Hq, T, D), got shape {tuple(q.shape)}")
+    if k.dim() != 4:
+        raise ValueError(f"k must be 4-D (B, Hkv, T, D), got shape {tuple(k.shape)}")
+    B, _, T, D = q.shape
+    if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} must share B, T and D with q {tuple(q.shape)} (heads may differ)")
+    if D % 2:
+        raise ValueError(f"the head dim D of q and k must be even (pairs i and i + D/2 rotate together), got {D}")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}; they must match")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[1] != D:
+            raise ValueError(f"{name} must be a table (max_pos, D={D}), got shape {tuple(table.shape)}")
+        if table.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {table.dtype}")
+        if table.stride(1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {table.stride()}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} must have the same shape")
+    if sin.dtype != cos.dtype:
+        raise TypeError(f"sin has dtype {sin.dtype} but cos has {cos.dtype}; they must match")
+    for name, x in (("q", q), ("k", k)):
+        if x.stride(3) != 1 and x.shape[3] > 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
+
+    device = q.device
+    tensors = [("k", k), ("cos", cos), ("sin", sin)]
+    if positions is not None:
+        tensors.append(("positions", _check_tensor("positions", positions)))
+    for name, expected, out in (("out_q", q, out_q), ("out_k", k, out_k)):
+        if out is None:
+            continue
+        _check_tensor(name, out)
+        if out.shape != expected.shape or out.dtype != expected.dtype:
+            raise ValueError(f"{name} must have the shape {tuple(expected.shape)} and dtype {expected.dtype} of "
+                             f"{name[4:]}, got {tuple(out.shape)} {out.dtype}")
+        if out.stride(3) != 1 and out.shape[3] > 1:
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {out.stride()}")
+        tensors.append((name, out))
+    for name, x in tensors:
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}; put all tensors on one device")
+    if device.type != "cuda" and not runtime.INTERPRETED:
+        raise ValueError(f"tensors are on {device}; compiled Triton kernels need CUDA tensors "
+                         f"(without a GPU, import labsrc first so that the interpreter is used)")
+
+    if positions is not None:
+        if positions.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
+        if positions.shape not in ((T,), (B, T)):
+            raise ValueError(f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}), "
+                             f"got {tuple(positions.shape)}")
+        if positions.numel():
+            # A host sync, but an out-of-table index would read garbage memory silently.
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0 or high >= cos.shape[0]:
+                raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the rows of the cos/sin tables), "
+                                 f"got values in [{low}, {high}]")
+    elif T > cos.shape[0]:
+        raise ValueError(f"the cos/sin tables have {cos.shape[0]} rows but the default positions arange(T) "
+                         f"need T = {T}")
+
+
+def _launch(x, out, positions, cos, sin):
+    B, H, T, D = x.shape
+    half = D // 2
+    block_d = triton.next_power_of_2(half)
+    block_h = max(1, min(triton.next_power_of_2(H), _TILE_ELEMENTS // block_d))
+    stride_pb, stride_pt = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
+    _rope_kernel[(B * T,)](
+        x, out, positions, cos, sin, T, H,
+        x.stride(0), x.stride(1), x.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        stride_pb, stride_pt, cos.stride(0), sin.stride(0),
+        HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               positions: torch.Tensor | None = None, *, out_q: torch.Tensor | None = None,
+               out_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries and keys by their positions (Triton); equal to :func:`apply_rope_ref`.
+
+    Args:
+        q: queries ``(B, Hq, T, D)``, float32/float16/bfloat16, last dimension contiguous (other strides are
+            free, so a ``(B, T, H, D)`` tensor transposed to ``(B, H, T, D)`` works without a copy).
+        k: keys ``(B, Hkv, T, D)``, same dtype, ``B``, ``T``, ``D`` as ``q``; ``Hkv`` may differ (GQA).
+        cos, sin: tables ``(max_pos, D)`` from :func:`labsrc.rope.rope_cos_sin` (any float dtype).
+        positions: int32/int64 ``(T,)`` or ``(B, T)``: the table row of each token; ``arange(T)`` by default.
+            Checked to lie inside the table (one host sync).
+        out_q, out_k: optional output buffers of the shape and dtype of ``q``/``k``; ``out_q=q`` rotates in
+            place. By default new tensors are returned and the inputs are left untouched.
+
+    Returns:
+        ``(q_rotated, k_rotated)`` in the dtype of ``q``, computed in float32.
+
+    Raises ``TypeError`` for wrong types or dtypes and ``ValueError`` for wrong shapes, devices, strides or
+    positions outside the table, naming the argument.
+    """
+    _check_args(q, k, cos, sin, positions, out_q, out_k)
+    B, _, T, _ = q.shape
+    if positions is None:
+        positions = torch.arange(T, device=q.device)
+    out_q = torch.empty_like(q, memory_format=torch.contiguous_format) if out_q is None else out_q
+    out_k = torch.empty_like(k, memory_format=torch.contiguous_format) if out_k is None else out_k
+    if B * T == 0:
+        return out_q, out_k
+    for x, out in ((q, out_q), (k, out_k)):
+        if x.shape[1]:
+            _launch(x, out, positions, cos, sin)
+    return out_q, out_k
