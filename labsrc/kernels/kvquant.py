@@ -1,0 +1,418 @@
+"""Triton kernels of the quantized KV cache: quantize-and-pack, unpack-dequantize, and decode attention on codes.
+
+The format is the one of :mod:`labsrc.kvquant` with ``granularity="group"`` (KVarN; ``group_size=1`` is the
+per-token baseline): a tensor ``(..., T, D)`` becomes
+
+* ``packed``: uint8 ``(..., T, D*bits/8)``, planar layout (byte ``j`` holds channel ``j + k*D*bits/8`` in bits
+  ``[k*bits, (k+1)*bits)``), so INT4 keeps channel ``j`` in the low nibble and ``j + D/2`` in the high one;
+* ``scale``, ``zero``: fp16 ``(..., G, 1)``, one pair per ``group_size`` tokens (``G = ceil(T/g)``);
+* optional per-channel statistics ``mean``, ``std`` (fp16, broadcast over the leading dimensions).
+
+Kernels (each with a PyTorch ``*_ref`` beside it):
+
+* :func:`quantize_pack` -- one program per (row, group): normalise, min/max, fp16 step and zero point
+  (rounded in the safe direction, :func:`labsrc.kvquant.scale_zero`), round and pack. Produces the same
+  codes and parameters as :func:`labsrc.kvquant.quantize` (checked bit for bit under the interpreter).
+* :func:`dequantize_unpack` -- the inverse: ``sigma_j * (q * s_g + z_g) + mu_j``.
+* :func:`decode_attention_quant` -- one query token per sequence against the packed cache, GQA and per-sequence
+  lengths, dequantising in registers. Because one step is shared by all channels of a group, the key side
+  folds into the query: ``q . k_t = s_g (q*sigma) . codes_t + z_g sum(q*sigma) + q . mu``, and ``q . mu`` is
+  the same for every token, so softmax ignores it. The value side accumulates ``sum_t p_t s_t codes_t`` and
+  ``sum_t p_t z_t`` and applies ``sigma, mu`` once at the end. The sequence is split over several programs
+  (flash-decoding) whose partial results are merged with their log-sum-exp.
+
+Supported: bits 2/4/8 for (de)quantization, 4/8 for decode attention; inputs fp32/fp16/bf16. Under the
+interpreter the kernels use no ``tl.dot`` (decode is a matrix-vector product, done with multiply and sum),
+so bf16 needs no special treatment.
+"""
+from __future__ import annotations
+
+import math
+
+import labsrc  # noqa: F401  (must come before triton: sets TRITON_INTERPRET on CPU-only machines)
+from labsrc import runtime
+from labsrc.kvquant import (SUPPORTED_BITS, ChannelStats, QuantizedTensor, _check_bits, _check_group_size,
+                            quantize)
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DECODE_BITS = (4, 8)
+
+# GPU: 64 tokens per decode block keeps a 64 x 64-byte tile of codes per program in registers; the
+# interpreter runs programs one after another in NumPy, where bigger blocks and fewer splits are faster.
+_DECODE_BLOCK_T = 64 if runtime.HAS_CUDA else 128
+_DEQ_BLOCK_T = 64 if runtime.HAS_CUDA else 256
+
+
+# ----------------------------------------------------------------------------------------------- validation
+def _check_tensor(x, name: str, dtypes=SUPPORTED_DTYPES) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {x.dtype}; supported: {', '.join(str(d).removeprefix('torch.') for d in dtypes)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous())")
+    return x
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+
+
+def _stats_rows(stats: ChannelStats | None, lead: tuple, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stats broadcast to one fp32 row per leading index, ``(N, D)``; identity stats when ``None``."""
+    n = math.prod(lead)
+    if stats is None:
+        return (torch.zeros(n, d, dtype=torch.float32, device=device),
+                torch.ones(n, d, dtype=torch.float32, device=device))
+    if not isinstance(stats, ChannelStats):
+        raise TypeError(f"stats must be a ChannelStats, got {type(stats).__name__}")
+    if stats.mean.shape[-1] != d:
+        raise ValueError(f"stats have {stats.mean.shape[-1]} channels but head_dim is {d}")
+    try:
+        mean = stats.mean.float().expand(*lead, d).reshape(n, d).contiguous()
+        std = stats.std.float().expand(*lead, d).reshape(n, d).contiguous()
+    except RuntimeError:
+        raise ValueError(f"stats of shape {tuple(stats.mean.shape)} do not broadcast to leading shape {lead}") from None
+    _check_device("stats", mean, device)
+    return mean, std
+
+
+# ----------------------------------------------------------------------------------------------- quantize-and-pack
+@triton.jit
+def _quantize_pack_kernel(x_ptr, mean_ptr, std_ptr, out_ptr, scale_ptr, zero_ptr, T, D, DP, G,
+                          BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    offs_t = grp * GROUP + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, BLOCK_DP)
+    mask_t = (tl.arange(0, BLOCK_T) < GROUP) & (offs_t < T)
+    mask_c = offs_c < DP
+    mask = mask_t[:, None] & mask_c[None, :]
+    base = x_ptr + row * T * D
+    # Pass 1: the group's range over all channels (each of the PACK channel slices in turn).
+    lo = tl.full([BLOCK_T, BLOCK_DP], float("inf"), tl.float32)
+    hi = tl.full([BLOCK_T, BLOCK_DP], float("-inf"), tl.float32)
+    for k in tl.static_range(PACK):
+        ch = k * DP + offs_c
+        mu = tl.load(mean_ptr + row * D + ch, mask=mask_c, other=0.0)
+        sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
+        x = tl.load(base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+        xn = tl.div_rn(x - mu[None, :], sd[None, :])
+        lo = tl.minimum(lo, tl.where(mask, xn, float("inf")))
+        hi = tl.maximum(hi, tl.where(mask, xn, float("-inf")))
+    xmin = tl.min(tl.min(lo, axis=1), axis=0)
+    xmax = tl.max(tl.max(hi, axis=1), axis=0)
+    # The same safe fp16 rounding as labsrc.kvquant.scale_zero: zero point down, step up.
+    z16 = (xmin - tl.abs(xmin) * 0.0009765625 - 5.960464477539063e-08).to(tl.float16)
+    z = z16.to(tl.float32)
+    s = tl.div_rn(xmax - z, (2 ** BITS - 1) * 1.0)
+    s16 = (s + s * 0.0009765625 + 5.960464477539063e-08).to(tl.float16)
+    s = s16.to(tl.float32)
+    tl.store(scale_ptr + row * G + grp, s16)
+    tl.store(zero_ptr + row * G + grp, z16)
+    # Pass 2: codes, packed PACK per byte.
+    packed = tl.zeros([BLOCK_T, BLOCK_DP], tl.int32)
+    for k in tl.static_range(PACK):
+        ch = k * DP + offs_c
+        mu = tl.load(mean_ptr + row * D + ch, mask=mask_c, other=0.0)
+        sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
+        x = tl.load(base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+        xn = tl.div_rn(x - mu[None, :], sd[None, :])
+        v = tl.div_rn(xn - z, s)
+        q = tl.minimum(tl.maximum(tl.floor(v + 0.5), 0.0), (2 ** BITS - 1) * 1.0).to(tl.int32)
+        packed = packed | (q << (k * BITS))
+    tl.store(out_ptr + row * T * DP + offs_t[:, None] * DP + offs_c[None, :], packed.to(tl.uint8), mask=mask)
+
+
+def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
+                  stats: ChannelStats | None = None) -> QuantizedTensor:
+    """Quantize ``x`` ``(..., T, D)`` with one fp16 step and zero point per ``group_size`` tokens and pack the codes.
+
+    ``stats`` (a :class:`~labsrc.kvquant.ChannelStats`, e.g. calibrated) switches on KVarN's normalisation.
+    Returns the same :class:`~labsrc.kvquant.QuantizedTensor` as :func:`quantize_pack_ref`. ``D`` must be a
+    multiple of ``8 // bits``.
+    """
+    _check_tensor(x, "x")
+    _check_bits(bits)
+    _check_group_size(group_size)
+    if x.dim() < 2 or x.shape[-2] == 0:
+        raise ValueError(f"x must have shape (..., tokens, head_dim) with tokens > 0, got {tuple(x.shape)}")
+    pack = 8 // bits
+    t, d = x.shape[-2], x.shape[-1]
+    if d % pack:
+        raise ValueError(f"x has head_dim {d}, which must be a multiple of {pack} to pack {bits}-bit codes")
+    lead = tuple(x.shape[:-2])
+    n = math.prod(lead)
+    mean, std = _stats_rows(stats, lead, d, x.device)
+    if stats is not None:
+        # Use exactly the fp16-rounded statistics that are stored (ChannelStats keeps them in fp16).
+        mean, std = mean.to(torch.float16).float(), std.to(torch.float16).float()
+    dp = d // pack
+    n_groups = -(-t // group_size)
+    packed = torch.empty(*lead, t, dp, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(*lead, n_groups, 1, dtype=torch.float16, device=x.device)
+    zero = torch.empty_like(scale)
+    if n > 0:
+        _quantize_pack_kernel[(n, n_groups)](
+            x, mean, std, packed, scale, zero, t, d, dp, n_groups, BITS=bits, PACK=pack, GROUP=group_size,
+            BLOCK_T=triton.next_power_of_2(group_size), BLOCK_DP=triton.next_power_of_2(dp))
+    st = None if stats is None else stats.to(x.device)
+    return QuantizedTensor(packed, scale, zero, st, bits, group_size, "group", tuple(x.shape), x.dtype,
+                           stats_shared=stats is not None)
+
+
+def quantize_pack_ref(x: torch.Tensor, bits: int = 4, group_size: int = 128,
+                      stats: ChannelStats | None = None) -> QuantizedTensor:
+    """PyTorch reference of :func:`quantize_pack`: :func:`labsrc.kvquant.quantize` with ``granularity="group"``."""
+    return quantize(x, bits=bits, group_size=group_size, normalize=stats is not None, stats=stats,
+                    granularity="group")
+
+
+# ----------------------------------------------------------------------------------------------- unpack-dequantize
+@triton.jit
+def _dequantize_kernel(p_ptr, scale_ptr, zero_ptr, mean_ptr, std_ptr, out_ptr, T, D, DP, G,
+                       BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, BLOCK_DP)
+    mask_t = offs_t < T
+    mask_c = offs_c < DP
+    mask = mask_t[:, None] & mask_c[None, :]
+    byte = tl.load(p_ptr + row * T * DP + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
+    s = tl.load(scale_ptr + row * G + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
+    z = tl.load(zero_ptr + row * G + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
+    for k in tl.static_range(PACK):
+        ch = k * DP + offs_c
+        q = ((byte >> (k * BITS)) & (2 ** BITS - 1)).to(tl.float32)
+        mu = tl.load(mean_ptr + row * D + ch, mask=mask_c, other=0.0)
+        sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
+        x = q * s[:, None] + z[:, None]
+        x = x * sd[None, :] + mu[None, :]
+        tl.store(out_ptr + row * T * D + offs_t[:, None] * D + ch[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_quantized(qt, name: str, device=None) -> None:
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"{name} must be a labsrc.kvquant.QuantizedTensor, got {type(qt).__name__}")
+    if qt.granularity not in ("group", "token"):
+        raise ValueError(f"{name} has granularity {qt.granularity!r}; the kernels support 'group' and 'token'")
+    for part in ("packed", "scale", "zero"):
+        t = getattr(qt, part)
+        if not t.is_contiguous():
+            raise ValueError(f"{name}.{part} must be contiguous")
+        if device is not None:
+            _check_device(f"{name}.{part}", t, device)
+    if qt.packed.dtype != torch.uint8 or qt.scale.dtype != torch.float16 or qt.zero.dtype != torch.float16:
+        raise TypeError(f"{name} must hold uint8 codes and fp16 scale/zero, got {qt.packed.dtype}/{qt.scale.dtype}")
+
+
+def dequantize_unpack(qt: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Unpack and dequantize a ``"group"``/``"token"`` :class:`~labsrc.kvquant.QuantizedTensor` to ``(..., T, D)``."""
+    _check_quantized(qt, "qt")
+    out_dtype = qt.dtype if out_dtype is None else out_dtype
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    *lead, t, d = qt.shape
+    lead = tuple(lead)
+    pack = 8 // qt.bits
+    dp = d // pack
+    n = math.prod(lead)
+    n_groups = qt.scale.shape[-2]
+    device = qt.packed.device
+    mean, std = _stats_rows(qt.stats, lead, d, device)
+    out = torch.empty(*lead, t, d, dtype=out_dtype, device=device)
+    if n > 0 and t > 0:
+        _dequantize_kernel[(n, triton.cdiv(t, _DEQ_BLOCK_T))](
+            qt.packed, qt.scale, qt.zero, mean, std, out, t, d, dp, n_groups, BITS=qt.bits, PACK=pack,
+            GROUP=qt.group_size, BLOCK_T=_DEQ_BLOCK_T, BLOCK_DP=triton.next_power_of_2(dp))
+    return out
+
+
+def dequantize_unpack_ref(qt: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """PyTorch reference of :func:`dequantize_unpack`: ``qt.dequantize()``."""
+    x = qt.dequantize()
+    return x if out_dtype is None else x.float().to(out_dtype)
+
+
+# ----------------------------------------------------------------------------------------------- decode attention
+@triton.jit
+def _decode_kernel(q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_ptr, lens_ptr,
+                   o_ptr, m_ptr, l_ptr, Hq, Hkv, T, D, DP, G, sm_scale, tokens_per_split,
+                   BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
+    b = tl.program_id(0)
+    hq = tl.program_id(1)
+    split = tl.program_id(2)
+    n_splits = tl.num_programs(2)
+    hk = hq // (Hq // Hkv)
+    kv_row = (b * Hkv + hk).to(tl.int64)
+    seq_len = tl.load(lens_ptr + b)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    offs_c = tl.arange(0, BLOCK_DP)
+    mask_c = offs_c < DP
+    q_row = (b * Hq + hq).to(tl.int64)
+    # Key normalisation folds into the query: q' = q * sigma_k (the q . mu_k term is constant over tokens).
+    q0 = tl.load(q_ptr + q_row * D + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    q0 = q0 * tl.load(kstd_ptr + kv_row * D + offs_c, mask=mask_c, other=0.0)
+    qsum = tl.sum(q0, axis=0)
+    if PACK == 2:
+        q1 = tl.load(q_ptr + q_row * D + DP + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+        q1 = q1 * tl.load(kstd_ptr + kv_row * D + DP + offs_c, mask=mask_c, other=0.0)
+        qsum += tl.sum(q1, axis=0)
+    m_i = float("-inf")
+    l_i = 0.0
+    acc0 = tl.zeros([BLOCK_DP], tl.float32)
+    acc1 = tl.zeros([BLOCK_DP], tl.float32)
+    zacc = 0.0
+    kbase = kp_ptr + kv_row * T * DP
+    vbase = vp_ptr + kv_row * T * DP
+    for t0 in range(start, end, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < end
+        mask = mask_t[:, None] & mask_c[None, :]
+        grp = offs_t // GROUP
+        kb = tl.load(kbase + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
+        ks = tl.load(ks_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
+        kz = tl.load(kz_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
+        dot = tl.sum((kb & (2 ** BITS - 1)).to(tl.float32) * q0[None, :], axis=1)
+        if PACK == 2:
+            dot += tl.sum(((kb >> BITS) & (2 ** BITS - 1)).to(tl.float32) * q1[None, :], axis=1)
+        score = (ks * dot + kz * qsum) * sm_scale
+        score = tl.where(mask_t, score, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(score, axis=0))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(score - m_new)
+        p = tl.where(mask_t, p, 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        vb = tl.load(vbase + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
+        vs = tl.load(vs_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
+        vz = tl.load(vz_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
+        ps = p * vs
+        acc0 = acc0 * alpha + tl.sum((vb & (2 ** BITS - 1)).to(tl.float32) * ps[:, None], axis=0)
+        if PACK == 2:
+            acc1 = acc1 * alpha + tl.sum(((vb >> BITS) & (2 ** BITS - 1)).to(tl.float32) * ps[:, None], axis=0)
+        zacc = zacc * alpha + tl.sum(p * vz, axis=0)
+        m_i = m_new
+    # Partial results of this split (un-normalised, before the value statistics); merged on the host.
+    part = (q_row * n_splits + split).to(tl.int64)
+    tl.store(o_ptr + part * D + offs_c, acc0 + zacc, mask=mask_c)
+    if PACK == 2:
+        tl.store(o_ptr + part * D + DP + offs_c, acc1 + zacc, mask=mask_c)
+    tl.store(m_ptr + part, m_i)
+    tl.store(l_ptr + part, l_i)
+
+
+def _check_decode(q, k, v, seq_lens):
+    _check_tensor(q, "q")
+    if q.dim() != 3:
+        raise ValueError(f"q must be 3-D [batch, n_heads, head_dim], got shape {tuple(q.shape)}")
+    _check_quantized(k, "k", q.device)
+    _check_quantized(v, "v", q.device)
+    if len(k.shape) != 4 or tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must both be quantized [batch, n_kv_heads, tokens, head_dim] tensors, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.bits != v.bits or k.bits not in DECODE_BITS:
+        raise ValueError(f"decode attention supports bits in {DECODE_BITS} (the same for k and v), got {k.bits}/{v.bits}")
+    b, hq, d = q.shape
+    kb, hkv, t, kd = k.shape
+    if kb != b or kd != d:
+        raise ValueError(f"q shape {tuple(q.shape)} does not match the cache shape {tuple(k.shape)} (batch, head_dim)")
+    if hq % hkv:
+        raise ValueError(f"n_heads {hq} must be a multiple of n_kv_heads {hkv}")
+    if seq_lens is None:
+        return torch.full((b,), t, dtype=torch.int32, device=q.device)
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in (torch.int32, torch.int64):
+        raise TypeError("seq_lens must be an int32 or int64 tensor")
+    if seq_lens.shape != (b,):
+        raise ValueError(f"seq_lens must have shape ({b},), got {tuple(seq_lens.shape)}")
+    _check_device("seq_lens", seq_lens, q.device)
+    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > t:
+        raise ValueError(f"seq_lens must lie in [1, {t}] (the cache holds {t} tokens)")
+    return seq_lens.to(torch.int32).contiguous()
+
+
+def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor,
+                           seq_lens: torch.Tensor | None = None, sm_scale: float | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence over a packed INT4/INT8 cache, without dequantising it in memory.
+
+    ``q``: ``[B, Hq, D]``; ``k``, ``v``: :class:`~labsrc.kvquant.QuantizedTensor` of shape ``[B, Hkv, T, D]``
+    (``"group"`` or ``"token"`` granularity, e.g. from :func:`quantize_pack`, with or without statistics);
+    ``seq_lens``: ``[B]`` valid tokens per sequence (default ``T``). ``Hq`` must be a multiple of ``Hkv``
+    (GQA). ``num_splits`` splits each sequence over that many programs (default: enough to fill a GPU).
+    Returns ``[B, Hq, D]`` in ``q``'s dtype, equal to :func:`decode_attention_quant_ref`.
+    """
+    lens = _check_decode(q, k, v, seq_lens)
+    b, hq, d = q.shape
+    _, hkv, t, _ = k.shape
+    pack = 8 // k.bits
+    dp = d // pack
+    n_groups = k.scale.shape[-2]
+    if k.group_size != v.group_size or v.scale.shape[-2] != n_groups:
+        raise ValueError(f"k and v must share group_size, got {k.group_size} and {v.group_size}")
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    if num_splits is None:
+        # Enough programs for ~2 waves on a 132-SM GPU; one split per sequence in the interpreter.
+        num_splits = 1 if not runtime.HAS_CUDA else max(1, min(triton.cdiv(t, 512), triton.cdiv(264, b * hq)))
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    per_split = triton.cdiv(triton.cdiv(t, num_splits), _DECODE_BLOCK_T) * _DECODE_BLOCK_T
+    _, kstd = _stats_rows(k.stats, (b, hkv), d, q.device)
+    vmean, vstd = _stats_rows(v.stats, (b, hkv), d, q.device)
+    o = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
+    l_ = torch.empty_like(m)
+    _decode_kernel[(b, hq, num_splits)](
+        q, k.packed, k.scale, k.zero, kstd, v.packed, v.scale, v.zero, lens, o, m, l_,
+        hq, hkv, t, d, dp, n_groups, scale, per_split, BITS=k.bits, PACK=pack, GROUP=k.group_size,
+        BLOCK_T=_DECODE_BLOCK_T, BLOCK_DP=triton.next_power_of_2(dp))
+    # Merge the splits (log-sum-exp), normalise, then apply the value statistics sigma_j * (.) + mu_j.
+    m_max = m.amax(dim=2, keepdim=True)
+    w = torch.exp(m - m_max)  # empty splits have m = -inf and weigh 0
+    out = (o * w.unsqueeze(-1)).sum(2) / (l_ * w).sum(2, keepdim=True)
+    group = hq // hkv
+    out = out * vstd.view(b, hkv, 1, d).expand(b, hkv, group, d).reshape(b, hq, d) \
+        + vmean.view(b, hkv, 1, d).expand(b, hkv, group, d).reshape(b, hq, d)
+    return out.to(q.dtype)
+
+
+def decode_attention_quant_ref(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor,
+                               seq_lens: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
+    """PyTorch reference: dequantise the whole cache, then ordinary masked softmax attention (fp32)."""
+    lens = _check_decode(q, k, v, seq_lens)
+    b, hq, d = q.shape
+    hkv, t = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    kf = k.dequantize().float().repeat_interleave(hq // hkv, dim=1)
+    vf = v.dequantize().float().repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("bhd,bhtd->bht", q.float(), kf) * scale
+    valid = torch.arange(t, device=q.device)[None, :] < lens[:, None].long()
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    return torch.einsum("bht,bhtd->bhd", scores.softmax(-1), vf).to(q.dtype)
+
+
+def decode_attention_ref_fp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+    """Unquantized decode attention baseline with ``torch.nn.functional.scaled_dot_product_attention``.
+
+    ``q``: ``[B, Hq, D]``, ``k``, ``v``: ``[B, Hkv, T, D]`` (GQA via ``enable_gqa``).
+    """
+    b, hq, d = q.shape
+    t = k.shape[2]
+    mask = None
+    if seq_lens is not None:
+        mask = (torch.arange(t, device=q.device)[None, :] < seq_lens[:, None]).view(b, 1, 1, t)
+    out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
+    return out.squeeze(2)
+
+
+__all__ = ["SUPPORTED_BITS", "DECODE_BITS", "quantize_pack", "quantize_pack_ref", "dequantize_unpack",
+           "dequantize_unpack_ref", "decode_attention_quant", "decode_attention_quant_ref", "decode_attention_ref_fp"]
