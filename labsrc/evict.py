@@ -629,11 +629,18 @@ class PagedEvictionPool:
         raise MemoryError("no free or marked page left: evict pages first")
 
     def append(self, seq_id, n_tokens: int = 1) -> list[tuple[int, int]]:
-        """Give ``n_tokens`` new tokens of ``seq_id`` their (page, slot); raises MemoryError when full."""
+        """Give ``n_tokens`` new tokens of ``seq_id`` their (page, slot); raises MemoryError (appending
+        nothing) when they do not fit."""
         if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens <= 0:
             raise ValueError(f"n_tokens must be a positive int, got {n_tokens!r}")
-        table = self.tables.setdefault(seq_id, [])
+        table = self.tables.get(seq_id, [])
         length = self.lengths.get(seq_id, 0)
+        room = 0
+        if table and table[-1][1] + table[-1][2] == length:
+            room = self.page_size - table[-1][2]
+        if room + self.page_size * self.n_free < n_tokens:
+            raise MemoryError(f"no free or marked page left for {n_tokens} tokens: evict pages first")
+        table = self.tables.setdefault(seq_id, table)
         slots = []
         for _ in range(n_tokens):
             if not table or table[-1][2] == self.page_size or table[-1][1] + table[-1][2] != length:
