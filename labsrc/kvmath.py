@@ -387,3 +387,42 @@ def paged_utilisation(lengths: Sequence[int], block_size: int) -> float:
     block_size = _positive_int("block_size", block_size)
     allocated = (-(-arr // block_size)) * block_size
     return float(arr.sum() / allocated.sum())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# the calculator behind the chapter's widget and table
+CALCULATOR_DTYPES = ("bf16", "fp8", "int8", "int4")
+
+
+def calculator(preset: ModelPreset | str, seq_len: int, batch: int = 1, dtype: str = "bf16",
+               grouping: str | None = None, group_size: int = 32,
+               memories_gb: Sequence[float] = (80, 141)) -> dict:
+    """Everything the chapter's calculator shows for one setting, as a dict.
+
+    ``dtype`` is the cache's: ``"bf16"``, ``"fp8"``, or ``"int8"``/``"int4"`` with an fp16 scale and zero
+    point per ``group_size`` numbers (a KIVI-style asymmetric cache). ``grouping`` overrides the model's
+    own K/V sharing (``"mha"``, ``"gqa"``, ``"mqa"``; MLA models keep their latent unless one is given).
+    Weights are counted in bf16. ``fit_<N>GB`` is how many sequences fit on an N-GB card next to the
+    weights, ``kv_only_fit_<N>GB`` how many would if the card held only the cache (weights sharded away).
+    """
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
+    if dtype not in CALCULATOR_DTYPES:
+        raise ValueError(f"dtype must be one of {CALCULATOR_DTYPES}, got {dtype!r}")
+    group_size = _positive_int("group_size", group_size)
+    elements = preset.kv_cache_bytes(seq_len, batch, dtype_bytes=1, grouping=grouping)
+    width = preset.kv_bytes_per_token(dtype_bytes=1, grouping=grouping) // preset.n_layers
+    if dtype in ("bf16", "fp8"):
+        kv = elements * DTYPE_BYTES[dtype]
+    else:
+        if width % group_size:
+            raise ValueError(f"group_size ({group_size}) must divide the cached width per token and layer ({width})")
+        kv = elements * (8 if dtype == "int8" else 4) / 8 + elements // group_size * 4
+    kv = _exact(kv)
+    weights = preset.weight_bytes(2)
+    row = dict(model=preset.name, attention=grouping or preset.attention, seq_len=int(seq_len), batch=int(batch),
+               dtype=dtype, kv_bytes=kv, kv_gib=kv / GiB, weight_gb=weights / GB)
+    per_sequence = kv / batch
+    for memory in memories_gb:
+        row[f"fit_{memory:g}GB"] = sequences_that_fit(memory * GB, per_sequence, weights)
+        row[f"kv_only_fit_{memory:g}GB"] = sequences_that_fit(memory * GB, per_sequence)
+    return row

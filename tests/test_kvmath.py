@@ -239,3 +239,23 @@ def test_presets_are_consistent():
         assert preset.n_active_params <= preset.n_params
         assert preset.source
         assert preset.kv_bytes_per_token() > 0 and math.isfinite(preset.weight_bytes())
+
+
+def test_calculator():
+    row = kvmath.calculator("Llama-3-8B", 131072, batch=2, dtype="bf16")
+    assert row["kv_bytes"] == 2 * 16 * GiB and row["kv_gib"] == 32
+    # 80 GB card, 16.06 GB of weights: (80 - 16.06) / 17.18 GB per sequence -> 3 sequences
+    assert row["fit_80GB"] == int((80e9 - 8.03e9 * 2) // (16 * GiB)) == 3
+    assert row["kv_only_fit_141GB"] == int(141e9 // (16 * GiB))
+    assert kvmath.calculator("Llama-3-70B", 131072)["fit_80GB"] == 0          # 141 GB of weights
+    assert kvmath.calculator("Llama-3-70B", 131072, grouping="mha")["kv_gib"] == 320
+    assert kvmath.calculator("DeepSeek-V3", 4096)["kv_bytes"] == 70_272 * 4096
+    assert kvmath.calculator("Llama-3-8B", 1000, dtype="fp8")["kv_bytes"] == 64 * 1024 * 1000
+    int4 = kvmath.calculator("Llama-3-8B", 1000, dtype="int4")["kv_bytes"]
+    assert int4 == kvmath.quantized_kv_cache_bytes(32, 8, 128, 1000, bits=4, group_size=32)
+    mla8 = kvmath.calculator("DeepSeek-V2", 10, dtype="int8")["kv_bytes"]
+    assert mla8 == 60 * 576 * 10 + 60 * 576 * 10 // 32 * 4
+    with pytest.raises(ValueError, match="dtype"):
+        kvmath.calculator("Llama-3-8B", 10, dtype="fp4")
+    with pytest.raises(ValueError, match="group_size"):
+        kvmath.calculator("DeepSeek-V2", 10, dtype="int4", group_size=100)
