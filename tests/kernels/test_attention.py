@@ -1,0 +1,425 @@
+"""Tests of the FlashAttention and flash-decoding kernels (labsrc.kernels.attention).
+
+Every kernel call writes into outputs pre-filled with NaN, so an element the kernel forgets to write fails the
+comparison. Each result is compared with two independent definitions: the plain PyTorch reference evaluated in
+float64 (ground truth, so the tolerance measures only the kernel's error) and PyTorch's
+``scaled_dot_product_attention`` (also in float64), at the lab's tolerance for the input dtype.
+
+The full Cartesian product of the listed sizes is far too slow for the Triton interpreter on two cores, so the
+grids below are seeded samples in which every listed value of every dimension occurs several times, paired
+with varied values of the others.
+
+bf16 under the interpreter: ``tl.dot`` on bf16 operands returns garbage in Triton's interpreter, so the kernels
+upcast bf16 tiles to fp32 when interpreted (the ``UPCAST`` flag). The bf16 cases here therefore test bf16
+loads, stores and the rest of the kernel, but not bf16 tensor-core dots; those run only on a GPU.
+"""
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import labsrc
+from labsrc import runtime
+from labsrc.exercises import tolerance
+from labsrc.kernels.attention import (decode_attention, decode_attention_ref, flash_attention,
+                                      flash_attention_ref)
+
+DEV = runtime.DEVICE
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    # The float64 references are tiny; on a shared two-core box torch's thread pool only adds contention
+    # (measured: about 20x slower with the default pool while other jobs run).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cover(dims: dict, n: int, seed: int) -> list[dict]:
+    """``n`` combinations in which each value of each dimension appears at least ``n // len(values)`` times,
+    shuffled independently per dimension (a seeded, pairwise-flavoured sample of the product)."""
+    rng = random.Random(seed)
+    columns = {}
+    for name, values in dims.items():
+        column = (list(values) * math.ceil(n / len(values)))[:n]
+        rng.shuffle(column)
+        columns[name] = column
+    return [dict(zip(columns, row)) for row in zip(*columns.values())]
+
+
+def _rand(gen, *shape, dtype):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(dtype=dtype, device=DEV)
+
+
+def _bottom_right_mask(tq, tk):
+    i = torch.arange(tq, device=DEV)[:, None]
+    j = torch.arange(tk, device=DEV)[None, :]
+    return j <= i + (tk - tq)
+
+
+def _sdpa(q, k, v, causal, scale):
+    """PyTorch's SDPA in float64 with an explicit bottom-right mask (its is_causal is top-left aligned)."""
+    mask = _bottom_right_mask(q.shape[2], k.shape[2]) if causal else None
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=scale,
+                                          enable_gqa=True)
+
+
+def _assert_close(actual, expected, dtype, what):
+    rtol, atol = tolerance(dtype)
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _run_flash(q, k, v, causal, sm_scale=None):
+    """Call the kernel with NaN-poisoned out and lse_out, and return what it wrote."""
+    B, Hq, Tq, D = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, Hq, Tq), float("nan"), device=DEV)
+    result, lse_result = flash_attention(q, k, v, causal=causal, sm_scale=sm_scale, return_lse=True, out=out,
+                                         lse_out=lse)
+    assert result.data_ptr() == out.data_ptr() and lse_result.data_ptr() == lse.data_ptr()
+    return out, lse
+
+
+def _check_flash(q, k, v, causal, sm_scale=None):
+    dtype = q.dtype
+    out, lse = _run_flash(q, k, v, causal, sm_scale)
+    ref_out, ref_lse = flash_attention_ref(q.double(), k.double(), v.double(), causal=causal, sm_scale=sm_scale,
+                                           return_lse=True)
+    assert not out.isnan().any(), "the kernel left elements of out unwritten (still NaN)"
+    assert not lse.isnan().any(), "the kernel left elements of lse unwritten (still NaN)"
+    # The kernel's output is rounded to the input dtype; compare with the ground truth rounded the same way.
+    _assert_close(out, ref_out.to(dtype), dtype, "output vs reference")
+    _assert_close(lse, ref_lse, torch.float32, "log-sum-exp vs reference")
+    # SDPA gives nan for rows that see no key; those rows are checked separately (test_empty_causal_rows).
+    seen = torch.isfinite(ref_lse)
+    sdpa = _sdpa(q, k, v, causal, sm_scale)
+    _assert_close(out[seen], sdpa[seen].to(dtype), dtype, "output vs SDPA")
+
+
+# --- the main grid -------------------------------------------------------------------------------------------
+FLASH_DIMS = dict(
+    batch=[1, 2, 3],
+    heads=[(1, 1), (4, 1), (5, 1), (8, 2)],
+    tq=[1, 17, 63, 129, 257],
+    tk=[1, 17, 63, 129, 257],
+    d=[16, 32, 48, 64, 80, 96, 128],
+    causal=[False, True],
+    dtype=DTYPES,
+)
+FLASH_CASES = _cover(FLASH_DIMS, n=21, seed=2024)
+
+
+def _case_id(c):
+    return "B{batch}-H{heads[0]}:{heads[1]}-Tq{tq}-Tk{tk}-D{d}-{c}-{t}".format(
+        c="causal" if c["causal"] else "full", t=str(c["dtype"]).removeprefix("torch."), **c)
+
+
+@pytest.mark.parametrize("index", range(len(FLASH_CASES)), ids=[_case_id(c) for c in FLASH_CASES])
+def test_flash_attention_matches_reference_and_sdpa(index):
+    case = FLASH_CASES[index]
+    gen = torch.Generator().manual_seed(1000 + index)
+    (hq, hkv), dtype = case["heads"], case["dtype"]
+    q = _rand(gen, case["batch"], hq, case["tq"], case["d"], dtype=dtype)
+    k = _rand(gen, case["batch"], hkv, case["tk"], case["d"], dtype=dtype)
+    v = _rand(gen, case["batch"], hkv, case["tk"], case["d"], dtype=dtype)
+    _check_flash(q, k, v, case["causal"])
+
+
+def test_grid_covers_every_listed_value():
+    for name, values in FLASH_DIMS.items():
+        assert {repr(c[name]) for c in FLASH_CASES} == {repr(v) for v in values}, name
+    assert any(c["causal"] and c["tq"] < c["tk"] for c in FLASH_CASES), "no causal case with Tq < Tk"
+
+
+# --- targeted cases ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_causal_chunked_prefill_is_bottom_right_aligned(dtype):
+    # A chunk of 40 new queries after 89 cached tokens: the last query must see every key.
+    gen = torch.Generator().manual_seed(1)
+    q = _rand(gen, 1, 4, 40, 96, dtype=dtype)
+    k = _rand(gen, 1, 2, 129, 96, dtype=dtype)
+    v = _rand(gen, 1, 2, 129, 96, dtype=dtype)
+    _check_flash(q, k, v, causal=True)
+    # Equivalent to running the full 129-token causal prefill and keeping its last 40 rows.
+    q_full = torch.cat([_rand(gen, 1, 4, 89, 96, dtype=dtype), q], dim=2)
+    full = flash_attention(q_full, k, v, causal=True)
+    torch.testing.assert_close(flash_attention(q, k, v, causal=True), full[:, :, 89:], rtol=0, atol=0)
+
+
+def test_square_causal_matches_sdpa_is_causal():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (_rand(gen, 1, 4, 77, 64, dtype=torch.float32) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    _assert_close(flash_attention(q, k, v, causal=True), expected, torch.float32, "vs SDPA is_causal")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_empty_causal_rows_give_zero_output_and_minus_inf_lse(dtype):
+    # Tq > Tk with causal: query i sees keys j <= i - (Tq - Tk), so the first Tq - Tk rows see nothing.
+    gen = torch.Generator().manual_seed(3)
+    tq, tk = 129, 17
+    q = _rand(gen, 2, 4, tq, 48, dtype=dtype)
+    k = _rand(gen, 2, 2, tk, 48, dtype=dtype)
+    v = _rand(gen, 2, 2, tk, 48, dtype=dtype)
+    out, lse = _run_flash(q, k, v, causal=True)
+    empty = tq - tk
+    assert torch.equal(out[:, :, :empty], torch.zeros_like(out[:, :, :empty]))
+    assert torch.equal(lse[:, :, :empty], torch.full_like(lse[:, :, :empty], float("-inf")))
+    assert torch.isfinite(lse[:, :, empty:]).all()
+    _check_flash(q, k, v, causal=True)  # the other rows are ordinary attention
+
+
+def test_custom_scale_and_strided_views():
+    # Hugging Face hands the kernel q/k/v as transpose(1, 2) views of (B, T, H, D) tensors.
+    gen = torch.Generator().manual_seed(4)
+    q = _rand(gen, 2, 33, 6, 80, dtype=torch.float32).transpose(1, 2)
+    k = _rand(gen, 2, 50, 3, 80, dtype=torch.float32).transpose(1, 2)
+    v = _rand(gen, 2, 50, 3, 80, dtype=torch.float32).transpose(1, 2)
+    assert not q.is_contiguous()
+    _check_flash(q, k, v, causal=True, sm_scale=0.125)
+    out_view = torch.full((2, 33, 6, 80), float("nan"), device=DEV).transpose(1, 2)  # a strided out works too
+    flash_attention(q, k, v, causal=True, sm_scale=0.125, out=out_view)
+    _assert_close(out_view, flash_attention_ref(q.double(), k.double(), v.double(), causal=True, sm_scale=0.125),
+                  torch.float32, "strided out")
+
+
+@pytest.mark.parametrize("sm_scale", [0.3, 1.0])
+def test_fp32_error_with_large_scores_is_that_of_any_fp32_softmax(sm_scale):
+    # fp32 softmax has an absolute error of about eps * |score| in each exponent, so with scores several times
+    # larger than 1/sqrt(D) gives, even PyTorch's own fp32 attention misses the lab's fp32 atol (1e-6) against
+    # float64. The honest check there: the kernel is no less accurate than plain PyTorch in fp32.
+    gen = torch.Generator().manual_seed(13)
+    q = _rand(gen, 2, 6, 33, 80, dtype=torch.float32)
+    k, v = (_rand(gen, 2, 3, 50, 80, dtype=torch.float32) for _ in range(2))
+    truth = flash_attention_ref(q.double(), k.double(), v.double(), causal=True, sm_scale=sm_scale)
+    kernel_err = (flash_attention(q, k, v, causal=True, sm_scale=sm_scale).double() - truth).abs().max()
+    torch_err = (flash_attention_ref(q, k, v, causal=True, sm_scale=sm_scale).double() - truth).abs().max()
+    assert kernel_err <= 2 * torch_err, f"kernel error {kernel_err:.3g} vs PyTorch fp32 error {torch_err:.3g}"
+
+
+def test_return_values_and_defaults():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (_rand(gen, 1, 2, 9, 32, dtype=torch.float16) for _ in range(3))
+    out = flash_attention(q, k, v)
+    assert out.shape == q.shape and out.dtype == torch.float16 and out.is_contiguous()
+    out2, lse = flash_attention(q, k, v, return_lse=True)
+    assert lse.shape == (1, 2, 9) and lse.dtype == torch.float32
+    torch.testing.assert_close(out, out2, rtol=0, atol=0)
+    # The default scale is 1/sqrt(D).
+    torch.testing.assert_close(flash_attention(q, k, v, sm_scale=1 / math.sqrt(32)), out, rtol=0, atol=0)
+
+
+def test_reference_in_fp32_agrees_with_float64_ground_truth():
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (_rand(gen, 2, 4, 65, 48, dtype=torch.float32) for _ in range(3))
+    out, lse = flash_attention_ref(q, k, v, causal=True, return_lse=True)
+    out64, lse64 = flash_attention_ref(q.double(), k.double(), v.double(), causal=True, return_lse=True)
+    _assert_close(out, out64, torch.float32, "fp32 reference")
+    _assert_close(lse, lse64, torch.float32, "fp32 reference lse")
+
+
+# --- decode --------------------------------------------------------------------------------------------------
+def _check_decode(q, k_cache, v_cache, seq_lens, num_splits, sm_scale=None):
+    dtype = q.dtype
+    # Poison the cache past each sequence's length: a kernel that reads beyond seq_lens[b] produces NaN.
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(seq_lens.tolist()):
+        k_cache[b, :, n:] = float("nan")
+        v_cache[b, :, n:] = float("nan")
+    out = torch.full_like(q, float("nan"))
+    result = decode_attention(q, k_cache, v_cache, seq_lens, sm_scale=sm_scale, num_splits=num_splits, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    assert not out.isnan().any(), "decode left elements unwritten or read past seq_lens (NaN)"
+    ref = decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), seq_lens, sm_scale=sm_scale)
+    _assert_close(out, ref.to(dtype), dtype, "decode vs reference")
+    for b, n in enumerate(seq_lens.tolist()):
+        sdpa = _sdpa(q[b : b + 1, :, None], k_cache[b : b + 1, :, :n], v_cache[b : b + 1, :, :n], False, sm_scale)
+        _assert_close(out[b], sdpa[0, :, 0].to(dtype), dtype, f"decode vs SDPA (sequence {b})")
+
+
+DECODE_DIMS = dict(
+    batch=[1, 2, 3],
+    heads=[(1, 1), (4, 1), (5, 1), (8, 2)],
+    tmax=[1, 17, 63, 129, 257],
+    d=[16, 32, 48, 64, 80, 96, 128],
+    splits=[None, 1, 3, 16],
+    dtype=DTYPES,
+)
+DECODE_CASES = _cover(DECODE_DIMS, n=14, seed=7)
+
+
+def _decode_id(c):
+    return "B{batch}-H{heads[0]}:{heads[1]}-T{tmax}-D{d}-S{splits}-{t}".format(
+        t=str(c["dtype"]).removeprefix("torch."), **c)
+
+
+@pytest.mark.parametrize("index", range(len(DECODE_CASES)), ids=[_decode_id(c) for c in DECODE_CASES])
+def test_decode_attention_matches_reference_and_sdpa(index):
+    case = DECODE_CASES[index]
+    gen = torch.Generator().manual_seed(100 + index)
+    (hq, hkv), dtype, B, tmax = case["heads"], case["dtype"], case["batch"], case["tmax"]
+    q = _rand(gen, B, hq, case["d"], dtype=dtype)
+    k_cache = _rand(gen, B, hkv, tmax, case["d"], dtype=dtype)
+    v_cache = _rand(gen, B, hkv, tmax, case["d"], dtype=dtype)
+    # Ragged lengths that include both extremes, 1 and Tmax.
+    lens = torch.randint(1, tmax + 1, (B,), generator=gen)
+    lens[0] = 1 if index % 2 else tmax
+    lens[-1] = tmax if index % 2 else 1
+    # (num_splits may not exceed Tmax; an int above it is clipped, which for Tmax = 1 means one split.)
+    splits = case["splits"] and min(case["splits"], tmax)
+    _check_decode(q, k_cache, v_cache, lens.to(DEV), splits)
+
+
+def test_decode_grid_covers_every_listed_value():
+    for name, values in DECODE_DIMS.items():
+        assert {repr(c[name]) for c in DECODE_CASES} == {repr(v) for v in values}, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_ragged_batch_with_many_splits(dtype):
+    # More splits than some sequences have keys: those splits are empty and must weigh nothing in the merge.
+    gen = torch.Generator().manual_seed(8)
+    q = _rand(gen, 4, 8, 80, dtype=dtype)
+    k_cache = _rand(gen, 4, 2, 200, 80, dtype=dtype)
+    v_cache = _rand(gen, 4, 2, 200, 80, dtype=dtype)
+    lens = torch.tensor([1, 200, 7, 131], dtype=torch.int32, device=DEV)
+    _check_decode(q, k_cache, v_cache, lens, num_splits=9, sm_scale=0.2)
+
+
+def test_decode_with_one_key_per_split():
+    # The extreme num_splits == Tmax: every split of the longest sequence holds exactly one key.
+    gen = torch.Generator().manual_seed(14)
+    q = _rand(gen, 2, 4, 48, dtype=torch.float32)
+    k_cache, v_cache = (_rand(gen, 2, 1, 23, 48, dtype=torch.float32) for _ in range(2))
+    _check_decode(q, k_cache, v_cache, torch.tensor([23, 5], device=DEV), num_splits=23)
+
+
+def test_decode_equals_flash_attention_on_the_last_token():
+    # Decode is the Tq = 1 case of causal prefill: the same numbers by two different kernels.
+    gen = torch.Generator().manual_seed(9)
+    q = _rand(gen, 1, 4, 1, 64, dtype=torch.float32)
+    k, v = (_rand(gen, 1, 2, 150, 64, dtype=torch.float32) for _ in range(2))
+    dec = decode_attention(q[:, :, 0], k, v, torch.tensor([150], device=DEV), num_splits=4)
+    _assert_close(dec, flash_attention(q, k, v, causal=True)[:, :, 0], torch.float32, "decode vs flash")
+
+
+def test_decode_strided_cache_and_default_splits():
+    # A cache preallocated as (B, Tmax, Hkv, D) and viewed as (B, Hkv, Tmax, D) has non-unit position strides.
+    gen = torch.Generator().manual_seed(10)
+    k_cache = _rand(gen, 2, 190, 2, 32, dtype=torch.float16).transpose(1, 2)
+    v_cache = _rand(gen, 2, 190, 2, 32, dtype=torch.float16).transpose(1, 2)
+    q = _rand(gen, 2, 4, 32, dtype=torch.float16)
+    _check_decode(q, k_cache, v_cache, torch.tensor([190, 100], device=DEV), num_splits=None)
+
+
+# --- every error message -------------------------------------------------------------------------------------
+def _flash_args(**change):
+    gen = torch.Generator().manual_seed(11)
+    args = dict(q=_rand(gen, 2, 4, 5, 32, dtype=torch.float32), k=_rand(gen, 2, 2, 7, 32, dtype=torch.float32),
+                v=_rand(gen, 2, 2, 7, 32, dtype=torch.float32))
+    args.update(change)
+    return args
+
+
+FLASH_ERRORS = [
+    (dict(q=[1.0]), TypeError, "q must be a torch.Tensor"),
+    (dict(k=torch.zeros(2, 7, 32)), ValueError, r"k must have 4 dimensions \(B, Hkv, Tk, D\)"),
+    (dict(v=torch.zeros(2, 2, 7, 32, 1)), ValueError, "v must have 4 dimensions"),
+    (dict(q=torch.zeros(2, 4, 5, 32, dtype=torch.float64)), TypeError, "q must be float32, float16 or bfloat16"),
+    (dict(k=torch.zeros(2, 2, 7, 32, dtype=torch.float16)), TypeError, "k must have the same dtype as q"),
+    (dict(v=torch.zeros(2, 2, 7, 32, dtype=torch.bfloat16)), TypeError, "v must have the same dtype as q"),
+    (dict(k=torch.zeros(2, 2, 7, 32, device="meta")), ValueError, "k must be on the same device as q"),
+    (dict(q=torch.zeros(2, 4, 5, 32, device="meta"), k=torch.zeros(2, 2, 7, 32, device="meta"),
+          v=torch.zeros(2, 2, 7, 32, device="meta")), ValueError, "q must hold data"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(sm_scale="0.1"), TypeError, "sm_scale must be a real number or None"),
+    (dict(sm_scale=-1.0), ValueError, "sm_scale must be a finite positive number"),
+    (dict(sm_scale=float("inf")), ValueError, "sm_scale must be a finite positive number"),
+    (dict(v=torch.zeros(2, 2, 8, 32)), ValueError, r"v must have the same shape as k \(2, 2, 7, 32\)"),
+    (dict(k=torch.zeros(3, 2, 7, 32), v=torch.zeros(3, 2, 7, 32)), ValueError, r"k must have the same batch size as q \(2\)"),
+    (dict(k=torch.zeros(2, 2, 7, 48), v=torch.zeros(2, 2, 7, 48)), ValueError, r"k must have the same head dim as q \(32\)"),
+    (dict(k=torch.zeros(2, 2, 0, 32), v=torch.zeros(2, 2, 0, 32)), ValueError, "q and k must be non-empty"),
+    (dict(k=torch.zeros(2, 3, 7, 32), v=torch.zeros(2, 3, 7, 32)), ValueError, "Hq=4 must be a multiple of k's heads Hkv=3"),
+    (dict(q=torch.zeros(2, 4, 5, 8), k=torch.zeros(2, 2, 7, 8), v=torch.zeros(2, 2, 7, 8)), ValueError, "head dim D=8 is not supported"),
+    (dict(q=torch.zeros(2, 4, 5, 256), k=torch.zeros(2, 2, 7, 256), v=torch.zeros(2, 2, 7, 256)), ValueError, "head dim D=256"),
+    (dict(q=torch.zeros(2, 4, 32, 5).transpose(-1, -2)), ValueError, "q must be contiguous in its last"),
+    (dict(v=torch.zeros(2, 2, 32, 7).transpose(-1, -2)), ValueError, "v must be contiguous in its last"),
+    (dict(out=torch.zeros(2, 4, 5, 32).numpy()), TypeError, "out must be a torch.Tensor or None"),
+    (dict(out=torch.zeros(2, 4, 6, 32)), ValueError, r"out must have shape \(2, 4, 5, 32\)"),
+    (dict(out=torch.zeros(2, 4, 5, 32, device="meta")), ValueError, "out must be on the same device as q"),
+    (dict(out=torch.zeros(2, 4, 32, 5).transpose(-1, -2)), ValueError, "out must be contiguous in its last"),
+    (dict(out=torch.zeros(2, 4, 5, 32, dtype=torch.float16)), TypeError, "out must have the same dtype as q"),
+    (dict(lse_out=torch.zeros(2, 4, 6)), ValueError, r"lse_out must have shape \(2, 4, 5\)"),
+    (dict(lse_out=torch.zeros(2, 4, 5, dtype=torch.float16)), TypeError, "lse_out must be float32"),
+    (dict(return_lse=None), TypeError, "return_lse must be a bool"),
+]
+
+
+@pytest.mark.parametrize("change, error, message", FLASH_ERRORS, ids=[m for _, _, m in FLASH_ERRORS])
+def test_flash_attention_error_messages(change, error, message):
+    with pytest.raises(error, match=message):
+        flash_attention(**_flash_args(**change))
+
+
+def _decode_args(**change):
+    gen = torch.Generator().manual_seed(12)
+    args = dict(q=_rand(gen, 2, 4, 32, dtype=torch.float32), k_cache=_rand(gen, 2, 2, 10, 32, dtype=torch.float32),
+                v_cache=_rand(gen, 2, 2, 10, 32, dtype=torch.float32), seq_lens=torch.tensor([3, 10]))
+    args.update(change)
+    return args
+
+
+DECODE_ERRORS = [
+    (dict(q=torch.zeros(2, 4, 1, 32)), ValueError, r"q must have 3 dimensions \(B, Hq, D\)"),
+    (dict(k_cache=None), TypeError, "k_cache must be a torch.Tensor"),
+    (dict(v_cache=torch.zeros(2, 10, 32)), ValueError, "v_cache must have 4 dimensions"),
+    (dict(seq_lens=torch.tensor(3)), ValueError, r"seq_lens must have 1 dimensions \(B,\)"),
+    (dict(q=torch.zeros(2, 4, 32, dtype=torch.int8)), TypeError, "q must be float32, float16 or bfloat16"),
+    (dict(k_cache=torch.zeros(2, 2, 10, 32, dtype=torch.float16)), TypeError, "k_cache must have the same dtype as q"),
+    (dict(v_cache=torch.zeros(2, 2, 10, 32, dtype=torch.bfloat16)), TypeError, "v_cache must have the same dtype"),
+    (dict(seq_lens=torch.tensor([3.0, 10.0])), TypeError, "seq_lens must be int32 or int64"),
+    (dict(seq_lens=torch.tensor([3, 10], device="meta")), ValueError, "seq_lens must be on the same device as q"),
+    (dict(sm_scale=0), ValueError, "sm_scale must be a finite positive number"),
+    (dict(v_cache=torch.zeros(2, 2, 11, 32)), ValueError, "v_cache must have the same shape as k_cache"),
+    (dict(k_cache=torch.zeros(1, 2, 10, 32), v_cache=torch.zeros(1, 2, 10, 32)), ValueError, "k_cache must have the same batch size"),
+    (dict(k_cache=torch.zeros(2, 2, 10, 16), v_cache=torch.zeros(2, 2, 10, 16)), ValueError, "k_cache must have the same head dim"),
+    (dict(k_cache=torch.zeros(2, 2, 0, 32), v_cache=torch.zeros(2, 2, 0, 32)), ValueError, "q and k_cache must be non-empty"),
+    (dict(k_cache=torch.zeros(2, 3, 10, 32), v_cache=torch.zeros(2, 3, 10, 32)), ValueError, "Hkv=3"),
+    (dict(q=torch.zeros(2, 4, 136), k_cache=torch.zeros(2, 2, 10, 136), v_cache=torch.zeros(2, 2, 10, 136)), ValueError, "head dim D=136"),
+    (dict(k_cache=torch.zeros(2, 2, 32, 10).transpose(-1, -2)), ValueError, "k_cache must be contiguous in its last"),
+    (dict(seq_lens=torch.tensor([3, 10, 4])), ValueError, r"seq_lens must have one length per sequence, shape \(2,\)"),
+    (dict(seq_lens=torch.tensor([0, 10])), ValueError, r"seq_lens must lie in \[1, Tmax=10\], got values from 0 to 10"),
+    (dict(seq_lens=torch.tensor([3, 11])), ValueError, r"seq_lens must lie in \[1, Tmax=10\]"),
+    (dict(num_splits=2.0), TypeError, "num_splits must be an int or None"),
+    (dict(num_splits=0), ValueError, r"num_splits must lie in \[1, Tmax=10\]"),
+    (dict(num_splits=11), ValueError, r"num_splits must lie in \[1, Tmax=10\]"),
+    (dict(out=torch.zeros(2, 4, 31)), ValueError, r"out must have shape \(2, 4, 32\)"),
+    (dict(out=torch.zeros(2, 4, 32, dtype=torch.float16)), TypeError, "out must have the same dtype as q"),
+]
+
+
+@pytest.mark.parametrize("change, error, message", DECODE_ERRORS, ids=[m for _, _, m in DECODE_ERRORS])
+def test_decode_attention_error_messages(change, error, message):
+    with pytest.raises(error, match=message):
+        decode_attention(**_decode_args(**change))
+
+
+def test_compiled_kernels_refuse_cpu_tensors(monkeypatch):
+    # Only reachable on a GPU box; pretend the kernels are compiled to test the message on the CPU too.
+    monkeypatch.setattr(runtime, "INTERPRETED", False)
+    with pytest.raises(ValueError, match="q must be on a CUDA device for the compiled Triton kernels"):
+        flash_attention(**_flash_args())
+    with pytest.raises(ValueError, match="q must be on a CUDA device"):
+        decode_attention(**_decode_args())
+
+
+def test_references_check_their_arguments_too():
+    with pytest.raises(ValueError, match="Hq=4 must be a multiple"):
+        flash_attention_ref(**_flash_args(k=torch.zeros(2, 3, 7, 32), v=torch.zeros(2, 3, 7, 32)))
+    with pytest.raises(ValueError, match=r"seq_lens must lie in \[1, Tmax=10\]"):
+        decode_attention_ref(**_decode_args(seq_lens=torch.tensor([0, 4])))
