@@ -81,7 +81,7 @@ def _check_tensor(name: str, x) -> torch.Tensor:
     return x
 
 
-def _check_args(q, k, cos, sin, positions, out_q, out_k):
+def _check_args(q, k, cos, sin, positions, out_q, out_k, check_positions):
     for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
         _check_tensor(name, x)
     if q.dim() != 4:
@@ -139,7 +139,7 @@ def _check_args(q, k, cos, sin, positions, out_q, out_k):
         if positions.shape not in ((T,), (B, T)):
             raise ValueError(f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}), "
                              f"got {tuple(positions.shape)}")
-        if positions.numel():
+        if check_positions and positions.numel():
             # A host sync, but an out-of-table index would read garbage memory silently.
             low, high = int(positions.min()), int(positions.max())
             if low < 0 or high >= cos.shape[0]:
@@ -166,7 +166,8 @@ def _launch(x, out, positions, cos, sin):
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                positions: torch.Tensor | None = None, *, out_q: torch.Tensor | None = None,
-               out_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               out_k: torch.Tensor | None = None,
+               check_positions: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate queries and keys by their positions (Triton); equal to :func:`apply_rope_ref`.
 
     Args:
@@ -175,9 +176,12 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         k: keys ``(B, Hkv, T, D)``, same dtype, ``B``, ``T``, ``D`` as ``q``; ``Hkv`` may differ (GQA).
         cos, sin: tables ``(max_pos, D)`` from :func:`labsrc.rope.rope_cos_sin` (any float dtype).
         positions: int32/int64 ``(T,)`` or ``(B, T)``: the table row of each token; ``arange(T)`` by default.
-            Checked to lie inside the table (one host sync).
+            Checked to lie inside the table unless ``check_positions=False``.
         out_q, out_k: optional output buffers of the shape and dtype of ``q``/``k``; ``out_q=q`` rotates in
             place. By default new tensors are returned and the inputs are left untouched.
+        check_positions: check that every position indexes a row of the tables. The check costs a
+            device-to-host sync per call; an engine that computes positions itself may switch it off (an
+            out-of-range position then reads memory outside the table).
 
     Returns:
         ``(q_rotated, k_rotated)`` in the dtype of ``q``, computed in float32.
@@ -185,7 +189,7 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     Raises ``TypeError`` for wrong types or dtypes and ``ValueError`` for wrong shapes, devices, strides or
     positions outside the table, naming the argument.
     """
-    _check_args(q, k, cos, sin, positions, out_q, out_k)
+    _check_args(q, k, cos, sin, positions, out_q, out_k, check_positions)
     B, _, T, _ = q.shape
     if positions is None:
         positions = torch.arange(T, device=q.device)

@@ -152,6 +152,18 @@ def test_decode_step_equals_the_matching_row_of_a_prefill():
     torch.testing.assert_close(step_k, full_k[:, :, 37:38], rtol=0, atol=0)
 
 
+def test_unchecked_positions_give_the_same_result():
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(2, 4, 17, 32, generator=gen).to(DEV)
+    k = torch.randn(2, 2, 17, 32, generator=gen).to(DEV)
+    cos, sin = tables(32, "default")
+    positions = torch.randint(0, TABLE_ROWS, (2, 17), generator=gen).to(DEV)
+    checked = run_poisoned(q, k, cos, sin, positions)
+    unchecked = apply_rope(q, k, cos, sin, positions, out_q=torch.full_like(q, float("nan")),
+                           out_k=torch.full_like(k, float("nan")), check_positions=False)
+    assert torch.equal(checked[0], unchecked[0]) and torch.equal(checked[1], unchecked[1])
+
+
 def test_empty_sequence():
     q = torch.empty(2, 4, 0, 32, device=DEV)
     k = torch.empty(2, 2, 0, 32, device=DEV)
