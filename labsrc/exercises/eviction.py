@@ -1,0 +1,183 @@
+"""Checks for the KV-cache eviction chapter's exercises.
+
+Each check takes the student's function, computes the truth with :mod:`labsrc.evict` (or with code here),
+and prints passed / failed / not solved yet without revealing the answer.
+
+* :func:`check_scores`: the value-aware score A^alpha ||V||^beta R^gamma, on a small hand-sized case and
+  on random ones.
+* :func:`check_lru_keep` and :func:`check_wrongly_dropped`: LRU on a reasoning chain
+  (:func:`reasoning_chain`), and the premise token it drops although the verification step needs it.
+* :func:`check_probabilities` and :func:`check_systematic`: the budget correction (capping at 1 and
+  redistributing) and the systematic sampler that keeps exactly the budget.
+"""
+from __future__ import annotations
+
+import torch
+
+from labsrc import evict as ev
+from labsrc.exercises.core import Result, check_function, check_value
+
+__all__ = ["hand_case", "check_scores", "reasoning_chain", "check_lru_keep", "check_wrongly_dropped",
+           "check_probabilities", "check_systematic"]
+
+
+def _as(dtype):
+    """Wrap a student's function so that a tensor answer is compared in ``dtype``; errors pass through."""
+    def wrap(fn):
+        def call(*args):
+            out = fn(*args)
+            return out.to(dtype) if isinstance(out, torch.Tensor) and out.is_floating_point() == dtype.is_floating_point else out
+        return call
+    return wrap
+
+
+def hand_case() -> tuple[torch.Tensor, torch.Tensor]:
+    """A case small enough to score on paper: 2 heads, a window of 2 queries, 4 tokens with 2-D values.
+    Returns ``(attn (2, 2, 4), values (4, 2))``."""
+    attn = torch.tensor([[[0.5, 0.5, 0.0, 0.0], [0.2, 0.2, 0.4, 0.2]],
+                         [[0.9, 0.1, 0.0, 0.0], [0.1, 0.1, 0.1, 0.7]]])
+    values = torch.tensor([[3.0, 4.0], [0.0, 1.0], [1.0, 1.0], [0.6, 0.8]])
+    return attn, values
+
+
+def _score_inputs(gen: torch.Generator):
+    g = int(torch.randint(1, 4, (1,), generator=gen))
+    w = int(torch.randint(1, 6, (1,), generator=gen))
+    n = int(torch.randint(w, 13, (1,), generator=gen))
+    d = int(torch.randint(1, 7, (1,), generator=gen))
+    attn = torch.softmax(torch.randn(g, w, n, generator=gen), -1)
+    values = torch.randn(n, d, generator=gen)
+    alpha, beta, gamma, lam = (float(x) for x in torch.rand(4, generator=gen) * torch.tensor([2.0, 1.0, 1.0, 1.0]))
+    return attn, values, alpha, beta, gamma, lam
+
+
+def check_scores(fn) -> Result:
+    """``fn(attn, values, alpha, beta, gamma, lam)`` must return the ``(N,)`` value-aware scores
+    A_i^alpha * ||V_i||^beta * R_i^gamma with A_i summed over heads and window queries and
+    R_i = exp(-lam (N - i) / N), i = 0 for the oldest token. First the hand case, then random cases."""
+    first = [True]
+
+    def make(gen):
+        if first[0]:
+            first[0] = False
+            attn, values = hand_case()
+            return attn, values, 1.0, 0.5, 0.3, 0.5
+        return _score_inputs(gen)
+
+    def reference(attn, values, alpha, beta, gamma, lam):
+        return ev.value_aware_scores(attn, values, alpha, beta, gamma, lam)
+
+    return check_function("value-aware scores", _as(torch.float32)(fn), reference, make, trials=6, rtol=1e-4,
+                          atol=1e-6, hint="sum attn over heads and window queries; R_i uses (N - i) / N with "
+                                          "i counted from 0 for the oldest token; ||V_i|| is the L2 norm.")
+
+
+def reasoning_chain() -> dict:
+    """A 16-token reasoning chain and the attention its first 12 decode queries paid.
+
+    Returns a dict with ``labels`` (what each token is), ``attn`` ``(12, 16)`` (query rows, the last at
+    position 15; each row is a softmax over the tokens it could see), ``future`` ``(16,)`` (the attention of
+    the verification step that comes next), ``budget`` and ``threshold`` (LRU counts a token as used
+    when a query gives it more than ``threshold`` of its attention).
+    """
+    labels = (["premise: a+b=10", "premise: a-b=2", "question: find a^2-b^2"]
+              + [f"step 1.{i}" for i in range(4)] + [f"step 2.{i}" for i in range(4)]
+              + ["so a=6", "so b=4", "check:", "a^2-b^2 ="] + ["verify"])[:16]
+    n, t = 16, 12
+    attn = torch.zeros(t, n)
+    for row in range(t):
+        pos = n - t + row                       # query positions 4..15
+        weights = torch.full((pos + 1,), 0.2)
+        if pos < 8:                             # the first steps read the premises
+            weights[0] += 3.0
+            weights[1] += 3.0
+            weights[2] += 1.0
+        else:                                   # later steps read the steps just before them
+            weights[max(pos - 3, 0):pos + 1] += 2.0
+        attn[row, : pos + 1] = weights / weights.sum()
+    future = torch.full((n,), 0.01)
+    future[1] = 0.6                             # verification re-reads a premise
+    future[0] = 0.2
+    future[12:] += 0.04
+    future = future / future.sum()
+    return {"labels": labels, "attn": attn, "future": future, "budget": 8, "threshold": 0.1}
+
+
+def _lru_keep_reference(attn: torch.Tensor, budget: int, threshold: float) -> torch.Tensor:
+    stats = ev.TokenStats.from_attention(attn[None], torch.ones(attn.shape[1], 1), threshold=threshold)
+    return ev.LRU(threshold=threshold).select(stats, budget)
+
+
+def _lru_inputs(gen: torch.Generator):
+    n = int(torch.randint(6, 15, (1,), generator=gen))
+    t = int(torch.randint(1, n + 1, (1,), generator=gen))
+    logits = torch.randn(t, n, generator=gen) * 2
+    qpos = n - t + torch.arange(t)
+    attn = torch.softmax(logits.masked_fill(torch.arange(n)[None] > qpos[:, None], float("-inf")), -1)
+    budget = int(torch.randint(1, n, (1,), generator=gen))
+    return attn, budget, 0.15
+
+
+def check_lru_keep(fn) -> Result:
+    """``fn(attn, budget, threshold)`` with ``attn`` ``(T, N)`` (query rows, the last query at position
+    N - 1) must return the sorted int64 indices LRU keeps: the ``budget`` tokens whose last use is latest,
+    where a use is a query giving the token more than ``threshold`` attention and a token's arrival counts
+    as its first use; ties go to the newer token."""
+    chain = reasoning_chain()
+    first = [True]
+
+    def make(gen):
+        if first[0]:
+            first[0] = False
+            return chain["attn"], chain["budget"], chain["threshold"]
+        return _lru_inputs(gen)
+
+    return check_function("LRU keep", _as(torch.int64)(fn), _lru_keep_reference, make, trials=6,
+                          hint="last_used[i] = max(i, latest query position t with attn[t, i] > threshold); "
+                               "keep the budget largest, newer first on ties, and return them sorted.")
+
+
+def check_wrongly_dropped(answer) -> Result:
+    """``answer`` (an int, or a function returning one): the index of the token that LRU drops from
+    :func:`reasoning_chain` although the verification step attends it more than any other dropped token."""
+    chain = reasoning_chain()
+    keep = _lru_keep_reference(chain["attn"], chain["budget"], chain["threshold"])
+    dropped = torch.ones(chain["attn"].shape[1], dtype=torch.bool)
+    dropped[keep] = False
+    future = chain["future"].masked_fill(~dropped, -1.0)
+    expected = int(torch.argmax(future))
+    return check_value("token LRU wrongly drops", answer, expected,
+                       hint="run LRU with the chain's budget and threshold, then look at what the "
+                            "verification step (chain['future']) needs among the tokens LRU dropped.")
+
+
+def _prob_inputs(gen: torch.Generator):
+    n = int(torch.randint(3, 20, (1,), generator=gen))
+    scores = torch.rand(n, generator=gen, dtype=torch.float64) ** 4 * 10      # heavy tail: caps bind
+    budget = int(torch.randint(1, n + 1, (1,), generator=gen))
+    return scores, budget
+
+
+def check_probabilities(fn) -> Result:
+    """``fn(scores, budget)`` must return keep-probabilities (compared in float64 to float32 precision)
+    proportional to ``scores``, capped at
+    1 and summing exactly to ``budget`` (cap, then share the remaining budget among the uncapped, repeat)."""
+    return check_function("capped keep probabilities", _as(torch.float64)(fn), ev.inclusion_probabilities,
+                          _prob_inputs, trials=8, rtol=1e-5, atol=1e-6,
+                          hint="min(1, K s_i / sum s) sums to less than K when a cap binds: fix the capped "
+                               "items at 1 and share K minus their count among the others, until none exceeds 1.")
+
+
+def _systematic_inputs(gen: torch.Generator):
+    scores, budget = _prob_inputs(gen)
+    p = ev.inclusion_probabilities(scores, budget)
+    u = float(torch.rand((), generator=gen, dtype=torch.float64))
+    return p, u
+
+
+def check_systematic(fn) -> Result:
+    """``fn(p, u)`` must return the sorted int64 indices chosen by systematic sampling: item i is kept when
+    one of the points u, u + 1, u + 2, ... falls in [C_{i-1}, C_i), C the cumulative sum of ``p``."""
+    return check_function("systematic sampling", _as(torch.int64)(fn), ev.systematic_indices, _systematic_inputs,
+                          trials=8, hint="count the points below each edge: floor(C_i - u) - floor(C_{i-1} - u) "
+                                         "is 1 exactly when item i is kept.")
