@@ -1,0 +1,359 @@
+"""Tests of labsrc.kvquant: the quantizer, KVarN normalisation, byte counts, calibration and the quantized cache."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import labsrc  # noqa: F401
+from labsrc import kvquant as kq
+
+
+def _x(shape, seed=0, dtype=torch.float32):
+    """Channels with uneven scales and offsets, like real keys."""
+    gen = torch.Generator().manual_seed(seed)
+    d = shape[-1]
+    scale = torch.rand(d, generator=gen) * 4 + 0.05
+    offset = torch.randn(d, generator=gen)
+    return (torch.randn(*shape, generator=gen) * scale + offset).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------- pack / unpack
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("d", [64, 80, 128])
+def test_pack_unpack_round_trip_is_bit_exact(bits, d):
+    gen = torch.Generator().manual_seed(bits * d)
+    q = torch.randint(0, 2 ** bits, (3, 7, d), generator=gen, dtype=torch.uint8)
+    packed = kq.pack_codes(q, bits)
+    assert packed.shape == (3, 7, d * bits // 8) and packed.dtype == torch.uint8
+    assert torch.equal(kq.unpack_codes(packed, bits), q)
+
+
+def test_pack_layout_is_planar():
+    q = torch.arange(8, dtype=torch.uint8).view(1, 8)  # channels 0..7
+    packed = kq.pack_codes(q, 4)
+    # byte j holds channel j (low nibble) and channel j + 4 (high nibble)
+    assert packed.tolist() == [[0 | 4 << 4, 1 | 5 << 4, 2 | 6 << 4, 3 | 7 << 4]]
+
+
+def test_pack_rejects_indivisible_head_dim():
+    with pytest.raises(ValueError, match="head_dim 6 must be a multiple of 4"):
+        kq.pack_codes(torch.zeros(2, 6, dtype=torch.uint8), 2)
+
+
+# ------------------------------------------------------------------------------------------- error bounds
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("granularity,group", [("group", 32), ("group", 128), ("token", 1), ("channel", 16)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_error_within_half_a_step(bits, granularity, group, normalize):
+    x = _x((2, 3, 77, 80), seed=bits + group)  # 77 tokens: a trailing partial group
+    qt = kq.quantize(x, bits=bits, group_size=group, normalize=normalize, granularity=granularity)
+    y = qt.dequantize()
+    assert y.shape == x.shape and y.dtype == x.dtype
+    err = (x - y).abs()
+    half = qt.steps() / 2  # s_g (times sigma_j when normalised)
+    # fp32 evaluation of q*s+z (and *sigma+mu) adds a few ulps of the values themselves
+    slack = 4 * torch.finfo(torch.float32).eps * (x.abs() + 1)
+    assert bool((err <= half + slack).all()), float((err - half).max())
+    codes = qt.codes
+    assert int(codes.max()) <= 2 ** bits - 1
+
+
+def test_parameter_shapes_per_granularity():
+    x = _x((2, 77, 64))
+    assert kq.quantize(x, 4, 32, False, granularity="group").scale.shape == (2, 3, 1)
+    assert kq.quantize(x, 4, 32, False, granularity="token").scale.shape == (2, 77, 1)
+    assert kq.quantize(x, 4, 32, False, granularity="channel").scale.shape == (2, 3, 64)
+
+
+def test_zero_point_convention_matches_formula():
+    """x_hat = sigma_j * (q * s_g + z_g) + mu_j, with z_g the (rounded-down) normalised group minimum."""
+    x = _x((40, 16), seed=3)
+    stats = kq.ChannelStats.of(x)
+    qt = kq.quantize(x, bits=4, group_size=8, stats=stats)
+    xn = (x - stats.mean.float()) / stats.std.float()
+    groups = xn.view(5, 8, 16)
+    assert bool((qt.zero.float().view(5) <= groups.amin(dim=(1, 2))).all())
+    assert bool((qt.zero.float().view(5) + 15 * qt.scale.float().view(5) >= groups.amax(dim=(1, 2))).all())
+    manual = stats.std.float() * (qt.codes.float() * qt.scale.float().repeat_interleave(8, 0)
+                                  + qt.zero.float().repeat_interleave(8, 0)) + stats.mean.float()
+    assert torch.equal(manual, qt.dequantize())
+
+
+def test_constant_group_gets_a_tiny_step():
+    x = torch.full((1, 5, 8), 2.5)
+    qt = kq.quantize(x, bits=2, group_size=4, normalize=False)
+    assert bool((qt.scale.float() <= 2.5 * 2 ** -9).all())  # only the safety margin of the zero point
+    assert bool(((qt.dequantize() - x).abs() <= qt.steps() / 2).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_dtypes_round_trip(dtype):
+    x = _x((3, 33, 64), dtype=dtype)
+    y = kq.fake_quantize(x, bits=8, group_size=16)
+    assert y.dtype == dtype
+    rtol = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10  # one output rounding on top of half a step
+    qt = kq.quantize(x, bits=8, group_size=16)
+    assert bool(((x.float() - y.float()).abs() <= qt.steps() / 2 + rtol * x.float().abs() + 1e-6).all())
+
+
+def test_normalisation_helps_uneven_channels_with_shared_step():
+    x = _x((4, 256, 64), seed=5)
+    plain = kq.quantization_mse(x, bits=4, group_size=128, normalize=False)
+    norm = kq.quantization_mse(x, bits=4, group_size=128, normalize=True)
+    assert norm < plain / 2
+
+
+# ------------------------------------------------------------------------------------------- nbytes
+def test_nbytes_counts_codes_scales_zeros_and_stats():
+    x = _x((2, 3, 77, 80))
+    qt = kq.quantize(x, bits=4, group_size=32)  # stats measured on x: stored with it
+    parts = qt.nbytes_breakdown()
+    assert parts == {"codes": 2 * 3 * 77 * 40, "scales": 2 * 3 * 3 * 2, "zeros": 2 * 3 * 3 * 2,
+                     "stats": 2 * 3 * 80 * 2 * 2}
+    assert qt.nbytes == sum(parts.values())
+    shared = kq.quantize(x, bits=4, group_size=32, stats=kq.ChannelStats(torch.zeros(3, 80), torch.ones(3, 80)))
+    assert shared.nbytes_breakdown()["stats"] == 0  # calibrated stats are stored once per layer
+
+
+def test_kv_bytes_matches_stored_tensors():
+    x = _x((1, 2, 300, 64))
+    qt = kq.quantize(x, bits=4, group_size=128, normalize=False)
+    assert kq.kv_bytes(300, 1, 2, 64, bits=4, group_size=128, stats=False) == 2 * qt.nbytes
+    qc = kq.quantize(x, bits=2, group_size=32, normalize=False, granularity="channel")
+    assert kq.kv_bytes(300, 1, 2, 64, bits=2, group_size=32, granularity="channel", stats=False) == 2 * qc.nbytes
+    assert kq.kv_bytes(300, 1, 2, 64, bits=None) == 2 * x.numel() * 2
+
+
+def test_source_formula_versus_stored_bytes():
+    """LLaMA-70B-like example of 10.3.4: the source's 3.2 GB comes from a d_h**2 statistics term."""
+    n, layers, heads, d = 4096, 80, 64, 128
+    fp16 = kq.kv_bytes(n, layers, heads, d, bits=None)
+    assert fp16 == 2 * layers * heads * d * n * 2  # the text's 10.7 GB
+    source = kq.kvarn_bytes_source(n, layers, heads, d, group_size=128, bits=4)
+    stored = kq.kv_bytes(n, layers, heads, d, bits=4, group_size=128)
+    assert round(source / 1e9, 1) == 3.2
+    assert stored < source
+    assert fp16 / stored > 3.9  # close to the ideal 4x, not the text's 3.4x
+
+
+# ------------------------------------------------------------------------------------------- rate-distortion
+def test_predicted_mse_ratio_formula():
+    v = torch.tensor([1.0, 4.0, 9.0, 2.0])
+    assert kq.predicted_mse_ratio(v) == pytest.approx(9.0 / 4.0)
+    assert kq.predicted_mse_ratio(v, per_channel_steps=True) == 1.0
+    assert kq.predicted_mse_ratio([3.0, 3.0]) == pytest.approx(1.0)
+
+
+def test_predicted_mse_ratio_matches_measurement():
+    gen = torch.Generator().manual_seed(11)
+    var = torch.tensor([0.25, 1.0, 4.0, 16.0] * 16)
+    x = torch.randn(8, 128, 64, generator=gen) * var.sqrt()
+    stats = kq.ChannelStats(torch.zeros(64), var.sqrt())  # the true statistics
+    plain = kq.quantization_mse(x, bits=8, group_size=128, normalize=False)
+    norm = kq.quantization_mse(x, bits=8, group_size=128, stats=stats)
+    measured = float(plain / norm)
+    assert measured == pytest.approx(kq.predicted_mse_ratio(var), rel=0.25)
+    per_ch = float(kq.quantization_mse(x, bits=8, group_size=128, normalize=False, granularity="channel")
+                   / kq.quantization_mse(x, bits=8, group_size=128, stats=stats, granularity="channel"))
+    assert per_ch == pytest.approx(1.0, rel=0.1)
+
+
+def test_var_ratio_and_mse_helpers():
+    x = torch.zeros(4, 3)
+    x[:, 0] = torch.tensor([1.0, -1, 1, -1])  # var 1
+    x[:, 1] = torch.tensor([2.0, -2, 2, -2])  # var 4
+    x[:, 2] = torch.tensor([0.5, -0.5, 0.5, -0.5])  # var 0.25
+    assert float(kq.var_ratio(x)) == pytest.approx(16.0)
+    assert torch.allclose(kq.channel_variance(x), torch.tensor([1.0, 4.0, 0.25]))
+    assert float(kq.mse(x, torch.zeros_like(x))) == pytest.approx(float(x.pow(2).mean()))
+    assert float(kq.relative_mse(x, torch.zeros_like(x))) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------------------------- errors
+def test_errors():
+    x = _x((2, 10, 8))
+    with pytest.raises(ValueError, match="bits must be one of"):
+        kq.quantize(x, bits=3)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        kq.kv_bytes(10, 1, 1, 8, bits=16)
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        kq.quantize(x, group_size=0)
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        kq.quantize(x, group_size=-4)
+    with pytest.raises(ValueError, match="granularity must be one of"):
+        kq.quantize(x, granularity="row")
+    with pytest.raises(ValueError, match="stats have 4 channels but x has head_dim 8"):
+        kq.quantize(x, stats=kq.ChannelStats(torch.zeros(4), torch.ones(4)))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        kq.quantize(x, stats=kq.ChannelStats(torch.zeros(3, 8), torch.ones(3, 8)))
+    with pytest.raises(ValueError, match="normalize=False"):
+        kq.quantize(x, normalize=False, stats=kq.ChannelStats(torch.zeros(8), torch.ones(8)))
+    with pytest.raises(TypeError, match="stats must be a ChannelStats"):
+        kq.quantize(x, stats=(torch.zeros(8), torch.ones(8)))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        kq.quantize([1.0, 2.0])
+    with pytest.raises(TypeError, match="floating tensor"):
+        kq.quantize(torch.zeros(4, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"shape \(\.\.\., tokens, head_dim\)"):
+        kq.quantize(torch.zeros(8))
+    with pytest.raises(TypeError, match="normalize must be a bool"):
+        kq.quantize(x, normalize=1)
+    with pytest.raises(ValueError, match="mean shape"):
+        kq.ChannelStats(torch.zeros(4), torch.ones(5))
+    with pytest.raises(ValueError, match="positive and finite"):
+        kq.predicted_mse_ratio([1.0, 0.0])
+    with pytest.raises(ValueError, match="empty"):
+        kq.predicted_mse_ratio([])
+    with pytest.raises(ValueError, match="shapes differ"):
+        kq.mse(torch.zeros(2), torch.zeros(3))
+
+
+# ------------------------------------------------------------------------------------------- calibration + cache
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    # initializer_range 0.2, not the default 0.02: a default random model's top-2 logits differ by ~1e-4,
+    # so any perturbation flips greedy choices; with 0.2 greedy decoding has margins a test can rely on.
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_calibrate_shapes_and_pooling(tiny_llama):
+    gen = torch.Generator().manual_seed(1)
+    samples = [torch.randint(0, 97, (1, 30), generator=gen) for _ in range(3)]
+    stats = kq.calibrate(tiny_llama, samples)
+    assert len(stats) == 2 and stats[0].k.mean.shape == (2, 16) and stats[0].v.std.shape == (2, 16)
+    # exact pooling equals the statistics of all calibration tokens at once
+    kv = [kq.collect_kv(tiny_llama, s) for s in samples]
+    k0 = torch.cat([layers[0][0] for layers in kv], dim=2)  # (1, H, 90, D)
+    assert torch.allclose(stats[0].k.mean.float(), k0.mean(dim=(0, 2)), atol=2e-3)
+    assert torch.allclose(stats[0].k.std.float(), k0.std(dim=(0, 2), unbiased=False), rtol=2e-3, atol=2e-3)
+    ema = kq.calibrate(tiny_llama, samples, momentum=1.0)  # momentum 1: only the last sample counts
+    last = kv[-1][1][1]
+    assert torch.allclose(ema[1].v.mean.float(), last.mean(dim=(0, 2)), atol=2e-3)
+
+
+def test_calibrate_errors(tiny_llama):
+    with pytest.raises(ValueError, match="momentum must be in"):
+        kq.calibrate(tiny_llama, [torch.zeros(1, 4, dtype=torch.long)], momentum=0.0)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        kq.calibrate(tiny_llama, ["hello"])
+    with pytest.raises(ValueError, match="is empty"):
+        kq.calibrate(tiny_llama, [])
+    with pytest.raises(TypeError, match="not a single string"):
+        kq.calibrate(tiny_llama, "hello")
+
+
+def _generate(model, cache, ids, n=8):
+    return model.generate(ids, cache=cache, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+def test_cache_generate_int8_matches_dynamic_cache(tiny_llama):
+    from transformers import DynamicCache
+    cfg = tiny_llama.config
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 97, (2, 21), generator=gen)
+    stats = kq.calibrate(tiny_llama, [torch.randint(0, 97, (1, 40), generator=gen)])
+    ref = tiny_llama.generate(ids, cache=DynamicCache(config=cfg), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    top2 = torch.stack(ref.logits, 1).topk(2, dim=-1).values
+    assert float((top2[..., 0] - top2[..., 1]).min()) > 0.01  # the premise: no near-ties to flip
+    ref = ref.sequences
+    for cache in (kq.KVarNCache.kvarn(cfg, stats, bits=8, group_size=4), kq.KVarNCache.per_token(cfg, bits=8),
+                  kq.KVarNCache.kivi(cfg, bits=8, group_size=4, window=3)):
+        out = _generate(tiny_llama, cache, ids)
+        assert out.shape == (2, 29)
+        assert torch.equal(out, ref), type(cache)
+        assert cache.get_seq_length() == 28
+        assert all(layer.keys.shape == (2, 2, 28, 16) for layer in cache.layers)
+
+
+def test_cache_past_key_values_name_still_works(tiny_llama):
+    cfg = tiny_llama.config
+    ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
+    cache = kq.KVarNCache.per_token(cfg, bits=8)
+    out = tiny_llama.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 12) and cache.get_seq_length() == 11
+
+
+def test_cache_logits_close_and_bytes(tiny_llama):
+    cfg = tiny_llama.config
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 97, (1, 40), generator=gen)
+    stats = kq.calibrate(tiny_llama, [torch.randint(0, 97, (1, 64), generator=gen)])
+    with torch.no_grad():
+        ref = tiny_llama(input_ids=ids).logits
+        cache = kq.KVarNCache.kvarn(cfg, stats, bits=8, group_size=8)
+        got = tiny_llama(input_ids=ids, cache=cache, use_cache=True).logits
+        got4 = tiny_llama(input_ids=ids, cache=kq.KVarNCache.kvarn(cfg, stats, bits=4, group_size=8),
+                          use_cache=True).logits
+    # This random model's attention is sharp (init 0.2), so INT8 moves logits by ~2% of their norm.
+    assert float(kq.relative_mse(ref, got)) < 1e-3
+    assert float(kq.relative_mse(ref, got4)) > float(kq.relative_mse(ref, got))
+    # 40 tokens = 5 whole groups: all quantized, nothing left in full precision
+    parts = cache.nbytes_breakdown()
+    assert parts == {"codes": 2 * 2 * 1 * 2 * 40 * 16, "scales": 2 * 2 * 2 * 5 * 2, "zeros": 2 * 2 * 2 * 5 * 2,
+                     "stats": 2 * stats[0].nbytes, "fp_tail": 0}
+    assert cache.nbytes == kq.kv_bytes(40, 2, 2, 16, bits=8, group_size=8)
+
+
+def test_cache_window_partial_and_layer_choice(tiny_llama):
+    cfg = tiny_llama.config
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        cache = kq.KVarNCache(cfg, bits=4, group_size=8, normalize=False, window=5)
+        tiny_llama(input_ids=ids, cache=cache, use_cache=True)
+        layer = cache.layers[0]
+        assert layer.n_quantized == 24  # 30 - 5 = 25 -> three whole groups of 8
+        assert cache.nbytes_breakdown()["fp_tail"] == 2 * 2 * 6 * 2 * 16 * 4  # layers x K/V x tokens x H x D x fp32
+        assert torch.equal(layer.keys[..., 24:, :], cache.layers[0].keys[..., 24:, :])
+        partial = kq.KVarNCache(cfg, bits=4, group_size=8, normalize=False, quantize_partial=True)
+        tiny_llama(input_ids=ids, cache=partial, use_cache=True)
+        assert partial.nbytes_breakdown()["fp_tail"] == 0 and partial.layers[0].n_quantized == 24
+        only_last = kq.KVarNCache(cfg, bits=2, group_size=8, normalize=False, quantize_layers=[1])
+        errs = kq.hidden_state_errors(tiny_llama, ids, only_last)
+        assert errs[0] < 1e-6 < errs[1]  # layer 0 untouched, the error appears at layer 1
+
+
+def test_token_nll_and_probe_accuracy(tiny_llama):
+    from types import SimpleNamespace
+    cfg = tiny_llama.config
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(6))
+    plain = kq.token_nll(tiny_llama, ids)
+    assert plain.shape == (1, 23)
+    int8 = kq.token_nll(tiny_llama, ids, kq.KVarNCache.per_token(cfg, bits=8))
+    assert int8.shape == plain.shape and not torch.equal(int8, plain)  # the cache is in the loop
+    assert abs(float(int8.mean()) - float(plain.mean())) < 0.02  # perplexity within 2%
+    greedy = tiny_llama(input_ids=ids).logits.argmax(-1)
+    good = SimpleNamespace(ids=ids[0].tolist()[:10] + [int(greedy[0, 9])], spans=[(10, 11)])
+    bad = SimpleNamespace(ids=ids[0].tolist()[:10] + [(int(greedy[0, 9]) + 1) % 97], spans=[(10, 11)])
+    assert kq.probe_accuracy(tiny_llama, [good, bad], lambda: None) == 0.5
+    assert kq.probe_accuracy(tiny_llama, [good], lambda: kq.KVarNCache.per_token(cfg, bits=8)) == 1.0
+
+
+def test_cache_errors(tiny_llama):
+    cfg = tiny_llama.config
+    good = kq.KVStats(kq.ChannelStats(torch.zeros(2, 16), torch.ones(2, 16)),
+                      kq.ChannelStats(torch.zeros(2, 16), torch.ones(2, 16)))
+    with pytest.raises(ValueError, match="stats has 1 layers but the model has 2"):
+        kq.KVarNCache.kvarn(cfg, [good])
+    bad = kq.KVStats(kq.ChannelStats(torch.zeros(4, 16), torch.ones(4, 16)), good.v)
+    with pytest.raises(ValueError, match=r"expected \(n_kv_heads, head_dim\)"):
+        kq.KVarNCache.kvarn(cfg, [good, bad])
+    with pytest.raises(TypeError, match="must be a KVStats"):
+        kq.KVarNCache.kvarn(cfg, [good, "x"])
+    with pytest.raises(ValueError, match="bits must be one of"):
+        kq.KVarNCache(cfg, bits=5)
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        kq.KVarNCache(cfg, group_size=0)
+    with pytest.raises(ValueError, match="window must be a non-negative int"):
+        kq.KVarNCache(cfg, window=-1)
+    with pytest.raises(ValueError, match="quantize_layers must be in"):
+        kq.KVarNCache(cfg, quantize_layers=[2])
+    with pytest.raises(ValueError, match="normalize=False"):
+        kq.KVarNCache(cfg, normalize=False, stats=[good, good])
