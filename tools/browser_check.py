@@ -30,6 +30,9 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
+from playwright.sync_api import sync_playwright
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--no-sandbox",  # the check runs as root in CI containers, where Chromium's sandbox cannot start
@@ -55,10 +58,18 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class QuietServer(http.server.ThreadingHTTPServer):
+    """A threaded server that does not print a traceback when the browser drops a connection early."""
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
+
 def serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
     """Start a static server for ``folder`` on a free port of 127.0.0.1; return it and its base URL."""
     handler = functools.partial(QuietHandler, directory=str(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server = QuietServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server, f"http://127.0.0.1:{server.server_address[1]}/"
 
@@ -148,11 +159,15 @@ def check_page(context, base: str, page_path: str, screens: Path, problems: list
 
     has_math = page.locator(".math").count() > 0
     if has_math:
-        page.wait_for_function("() => window.MathJax && window.MathJax.startup && window.MathJax.startup.promise",
-                               timeout=TIMEOUT_MS)
-        math = page.evaluate(MATHJAX_JS)
+        try:
+            page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
+                                   timeout=TIMEOUT_MS)
+            math = page.evaluate(MATHJAX_JS)
+        except PlaywrightTimeout:
+            math = None  # reported just below, with the failed request for MathJax's script if there was one
         if not math or math["containers"] == 0:
-            problems.append(f"{page_path}: has maths but MathJax typeset none of it (no mjx-container)")
+            problems.append(f"{page_path}: has maths but MathJax did not typeset it (no mjx-container after "
+                            f"{TIMEOUT_MS // 1000} s; is _static/mathjax/ in the build?)")
         else:
             notes.append(f"{page_path}: MathJax typeset {math['containers']} expressions")
             for err in math["errors"]:
@@ -206,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     screens = (args.screens or html.parent / "screens").resolve()
     screens.mkdir(parents=True, exist_ok=True)
-
-    from playwright.sync_api import sync_playwright
 
     server, base = serve(html)
     problems: list[str] = []
