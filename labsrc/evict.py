@@ -42,7 +42,7 @@ __all__ = [
     "bernoulli_keep", "topk_keep", "value_norm_cv", "subset_loss", "optimal_subset", "TokenStats",
     "EvictionPolicy", "FIFO", "SlidingWindow", "LRU", "H2O", "StreamingLLM", "Scissorhands", "ValueAware",
     "make_policy", "POLICIES", "PagedEvictionPool", "EvictingLayer", "EvictingCache", "survival_matrix",
-    "token_nll",
+    "token_nll", "budget_for", "generate_evicting",
 ]
 
 
@@ -826,6 +826,8 @@ class EvictingLayer(CacheLayerMixin):
                 old = torch.nn.functional.pad(self.attn, (0, q_len))
                 self.attn = torch.cat([old, probs], 2)[:, :, -policy.window:, :]
         self.seen += q_len
+        if self.layer_idx == 0:
+            cache.steps += 1
         cache.timings["stats"] += time.perf_counter() - t0
         full_keys, full_values = keys, values
         kept = keys.shape[-2]
@@ -895,7 +897,9 @@ class EvictingCache(Cache):
         generator: the torch generator for stochastic policies (same seed, same choices).
 
     Batch size 1 only. Each forward attends to the kept tokens plus the new ones; the stored cache is then
-    cut back to the budget. ``timings`` holds the seconds spent on statistics and on selection.
+    cut back to the budget. ``timings`` holds the seconds spent on statistics and on selection (all
+    layers), ``steps`` the forward passes seen and ``evictions`` the layer-evictions performed, so the
+    scoring overhead per step is ``sum(timings.values()) / steps``.
     """
 
     def __init__(self, policy: EvictionPolicy, budget: int, protect: int = 0, model=None, shared: bool = False,
@@ -913,6 +917,7 @@ class EvictingCache(Cache):
         self.generator = generator
         self.timings = {"stats": 0.0, "select": 0.0}
         self.evictions = 0
+        self.steps = 0
         self._hooks = []
         super().__init__(layers=[])
         if model is not None:
@@ -1021,3 +1026,29 @@ def token_nll(model, input_ids: torch.Tensor, cache: Cache | None, prefill: int)
         logits.append(out.logits[0, -1])
     logp = torch.log_softmax(torch.stack(logits).float(), -1)
     return -logp.gather(1, input_ids[0, prefill:, None]).squeeze(1)
+
+
+def budget_for(n_tokens: int, evict_rate: float, protect: int = 0) -> int:
+    """The budget that evicts a fraction ``evict_rate`` of ``n_tokens`` (0.5 keeps half), never below
+    ``protect + 1``: ``max(protect + 1, round((1 - evict_rate) * n_tokens))``."""
+    if not 0.0 <= evict_rate < 1.0:
+        raise ValueError(f"evict_rate must lie in [0, 1), got {evict_rate}")
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens <= 0:
+        raise ValueError(f"n_tokens must be a positive int, got {n_tokens!r}")
+    return max(_nonneg_int("protect", protect) + 1, round((1.0 - evict_rate) * n_tokens))
+
+
+@torch.no_grad()
+def generate_evicting(model, input_ids: torch.Tensor, policy: EvictionPolicy, budget: int, protect: int = 0,
+                      max_new_tokens: int = 16, seed: int = 0, **cache_kwargs) -> tuple[torch.Tensor, EvictingCache]:
+    """Greedy ``model.generate`` through an :class:`EvictingCache` (hooks attached and removed here).
+
+    Returns ``(new token ids (1, max_new_tokens), cache)``; the cache keeps its timings, log and kept
+    positions for inspection. ``seed`` seeds the policy's generator; ``cache_kwargs`` go to the cache
+    (``shared``, ``slack``, ``record``).
+    """
+    with EvictingCache(policy, budget, protect=protect, model=model, generator=torch.Generator().manual_seed(seed),
+                       **cache_kwargs) as cache:
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                             do_sample=False, cache=cache)
+    return out[:, input_ids.shape[1]:], cache

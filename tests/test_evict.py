@@ -451,3 +451,19 @@ def test_detach_removes_the_hooks(model):
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == before + 4
     cache.detach()
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == before
+
+
+def test_generate_evicting_and_budget_for(model, prompt):
+    assert ev.budget_for(21, 0.5) == 10 and ev.budget_for(21, 0.75) == 5 and ev.budget_for(8, 0.9, protect=4) == 5
+    new, cache = ev.generate_evicting(model, prompt, ev.ValueAware(), budget=ev.budget_for(21, 0.75), protect=2,
+                                      max_new_tokens=5, seed=3, record=True)
+    again, cache2 = ev.generate_evicting(model, prompt, ev.ValueAware(), budget=5, protect=2, max_new_tokens=5,
+                                         seed=3, record=True)
+    assert new.shape == (1, 5) and torch.equal(new, again)
+    assert torch.equal(cache.kept_positions(1), cache2.kept_positions(1)), "same seed, same choices"
+    assert cache.steps == 5 and cache.evictions == 2 * 5 and cache.timings["select"] > 0
+    assert not any(m._forward_hooks for m in model.modules()), "hooks must be removed"
+    with pytest.raises(ValueError, match=r"evict_rate must lie in \[0, 1\)"):
+        ev.budget_for(10, 1.0)
+    with pytest.raises(ValueError, match="n_tokens must be a positive int"):
+        ev.budget_for(0, 0.5)
