@@ -42,7 +42,7 @@ __all__ = [
     "bernoulli_keep", "topk_keep", "value_norm_cv", "subset_loss", "optimal_subset", "TokenStats",
     "EvictionPolicy", "FIFO", "SlidingWindow", "LRU", "H2O", "StreamingLLM", "Scissorhands", "ValueAware",
     "make_policy", "POLICIES", "PagedEvictionPool", "EvictingLayer", "EvictingCache", "survival_matrix",
-    "token_nll", "budget_for", "generate_evicting",
+    "token_nll", "budget_for", "generate_evicting", "record_qkv",
 ]
 
 
@@ -1052,3 +1052,16 @@ def generate_evicting(model, input_ids: torch.Tensor, policy: EvictionPolicy, bu
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                              do_sample=False, cache=cache)
     return out[:, input_ids.shape[1]:], cache
+
+
+@torch.no_grad()
+def record_qkv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The post-RoPE queries, keys and values of every layer for one forward over ``input_ids`` (1, L):
+    a list over layers of ``(q (H_q, L, d), k (H_kv, L, d), v (H_kv, L, d_v))``, captured by the same hooks
+    :class:`EvictingCache` uses. Query head h reads KV head ``h // (H_q // H_kv)``. Feed slices of these to
+    :func:`subset_loss` / :func:`optimal_subset`, or their softmax to :meth:`TokenStats.from_attention`."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be (1, L), got {tuple(input_ids.shape)}")
+    with EvictingCache(FIFO(), budget=input_ids.shape[1], model=model) as cache:
+        model(input_ids, cache=cache, use_cache=True)
+    return [(layer.pending_query[0], layer.keys[0], layer.values[0]) for layer in cache.layers]

@@ -419,6 +419,13 @@ def test_hooked_queries_reproduce_the_models_attention(model):
     for layer, a in zip(cache.layers, attns):
         per_kv = a[0].reshape(2, 2, 13, 13).sum((1, 2))            # (kv heads, keys)
         torch.testing.assert_close(layer.acc, per_kv.float(), rtol=1e-4, atol=1e-5)
+    causal = torch.ones(13, 13, dtype=torch.bool).tril()
+    for (q, k, v), a in zip(ev.record_qkv(model, ids), attns):
+        assert q.shape == (4, 13, 16) and k.shape == v.shape == (2, 13, 16)
+        logits = (q @ k.repeat_interleave(2, 0).transpose(1, 2) / 4.0).masked_fill(~causal, -math.inf)
+        torch.testing.assert_close(torch.softmax(logits, -1), a[0], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="input_ids must be"):
+        ev.record_qkv(model, ids[0])
 
 
 def test_cache_errors(model):
