@@ -384,12 +384,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _gather_tables(cos, sin, positions, T, device):
-    if positions is None:
-        positions = torch.arange(T, device=device)
-    return cos[positions], sin[positions], positions
-
-
 def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate queries ``(B, Hq, T, D)`` and keys ``(B, Hkv, T, D)`` in plain PyTorch (the kernel's reference).
@@ -399,9 +393,10 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     positions. Computes ``x * cos + rotate_half(x) * sin`` in float32 (float64 for float64 inputs) and
     returns new tensors in the input dtype.
     """
-    T = q.shape[2]
-    cos_p, sin_p, _ = _gather_tables(cos, sin, positions, T, q.device)
-    # (T, D) or (B, T, D) -> broadcast over heads
+    if positions is None:
+        positions = torch.arange(q.shape[2], device=q.device)
+    # rows (T, D) or (B, T, D), broadcast over the head axis
+    cos_p, sin_p = cos[positions], sin[positions]
     compute = torch.promote_types(q.dtype, torch.float32)
     cos_p = cos_p.to(compute).unsqueeze(-3)
     sin_p = sin_p.to(compute).unsqueeze(-3)

@@ -308,7 +308,7 @@ def wavelength_right(i, head_dim, base):
     return 2 * math.pi * base ** (2 * i / head_dim)
 
 
-def wavelength_wrong(i, head_dim, base):          # forgets the 2 pi: the period in radians per ... confusion
+def wavelength_wrong(i, head_dim, base):          # forgets the 2 pi: 1 / theta_i is tokens per radian
     return base ** (2 * i / head_dim)
 
 

@@ -184,7 +184,8 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
             out-of-range position then reads memory outside the table).
 
     Returns:
-        ``(q_rotated, k_rotated)`` in the dtype of ``q``, computed in float32.
+        ``(q_rotated, k_rotated)`` in the dtype of ``q``, computed in float32: new contiguous tensors, or
+        ``out_q``/``out_k`` when given.
 
     Raises ``TypeError`` for wrong types or dtypes and ``ValueError`` for wrong shapes, devices, strides or
     positions outside the table, naming the argument.

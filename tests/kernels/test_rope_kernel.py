@@ -5,6 +5,8 @@ fails the comparison. Shapes use odd lengths (1, 17, 129), head dims 32/64/80/12
 a power of two, so the tile is masked), GQA head counts and position offsets. The kernel uses no tl.dot, so
 bf16 runs natively under the interpreter too (no upcasting needed in these tests).
 """
+import zlib
+
 import pytest
 import torch
 
@@ -66,7 +68,7 @@ def hf_in_float32(q, k, cos, sin, positions):
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-Hq{}-Hkv{}-T{}-D{}-{}-{}".format(*s))
 def test_kernel_matches_reference_and_transformers(shape, dtype):
     B, Hq, Hkv, T, D, kind, method = shape
-    gen = torch.Generator().manual_seed(hash(shape) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(shape).encode()))  # stable across processes
     q = torch.randn(B, Hq, T, D, generator=gen).to(DEV, dtype)
     k = torch.randn(B, Hkv, T, D, generator=gen).to(DEV, dtype)
     cos, sin = tables(D, method)
