@@ -31,7 +31,7 @@ import math
 import sys
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 __all__ = [
     "value_aware_scores", "recency", "inclusion_probabilities", "systematic_indices", "stochastic_keep",
-    "bernoulli_keep", "topk_keep", "value_norm_cv", "subset_loss", "optimal_subset", "TokenStats",
+    "bernoulli_keep", "topk_keep", "retention_frequencies", "value_norm_cv", "subset_loss", "optimal_subset", "TokenStats",
     "EvictionPolicy", "FIFO", "SlidingWindow", "LRU", "H2O", "StreamingLLM", "Scissorhands", "ValueAware",
     "make_policy", "POLICIES", "PagedEvictionPool", "EvictingLayer", "EvictingCache", "survival_matrix",
     "token_nll", "budget_for", "generate_evicting", "record_qkv",
@@ -231,6 +231,20 @@ def bernoulli_keep(scores: torch.Tensor, budget: int, generator: torch.Generator
         key = key + torch.rand(cand.numel(), generator=generator, dtype=torch.float64) * 1e-300
         kept[cand[torch.topk(key, budget - count).indices]] = True
     return torch.nonzero(kept).flatten()
+
+
+def retention_frequencies(keep_fn, scores: torch.Tensor, budget: int, draws: int = 2000,
+                          seed: int = 0) -> torch.Tensor:
+    """How often each index is kept over ``draws`` calls ``keep_fn(scores, budget, generator)`` with one
+    seeded generator (e.g. :func:`stochastic_keep` or :func:`bernoulli_keep`); float64 ``(N,)``. Compare
+    with :func:`inclusion_probabilities`: each count is Binomial(draws, P(kept))."""
+    if isinstance(draws, bool) or not isinstance(draws, int) or draws <= 0:
+        raise ValueError(f"draws must be a positive int, got {draws!r}")
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(scores.numel(), dtype=torch.float64)
+    for _ in range(draws):
+        counts[keep_fn(scores, budget, g).cpu()] += 1
+    return counts / draws
 
 
 def topk_keep(scores: torch.Tensor, budget: int) -> torch.Tensor:

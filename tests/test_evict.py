@@ -147,16 +147,22 @@ def test_stochastic_keep_retention_frequencies_follow_p():
     s = torch.tensor([9.0, 0.2, 1.0, 3.0, 0.5, 2.0, 0.05, 4.0, 1.5, 0.8, 6.0, 0.1])
     k, draws = 5, 3000
     p = ev.inclusion_probabilities(s, k)
-    g = gen(1234)
-    counts = torch.zeros(12, dtype=torch.float64)
-    for _ in range(draws):
-        counts[ev.stochastic_keep(s, k, g)] += 1
-    freq = counts / draws
+    freq = ev.retention_frequencies(ev.stochastic_keep, s, k, draws, seed=1234)
+    counts = freq * draws
     bound = 5 * torch.sqrt(p * (1 - p) / draws) + 1.0 / draws
     assert ((freq - p).abs() <= bound).all(), (freq, p)
     assert counts[0] == draws, "an index with p = 1 must always be kept"
     naive = torch.clamp(k * s.double() / s.sum(), max=1)
     assert ((freq - naive).abs() > bound).any(), "the uncorrected probabilities should be detectably off"
+
+
+def test_bernoulli_keep_is_only_approximately_p():
+    # The source's recipe: the count is exact but the correction shifts the inclusion probabilities.
+    s = torch.tensor([9.0, 0.2, 1.0, 3.0, 0.5, 2.0, 0.05, 4.0, 1.5, 0.8, 6.0, 0.1])
+    freq = ev.retention_frequencies(ev.bernoulli_keep, s, 5, 1500, seed=7)
+    assert freq.sum().item() == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="draws must be a positive int"):
+        ev.retention_frequencies(ev.stochastic_keep, s, 5, 0)
 
 
 def test_topk_keep_breaks_ties_towards_newer_tokens():
@@ -461,6 +467,7 @@ def test_detach_removes_the_hooks(model):
 
 
 def test_generate_evicting_and_budget_for(model, prompt):
+    hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
     assert ev.budget_for(21, 0.5) == 10 and ev.budget_for(21, 0.75) == 5 and ev.budget_for(8, 0.9, protect=4) == 5
     new, cache = ev.generate_evicting(model, prompt, ev.ValueAware(), budget=ev.budget_for(21, 0.75), protect=2,
                                       max_new_tokens=5, seed=3, record=True)
@@ -469,7 +476,7 @@ def test_generate_evicting_and_budget_for(model, prompt):
     assert new.shape == (1, 5) and torch.equal(new, again)
     assert torch.equal(cache.kept_positions(1), cache2.kept_positions(1)), "same seed, same choices"
     assert cache.steps == 5 and cache.evictions == 2 * 5 and cache.timings["select"] > 0
-    assert not any(m._forward_hooks for m in model.modules()), "hooks must be removed"
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == hooks
     with pytest.raises(ValueError, match=r"evict_rate must lie in \[0, 1\)"):
         ev.budget_for(10, 1.0)
     with pytest.raises(ValueError, match="n_tokens must be a positive int"):
