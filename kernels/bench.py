@@ -13,6 +13,13 @@ Results are printed as a table and written as JSON to ``kernels/results/<device>
 """
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":
+    # `python -m kernels.bench` runs this file as __main__; the entry modules import `kernels.bench`, and must
+    # register with this same module object, not a second copy.
+    sys.modules.setdefault("kernels.bench", sys.modules[__name__])
+
 import argparse
 import importlib
 import json
