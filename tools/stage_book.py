@@ -6,12 +6,15 @@ those executed copies into ``_build/src/`` and writes the fragments that two pag
 
 * ``book/_generated/claims_table.md``: the claims ledger, from the records the notebooks wrote;
 * ``book/_generated/bench_tables.md``: the latest GPU results under ``kernels/results/``, or a sentence saying
-  that none were recorded.
+  that none were recorded;
+
+and copies a local MathJax next to the pages, so the book needs no network to show its math.
 
 Usage: ``python tools/stage_book.py`` (from the repository root).
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import sys
@@ -51,6 +54,12 @@ def stage(out: Path = ROOT / "_build" / "src", executed: Path = ROOT / "_build" 
     for name in ("_config.yml", "_toc.yml"):
         shutil.copy2(ROOT / name, out / name)
     shutil.copytree(ROOT / "book", out / "book")
+    # MathJax is served from the book itself so pages typeset offline. It must not sit under _static/, where
+    # jupyter-book would add every .js file as a script tag on every page.
+    spec = importlib.util.find_spec("mathjax")  # django-static-mathjax ships MathJax 3's es5 build (Apache-2.0)
+    if spec is None:
+        raise SystemExit("MathJax missing: pip install django-static-mathjax (part of the 'book' extra)")
+    shutil.copytree(Path(spec.origin).parent / "static" / "mathjax" / "es5", out / "_mathjax_static" / "mathjax")
     (out / "chapters").mkdir()
     for path in chapters:
         shutil.copy2(executed / path.name, out / "chapters" / path.name)
