@@ -357,3 +357,66 @@ def test_cache_errors(tiny_llama):
         kq.KVarNCache(cfg, quantize_layers=[2])
     with pytest.raises(ValueError, match="normalize=False"):
         kq.KVarNCache(cfg, normalize=False, stats=[good, good])
+
+
+# ------------------------------------------------------------------------------------------- exercises
+from labsrc.exercises import ExerciseFailed  # noqa: E402
+from labsrc.exercises import kv_quant as ex  # noqa: E402
+
+
+def right_scale_zero(group, bits):
+    return (group.max() - group.min()) / (2 ** bits - 1), group.min()
+
+
+def wrong_scale_zero_uses_2_pow_bits(group, bits):
+    return (group.max() - group.min()) / 2 ** bits, group.min()
+
+
+def right_ratio(var, per_channel_steps):
+    return 1.0 if per_channel_steps else float(var.max() / var.mean())
+
+
+def wrong_ratio_is_source_varavg(var, per_channel_steps):
+    return float(var.mean())
+
+
+def right_bytes(n, layers, heads, d, bits, g):
+    groups = -(-n // g)
+    return 2 * layers * heads * (n * d * bits // 8 + groups * 4 + d * 4)
+
+
+def wrong_bytes_floor_groups(n, layers, heads, d, bits, g):
+    return 2 * layers * heads * (n * d * bits // 8 + (n // g) * 4 + d * 4)
+
+
+def _stub(*args):
+    raise NotImplementedError
+
+
+EX_CASES = [
+    (ex.check_scale_zero, right_scale_zero, wrong_scale_zero_uses_2_pow_bits),
+    (ex.check_mse_ratio, right_ratio, wrong_ratio_is_source_varavg),
+    (ex.check_cache_bytes, right_bytes, wrong_bytes_floor_groups),
+]
+
+
+@pytest.mark.parametrize("check,right,wrong", EX_CASES)
+def test_exercise_checks(check, right, wrong, monkeypatch, capsys):
+    monkeypatch.delenv("LAB_EXERCISES", raising=False)
+    assert check(right).status == "passed"
+    result = check(wrong)
+    assert result.status == "failed" and "Hint:" in result.message
+    assert check(_stub).status == "not solved yet"
+    assert "not solved yet" in capsys.readouterr().out
+    monkeypatch.setenv("LAB_EXERCISES", "strict")
+    assert check(right).passed
+    with pytest.raises(ExerciseFailed):
+        check(wrong)
+    with pytest.raises(ExerciseFailed):
+        check(_stub)
+
+
+def test_scale_zero_check_reports_a_wrong_type(monkeypatch):
+    monkeypatch.delenv("LAB_EXERCISES", raising=False)
+    result = ex.check_scale_zero(lambda group, bits: 1.0)
+    assert result.status == "failed" and "expected a tensor" in result.message
