@@ -44,6 +44,25 @@ Codes are packed along ``head_dim`` in a *planar* layout: with ``P = 8 // b`` co
 ``Dp = head_dim // P`` bytes per token, byte ``j`` holds channel ``j + k*Dp`` in bits ``[k*b, (k+1)*b)`` for
 ``k = 0..P-1``. (INT4: channel ``j`` in the low nibble, channel ``j + head_dim/2`` in the high nibble.) This
 lets a kernel unpack a whole half of a row with one shift and mask, without interleaving.
+
+Recipes for the chapter's experiments (``cfg = model.config``, ``stats = calibrate(model, calib_ids)``)
+----------------------------------------------------------------------------------------------------
+* VarRatio per layer: ``[var_ratio(k).mean() for k, v in collect_kv(model, ids)]`` (per KV head before the
+  mean; the same for ``v``).
+* MSE with/without normalisation: ``quantization_mse(k, bits=4, group_size=128, normalize=False)`` against
+  ``quantization_mse(k, bits=4, group_size=128, stats=stats[l].k)``; compare the ratio with
+  ``predicted_mse_ratio(channel_variance(k).mean(dim=(0, 1)))`` (the source's "VarAvg" claim is wrong there).
+* Perplexity vs length: ``token_nll(model, ids, cache).mean().exp()`` with ``cache`` one of ``None`` (FP),
+  ``KVarNCache.per_token(cfg, 4)``, ``KVarNCache.kivi(cfg, 4, group_size=32, window=32)``,
+  ``KVarNCache.kvarn(cfg, stats, 4, group_size=128)`` (a fresh cache per forward pass).
+* Layer-wise error: ``hidden_state_errors(model, ids, cache)``; one layer only with
+  ``KVarNCache(..., quantize_layers=[l])``.
+* Table 10-4 ablation: per-token INT4 ``KVarNCache.per_token(cfg, 4)``; + normalisation
+  ``KVarNCache(cfg, 4, 1, "token", "token", True, stats)``; group g=128 / 64 ``KVarNCache.kvarn(cfg, stats, 4, g)``;
+  calibration size: ``calibrate`` on 1x and 2x the samples.
+* Memory vs formula: ``cache.nbytes`` / ``cache.nbytes_breakdown()`` against ``kv_bytes(...)`` and the
+  source's ``kvarn_bytes_source(...)``.
+* Probe accuracy per cache: ``probe_accuracy(model, samples, lambda: KVarNCache.kvarn(cfg, stats))``.
 """
 from __future__ import annotations
 
@@ -628,6 +647,27 @@ class KVarNLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("KVarNLayer cannot be cropped: quantized groups are not split")
+
+    def _map_batch(self, f: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Apply a batch-axis operation to every stored tensor (codes, steps, per-sequence stats, the tail)."""
+        if not self.is_initialized or self.cumulative_length == 0:
+            return
+        self.keys, self.values = f(self.keys), f(self.values)
+        partial = list(self._partial) if self._partial is not None else []
+        for qt in self.qkeys + self.qvalues + partial:
+            qt.packed, qt.scale, qt.zero = f(qt.packed), f(qt.scale), f(qt.zero)
+            if qt.stats is not None and not qt.stats_shared:  # measured per sequence: (B, H, D)
+                qt.stats = ChannelStats(f(qt.stats.mean), f(qt.stats.std))
+            qt.shape = (qt.packed.shape[0],) + tuple(qt.shape[1:])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices, ...])
 
     def nbytes_breakdown(self) -> dict:
         """Stored bytes of this layer by part: codes, scales, zeros, stats, fp_tail."""

@@ -273,6 +273,17 @@ def test_cache_generate_int8_matches_dynamic_cache(tiny_llama):
         assert all(layer.keys.shape == (2, 2, 28, 16) for layer in cache.layers)
 
 
+def test_cache_beam_search_reorders_quantized_groups(tiny_llama):
+    from transformers import DynamicCache
+    cfg = tiny_llama.config
+    ids = torch.randint(0, 97, (2, 11), generator=torch.Generator().manual_seed(7))
+    kw = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0)
+    ref = tiny_llama.generate(ids, cache=DynamicCache(config=cfg), **kw)
+    cache = kq.KVarNCache(cfg, bits=8, group_size=4, normalize=True)  # per-sequence stats: reordered too
+    assert torch.equal(tiny_llama.generate(ids, cache=cache, **kw), ref)
+    assert cache.layers[0].qkeys[0].packed.shape[0] == 6  # 2 prompts x 3 beams
+
+
 def test_cache_past_key_values_name_still_works(tiny_llama):
     cfg = tiny_llama.config
     ids = torch.randint(0, 97, (1, 9), generator=torch.Generator().manual_seed(4))
