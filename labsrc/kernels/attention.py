@@ -581,11 +581,11 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, return_lse=False, out=
     return (out, lse_out) if return_lse else out
 
 
-def _default_num_splits(batch_heads: int, tmax: int) -> int:
+def _default_num_splits(batch_heads: int, tmax: int, device: torch.device) -> int:
     if runtime.INTERPRETED:
         # The interpreter runs programs one by one: splitting buys no parallelism, only exercises the merge.
         return max(1, min(4, tmax // 64))
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     # Enough programs for about two waves over the SMs, but no split shorter than 128 keys.
     return max(1, min(triton.cdiv(2 * sms, batch_heads), triton.cdiv(tmax, 128), 64))
 
@@ -612,7 +612,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, sm_scale=None, num_splits=No
     B, Hq, D = q.shape
     Hkv, Tmax = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
-    splits = int(num_splits) if num_splits is not None else _default_num_splits(B * Hkv, Tmax)
+    splits = int(num_splits) if num_splits is not None else _default_num_splits(B * Hkv, Tmax, q.device)
     if out is None:
         out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
     mid_o = torch.empty((B, Hq, splits, D), device=q.device, dtype=torch.float32)
@@ -638,6 +638,6 @@ def decode_attention(q, k_cache, v_cache, seq_lens, sm_scale=None, num_splits=No
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         Hq, D, splits,
-        BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,  # (>= 2: no size-1 tiles to reduce)
     )
     return out
