@@ -475,6 +475,9 @@ def test_generate_evicting_and_budget_for(model, prompt):
                                          seed=3, record=True)
     assert new.shape == (1, 5) and torch.equal(new, again)
     assert torch.equal(cache.kept_positions(1), cache2.kept_positions(1)), "same seed, same choices"
+    others = [ev.generate_evicting(model, prompt, ev.ValueAware(), budget=5, protect=2, max_new_tokens=5,
+                                   seed=seed)[1].kept_positions(1) for seed in (4, 5, 6)]
+    assert any(not torch.equal(o, cache.kept_positions(1)) for o in others), "other seeds, other choices"
     assert cache.steps == 5 and cache.evictions == 2 * 5 and cache.timings["select"] > 0
     assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == hooks
     with pytest.raises(ValueError, match=r"evict_rate must lie in \[0, 1\)"):
