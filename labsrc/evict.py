@@ -23,6 +23,23 @@ that applies the same rotary embedding to its output. That yields the exact post
 uses, and ``update()`` recomputes their softmax over the cached keys (the same keys, the same causal mask),
 without touching the model's own attention call. The price is one extra ``Q K^T`` per layer per step,
 which the cache times (``cache.timings``) so the overhead can be measured rather than assumed.
+
+Recipes for the chapter's experiments (batch size 1; ``protect`` = length of the system prompt):
+
+* a policy at 50% / 75% eviction on a probe: ``new, cache = generate_evicting(model, ids, H2O(),
+  budget_for(ids.shape[1], 0.5, protect), protect)``; perplexity: ``token_nll(model, ids,
+  EvictingCache(policy, budget, protect, model=model), prefill).mean().exp()`` (use ``with``, or
+  ``cache.detach()`` afterwards, to remove the hooks).
+* the A/V/R ablation: ``ValueAware(alpha=1, beta=0, gamma=0)`` (A only), ``(0, 0.5, 0)`` (V only), etc.;
+  ``stochastic=False`` for the top-K ablation.
+* GQA: per-KV-head choice with the group summed (default), ``ValueAware(head_reduce="max")``, or one
+  choice per layer with ``EvictingCache(..., shared=True)``.
+* value-norm spread: ``value_norm_cv(DynamicCache_layer.values[0])`` (one number per KV head).
+* overhead: ``sum(cache.timings.values()) / cache.steps`` seconds per decode step, against the
+  generate time of a plain ``DynamicCache``.
+* token survival: ``EvictingCache(..., record=True)`` then ``survival_matrix(cache, layer, head)``.
+* distance to the best subset: ``record_qkv(model, ids)`` -> ``optimal_subset(q, k, v, budget)`` versus
+  ``subset_loss(q, k, v, policy.select(TokenStats.from_attention(attn, v), budget))`` on a tiny slice.
 """
 from __future__ import annotations
 
