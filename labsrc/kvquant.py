@@ -67,7 +67,7 @@ Recipes for the chapter's experiments (``cfg = model.config``, ``stats = calibra
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch

@@ -1,7 +1,6 @@
 """Tests of labsrc.kvquant: the quantizer, KVarN normalisation, byte counts, calibration and the quantized cache."""
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

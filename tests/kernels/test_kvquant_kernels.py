@@ -7,7 +7,6 @@ torch's by one bf16 ulp. No kernel here uses ``tl.dot``, so no bf16 upcasting is
 """
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
