@@ -267,11 +267,12 @@ def _decode_kernel(q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_p
         q1 = tl.load(q_ptr + q_row * D + DP + offs_c, mask=mask_c, other=0.0).to(tl.float32)
         q1 = q1 * tl.load(kstd_ptr + kv_row * D + DP + offs_c, mask=mask_c, other=0.0)
         qsum += tl.sum(q1, axis=0)
-    m_i = float("-inf")
-    l_i = 0.0
+    # 0-d fp32 tensors, not Python floats, so that the loop-carried types are fixed before the loop.
+    m_i = tl.full([], float("-inf"), tl.float32)
+    l_i = tl.zeros([], tl.float32)
     acc0 = tl.zeros([BLOCK_DP], tl.float32)
     acc1 = tl.zeros([BLOCK_DP], tl.float32)
-    zacc = 0.0
+    zacc = tl.zeros([], tl.float32)
     kbase = kp_ptr + kv_row * T * DP
     vbase = vp_ptr + kv_row * T * DP
     for t0 in range(start, end, BLOCK_T):
