@@ -48,12 +48,13 @@ test: setup
 test-unit: setup
 	$(PYTEST) -q -n 2 tests
 
-# Instructor notebooks: exercises must pass (LAB_EXERCISES=strict makes a failed check raise).
+# Instructor notebooks: exercises must pass (LAB_EXERCISES=strict makes a failed check raise). Two notebooks
+# run side by side, each on one torch thread (labsrc.runtime's CPU default).
 execute: $(EXECUTED)
 $(EXECUTED): $(CHAPTERS) $(LABSRC) $(VENV)/.ready
 	rm -rf _build/executed _build/claims && mkdir -p _build/executed
 	cp $(CHAPTERS) _build/executed/
-	LAB_EXERCISES=strict $(PYTEST) -q -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=900 _build/executed/*.ipynb
+	LAB_EXERCISES=strict $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=900 _build/executed/*.ipynb
 	touch $@
 
 student: setup
@@ -61,7 +62,7 @@ student: setup
 
 # Student notebooks: every exercise is a stub; the checks print "not solved yet" and the notebook still runs.
 test-student: student
-	LAB_CLAIMS_DIR=_build/student/claims $(PYTEST) -q -p no:cacheprovider --nbmake --nbmake-timeout=900 _build/student/*.ipynb
+	LAB_CLAIMS_DIR=_build/student/claims $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --nbmake-timeout=900 _build/student/*.ipynb
 
 bench-smoke: setup
 	$(PY) -m kernels.bench --all --size tiny --out _build/bench-smoke

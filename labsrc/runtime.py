@@ -48,6 +48,20 @@ def _profile_from_env() -> str:
 PROFILE: str = _profile_from_env()
 """``"cpu"`` or ``"gpu"``: which column of :data:`SIZES` the notebooks use."""
 
+
+def _cpu_threads() -> int:
+    value = os.environ.get("LAB_TORCH_THREADS", "1")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LAB_TORCH_THREADS must be a positive integer, got {value!r}")
+    return int(value)
+
+
+if PROFILE == "cpu" and not HAS_CUDA:
+    # The CPU profile's matrices are small: extra threads buy little, and on a shared or busy machine their
+    # OpenMP spin-waiting made a decode step tens of times slower. One thread per process (the tests run two
+    # notebooks side by side on two cores) keeps timings honest; LAB_TORCH_THREADS=N gives a laptop more.
+    torch.set_num_threads(_cpu_threads())
+
 # One table of every size a notebook uses, per chapter and per profile. Each chapter owns its own key.
 # CPU sizes are chosen so the chapter runs in about two minutes on two cores; GPU sizes are the real ones.
 SIZES: dict[str, dict[str, dict]] = {
@@ -114,6 +128,7 @@ def stamp(file=None) -> dict:
         "device": device_name(),
         "profile": PROFILE,
         "triton kernels": "interpreted on the CPU (TRITON_INTERPRET=1)" if INTERPRETED else "compiled for the GPU",
+        "torch threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _version("triton"),

@@ -60,7 +60,17 @@ def test_seed_everything_makes_runs_repeat():
 def test_stamp_names_device_profile_kernels_and_versions(capsys):
     info = labsrc.stamp()
     printed = capsys.readouterr().out
-    for key in ("device", "profile", "triton kernels", "torch", "triton", "transformers"):
+    for key in ("device", "profile", "triton kernels", "torch threads", "torch", "triton", "transformers"):
         assert key in info and key in printed
     assert info["torch"] == torch.__version__
     assert ("interpreted" in info["triton kernels"]) == runtime.INTERPRETED
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the thread setting is for the CPU profile")
+def test_cpu_profile_uses_one_thread_unless_told_otherwise():
+    out = run_python("import labsrc, torch; print(torch.get_num_threads())")
+    assert out.stdout.split() == ["1"], out.stderr
+    out = run_python("import labsrc, torch; print(torch.get_num_threads())", LAB_TORCH_THREADS="2")
+    assert out.stdout.split() == ["2"], out.stderr
+    out = run_python("import labsrc", LAB_TORCH_THREADS="many")
+    assert "LAB_TORCH_THREADS must be a positive integer" in out.stderr
