@@ -18,12 +18,13 @@ Kernels (each with a PyTorch ``*_ref`` beside it):
   lengths, dequantising in registers. Because one step is shared by all channels of a group, the key side
   folds into the query: ``q . k_t = s_g (q*sigma) . codes_t + z_g sum(q*sigma) + q . mu``, and ``q . mu`` is
   the same for every token, so softmax ignores it. The value side accumulates ``sum_t p_t s_t codes_t`` and
-  ``sum_t p_t z_t`` and applies ``sigma, mu`` once at the end. The sequence is split over several programs
-  (flash-decoding) whose partial results are merged with their log-sum-exp.
+  ``sum_t p_t z_t`` and applies ``sigma, mu`` once at the end. One program serves all query heads of a KV
+  head (GQA), so each code is read and unpacked once; the products run on fp16 tensor cores (codes are exact
+  in fp16; the fp32 factors are split into hi + lo fp16 parts, about 22 bits), and the sequence is split over
+  several programs (flash-decoding) whose partial results are merged with their log-sum-exp.
 
-Supported: bits 2/4/8 for (de)quantization, 4/8 for decode attention; inputs fp32/fp16/bf16. Under the
-interpreter the kernels use no ``tl.dot`` (decode is a matrix-vector product, done with multiply and sum),
-so bf16 needs no special treatment.
+Supported: bits 2/4/8 for (de)quantization, 4/8 for decode attention; inputs fp32/fp16/bf16. The only
+``tl.dot`` is on fp16 operands, which the interpreter computes correctly, so bf16 inputs need no upcasting.
 """
 from __future__ import annotations
 
@@ -243,36 +244,55 @@ def dequantize_unpack_ref(qt: QuantizedTensor, out_dtype: torch.dtype | None = N
 
 # ----------------------------------------------------------------------------------------------- decode attention
 @triton.jit
+def _split_f16(x):
+    """Rows of x (fp32, [M, K]) as ``scale * (hi + lo)`` with hi, lo fp16 and ``scale`` the row's largest
+    magnitude: two fp16 tensor-core products then carry ~22 bits of x, and dividing by the row maximum keeps
+    hi and lo out of fp16's overflow and subnormal ranges."""
+    scale = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(scale > 0, scale, 1.0)
+    xn = x / scale[:, None]
+    hi = xn.to(tl.float16)
+    lo = (xn - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo, scale
+
+
+@triton.jit
 def _decode_kernel(q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_ptr, lens_ptr,
                    o_ptr, m_ptr, l_ptr, Hq, Hkv, T, D, DP, G, sm_scale, tokens_per_split,
-                   BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
+                   BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, QPK: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
+    # One program per (sequence, KV head, split): the QPK query heads sharing the KV head are the rows of
+    # the matrix products, so every code is read and unpacked once for all of them.
     b = tl.program_id(0)
-    hq = tl.program_id(1)
+    hk = tl.program_id(1)
     split = tl.program_id(2)
     n_splits = tl.num_programs(2)
-    hk = hq // (Hq // Hkv)
     kv_row = (b * Hkv + hk).to(tl.int64)
     seq_len = tl.load(lens_ptr + b)
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < QPK
+    q_rows = (b * Hq + hk * QPK + offs_h).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_DP)
     mask_c = offs_c < DP
-    q_row = (b * Hq + hq).to(tl.int64)
+    mask_hc = mask_h[:, None] & mask_c[None, :]
+    levels: tl.constexpr = 2 ** BITS - 1
     # Key normalisation folds into the query: q' = q * sigma_k (the q . mu_k term is constant over tokens).
-    q0 = tl.load(q_ptr + q_row * D + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-    q0 = q0 * tl.load(kstd_ptr + kv_row * D + offs_c, mask=mask_c, other=0.0)
-    qsum = tl.sum(q0, axis=0)
+    q0 = tl.load(q_ptr + q_rows[:, None] * D + offs_c[None, :], mask=mask_hc, other=0.0).to(tl.float32)
+    q0 = q0 * tl.load(kstd_ptr + kv_row * D + offs_c, mask=mask_c, other=0.0)[None, :]
+    qsum = tl.sum(q0, axis=1)
+    q0h, q0l, q0s = _split_f16(q0)
     if PACK == 2:
-        q1 = tl.load(q_ptr + q_row * D + DP + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-        q1 = q1 * tl.load(kstd_ptr + kv_row * D + DP + offs_c, mask=mask_c, other=0.0)
-        qsum += tl.sum(q1, axis=0)
-    # 0-d fp32 tensors, not Python floats, so that the loop-carried types are fixed before the loop.
-    m_i = tl.full([], float("-inf"), tl.float32)
-    l_i = tl.zeros([], tl.float32)
-    acc0 = tl.zeros([BLOCK_DP], tl.float32)
-    acc1 = tl.zeros([BLOCK_DP], tl.float32)
-    zacc = tl.zeros([], tl.float32)
+        q1 = tl.load(q_ptr + q_rows[:, None] * D + DP + offs_c[None, :], mask=mask_hc, other=0.0).to(tl.float32)
+        q1 = q1 * tl.load(kstd_ptr + kv_row * D + DP + offs_c, mask=mask_c, other=0.0)[None, :]
+        qsum += tl.sum(q1, axis=1)
+        q1h, q1l, q1s = _split_f16(q1)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc0 = tl.zeros([BLOCK_H, BLOCK_DP], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, BLOCK_DP], tl.float32)
+    zacc = tl.zeros([BLOCK_H], tl.float32)
     kbase = kp_ptr + kv_row * T * DP
     vbase = vp_ptr + kv_row * T * DP
     for t0 in range(start, end, BLOCK_T):
@@ -283,32 +303,37 @@ def _decode_kernel(q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_p
         kb = tl.load(kbase + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
         ks = tl.load(ks_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
         kz = tl.load(kz_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
-        dot = tl.sum((kb & (2 ** BITS - 1)).to(tl.float32) * q0[None, :], axis=1)
+        # Codes (0..255) are exact in fp16; products accumulate in fp32.
+        c0 = tl.trans((kb & levels).to(tl.float16))
+        dot = (tl.dot(q0h, c0) + tl.dot(q0l, c0)) * q0s[:, None]
         if PACK == 2:
-            dot += tl.sum(((kb >> BITS) & (2 ** BITS - 1)).to(tl.float32) * q1[None, :], axis=1)
-        score = (ks * dot + kz * qsum) * sm_scale
-        score = tl.where(mask_t, score, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(score, axis=0))
+            c1 = tl.trans(((kb >> BITS) & levels).to(tl.float16))
+            dot += (tl.dot(q1h, c1) + tl.dot(q1l, c1)) * q1s[:, None]
+        score = (ks[None, :] * dot + kz[None, :] * qsum[:, None]) * sm_scale
+        score = tl.where(mask_t[None, :], score, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(score, axis=1))
         alpha = tl.exp(m_i - m_new)
-        p = tl.exp(score - m_new)
-        p = tl.where(mask_t, p, 0.0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        p = tl.exp(score - m_new[:, None])
+        p = tl.where(mask_t[None, :], p, 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
         vb = tl.load(vbase + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
         vs = tl.load(vs_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
         vz = tl.load(vz_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
-        ps = p * vs
-        acc0 = acc0 * alpha + tl.sum((vb & (2 ** BITS - 1)).to(tl.float32) * ps[:, None], axis=0)
+        psh, psl, pss = _split_f16(p * vs[None, :])
+        v0 = (vb & levels).to(tl.float16)
+        acc0 = acc0 * alpha[:, None] + (tl.dot(psh, v0) + tl.dot(psl, v0)) * pss[:, None]
         if PACK == 2:
-            acc1 = acc1 * alpha + tl.sum(((vb >> BITS) & (2 ** BITS - 1)).to(tl.float32) * ps[:, None], axis=0)
-        zacc = zacc * alpha + tl.sum(p * vz, axis=0)
+            v1 = ((vb >> BITS) & levels).to(tl.float16)
+            acc1 = acc1 * alpha[:, None] + (tl.dot(psh, v1) + tl.dot(psl, v1)) * pss[:, None]
+        zacc = zacc * alpha + tl.sum(p * vz[None, :], axis=1)
         m_i = m_new
     # Partial results of this split (un-normalised, before the value statistics); merged on the host.
-    part = (q_row * n_splits + split).to(tl.int64)
-    tl.store(o_ptr + part * D + offs_c, acc0 + zacc, mask=mask_c)
+    part = q_rows * n_splits + split
+    tl.store(o_ptr + part[:, None] * D + offs_c[None, :], acc0 + zacc[:, None], mask=mask_hc)
     if PACK == 2:
-        tl.store(o_ptr + part * D + DP + offs_c, acc1 + zacc, mask=mask_c)
-    tl.store(m_ptr + part, m_i)
-    tl.store(l_ptr + part, l_i)
+        tl.store(o_ptr + part[:, None] * D + DP + offs_c[None, :], acc1 + zacc[:, None], mask=mask_hc)
+    tl.store(m_ptr + part, m_i, mask=mask_h)
+    tl.store(l_ptr + part, l_i, mask=mask_h)
 
 
 def _check_decode(q, k, v, seq_lens):
@@ -362,7 +387,7 @@ def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTens
     scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if num_splits is None:
         # Enough programs for ~2 waves on a 132-SM GPU; one split per sequence in the interpreter.
-        num_splits = 1 if not runtime.HAS_CUDA else max(1, min(triton.cdiv(t, 512), triton.cdiv(264, b * hq)))
+        num_splits = 1 if not runtime.HAS_CUDA else max(1, min(triton.cdiv(t, 256), triton.cdiv(264, b * hkv)))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     per_split = triton.cdiv(triton.cdiv(t, num_splits), _DECODE_BLOCK_T) * _DECODE_BLOCK_T
@@ -371,10 +396,12 @@ def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTens
     o = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
     m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
-    _decode_kernel[(b, hq, num_splits)](
+    qpk = hq // hkv
+    _decode_kernel[(b, hkv, num_splits)](
         q, k.packed, k.scale, k.zero, kstd, v.packed, v.scale, v.zero, lens, o, m, l_,
-        hq, hkv, t, d, dp, n_groups, scale, per_split, BITS=k.bits, PACK=pack, GROUP=k.group_size,
-        BLOCK_T=_DECODE_BLOCK_T, BLOCK_DP=triton.next_power_of_2(dp))
+        hq, hkv, t, d, dp, n_groups, scale, per_split, BITS=k.bits, PACK=pack, GROUP=k.group_size, QPK=qpk,
+        BLOCK_H=max(16, triton.next_power_of_2(qpk)), BLOCK_T=_DECODE_BLOCK_T,
+        BLOCK_DP=max(16, triton.next_power_of_2(dp)))
     # Merge the splits (log-sum-exp), normalise, then apply the value statistics sigma_j * (.) + mu_j.
     m_max = m.amax(dim=2, keepdim=True)
     w = torch.exp(m - m_max)  # empty splits have m = -inf and weigh 0

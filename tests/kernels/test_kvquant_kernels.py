@@ -3,7 +3,8 @@
 Under the interpreter the kernels compute with the same IEEE fp32 operations as the references (``div_rn``,
 half-up rounding, the same fp16 rounding of steps), so codes, steps and zero points are compared bit for bit.
 bf16 outputs are compared at bf16 tolerance: the interpreter's fp32 -> bf16 cast may round differently from
-torch's by one bf16 ulp. No kernel here uses ``tl.dot``, so no bf16 upcasting is needed.
+torch's by one bf16 ulp. Decode attention's ``tl.dot`` runs on fp16 operands (exact integer codes, hi/lo
+splits of fp32 factors) whatever the input dtype, so bf16 inputs need no upcasting under the interpreter.
 """
 from __future__ import annotations
 
