@@ -104,7 +104,7 @@ def decode_attention_ref(q, k_cache, v_cache, seq_lens, sm_scale=None):
         sm_scale: the factor applied to ``q @ k^T``; ``1 / sqrt(D)`` by default.
 
     Returns:
-        ``(B, Hq, D)`` in ``q.dtype``, computed in fp32 one sequence at a time.
+        ``(B, Hq, D)`` in ``q.dtype``, computed one sequence at a time in fp32 (fp64 for fp64 inputs).
     """
     _check_decode_args(q, k_cache, v_cache, seq_lens, sm_scale, None, None, need_kernel_device=False,
                        allow_float64=True)
