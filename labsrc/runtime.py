@@ -75,6 +75,16 @@ SIZES: dict[str, dict[str, dict]] = {
                     kernel_rows=4096, kernel_slots=65536, kernel_heads=8, kernel_dim=128,
                     n_requests=2000, max_len=2048, block_size=16),
     },
+    "kv_eviction": {
+        "cpu": dict(ctx=256, n=4, new_tokens=8, ppl_len=192, ppl_prefill=128, ablation_n=3, gqa_n=4,
+                    bf_tokens=14, bf_budget=7, bf_future=6, bf_slices=12, draws=400, cv_samples=3,
+                    overhead_prompt=256, overhead_tokens=24, survival_chunk=16, anim_frames=8,
+                    ledger_ctx=256, ledger_n=1, ledger_windows=1, ledger_decode=16),
+        "gpu": dict(ctx=512, n=20, new_tokens=8, ppl_len=512, ppl_prefill=256, ablation_n=20, gqa_n=20,
+                    bf_tokens=16, bf_budget=8, bf_future=8, bf_slices=48, draws=4000, cv_samples=16,
+                    overhead_prompt=512, overhead_tokens=64, survival_chunk=16, anim_frames=12,
+                    ledger_ctx=512, ledger_n=10, ledger_windows=4, ledger_decode=64),
+    },
 }
 
 
