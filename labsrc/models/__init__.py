@@ -1,0 +1,73 @@
+"""The lab's models: ``load(name_or_path) -> (model, tokenizer)``.
+
+Shipped names (see :data:`SHIPPED`): ``lab-target`` (about 9M parameters, trained at a 512-token context) and
+``lab-draft`` (its small draft for speculative decoding). They live in ``labsrc/models/checkpoints/<name>/``
+and are trained by ``python -m labsrc.models.train <name>``. A local folder, or on a machine with a network a
+Hugging Face hub id, loads the same way.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
+SHIPPED = ("lab-target", "lab-draft")
+
+
+def resolve(name_or_path: str) -> str:
+    """Turn a shipped name into its checkpoint folder; pass folders and hub ids through."""
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"name_or_path must be a str or Path, got {type(name_or_path).__name__}")
+    name = str(name_or_path)
+    if name in SHIPPED:
+        path = CHECKPOINTS / name
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"shipped model {name!r} has no checkpoint at {path}; "
+                                    f"train it with `python -m labsrc.models.train {name}`")
+        return str(path)
+    path = Path(name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a folder without a config.json, not a model checkpoint")
+        return str(path)
+    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/")) and not path.exists()
+    if looks_like_hub_id:
+        return name
+    raise ValueError(f"unknown model {name!r}: not a shipped name (shipped: {', '.join(SHIPPED)}), "
+                     f"not a checkpoint folder, not a hub id of the form 'owner/name'")
+
+
+def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Load a model and its tokenizer: ``(LlamaForCausalLM in eval mode, PreTrainedTokenizerFast)``.
+
+    ``name_or_path`` is a shipped name (``"lab-target"``, ``"lab-draft"``), a local checkpoint folder, or a hub
+    id. Weights are stored in fp16 and cast to ``dtype`` (fp32 by default, the reference on a CPU).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    where = resolve(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(where)
+    return model, tokenizer
+
+
+def eval_card(name_or_path: str) -> dict:
+    """The eval card (``eval_card.json``) written when a shipped or local model was trained."""
+    where = Path(resolve(name_or_path))
+    card = where / "eval_card.json"
+    if not card.is_file():
+        raise FileNotFoundError(f"no eval card at {card}")
+    return json.loads(card.read_text())
+
+
+def train_log(name_or_path: str) -> list[dict]:
+    """The training log (one dict per step: loss, text loss, answer loss, lr, tokens, seconds)."""
+    import csv
+
+    where = Path(resolve(name_or_path))
+    with open(where / "train_log.csv") as f:
+        return [{k: (float(v) if v not in ("", None) else None) for k, v in row.items()} for row in csv.DictReader(f)]

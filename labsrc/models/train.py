@@ -1,0 +1,308 @@
+"""Train one of the lab's models on this machine's CPU: ``python -m labsrc.models.train <name>``.
+
+Names: ``lab-target`` (about 9M parameters, 6 layers, grouped-query attention with 8 query heads and 2 KV
+heads, trained at a context of 512 tokens), ``lab-draft`` (a fifth of that, for speculative decoding) and
+``tiny`` (a smoke-test configuration). A run is deterministic from its seed, stops after ``max_steps`` (or,
+as a safety net, at a wall-clock budget, which the eval card then reports), and writes into
+``labsrc/models/checkpoints/<name>/`` (or ``--out``): the weights (safetensors, fp16), the config, the
+tokenizer, ``train_log.csv`` (the loss curve) and ``eval_card.json`` (validation perplexity and probe
+accuracies, measured on the *saved* weights loaded back through :func:`labsrc.models.load`).
+
+Each training row starts with the BOS token. With probability ``p_corpus`` it is a window of the training
+split; otherwise it packs synthetic retrieval samples from :mod:`labsrc.tasks` (pass key, needle with
+distractors, MQAR, variable tracking, and a digit-copy task; the same generators the probes use, on the
+*training* split's prose) of random length and depth, separated by end-of-text tokens, then more prose. A
+curriculum starts with 128-token rows (more of them per step) and grows them to 512. The loss is the mean
+over prose tokens plus ``answer_weight`` times the mean over answer tokens: the answers are a handful of
+tokens among hundreds, and they are what teaches the model to read its context.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from labsrc import tasks
+from labsrc.data import TOKENIZER_PATH, load_tokenizer, train_tokenizer
+
+CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
+TRAINED_CONTEXT = 512
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a run: the architecture, the data mixture and the optimiser."""
+
+    hidden_size: int = 320
+    intermediate_size: int = 864
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 2
+    tie_word_embeddings: bool = False
+    seq_len: int = TRAINED_CONTEXT
+    batch_size: int = 4
+    max_steps: int = 1500
+    lr: float = 1.5e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    answer_weight: float = 1.0
+    p_corpus: float = 0.3
+    task_mix: dict = field(default_factory=lambda: {"passkey": 0.35, "copy": 0.2, "needle": 0.15, "mqar": 0.2,
+                                                    "variable_tracking": 0.1})
+    curriculum_frac: float = 0.4  # rows grow from 128 tokens to seq_len over this share of the steps
+    min_task_len: int = 80
+    seed: int = 0
+    time_budget_s: float = 35 * 60
+    eval_every: int = 200
+    # One thread, not two: on two cores shared with other jobs, two OpenMP threads wait on each other and
+    # ran about 4x slower than one in our measurement (1,100 vs 250 tokens/s for lab-target).
+    threads: int = 1
+    bf16_autocast: bool = True
+
+
+CONFIGS = {
+    "lab-target": TrainConfig(),
+    "lab-draft": TrainConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, tie_word_embeddings=True, max_steps=1000, lr=3e-3,
+                             time_budget_s=15 * 60),
+    "tiny": TrainConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, tie_word_embeddings=True, seq_len=128, batch_size=4, max_steps=20,
+                        lr=3e-3, warmup_steps=2, eval_every=0, time_budget_s=120),
+}
+
+
+def model_config(cfg: TrainConfig, tokenizer):
+    """The ``transformers.LlamaConfig`` for ``cfg`` (RoPE, RMSNorm, SwiGLU, grouped-query attention)."""
+    from transformers import LlamaConfig
+
+    c = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.seq_len,
+        tie_word_embeddings=cfg.tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0,
+    )
+    c.lab_trained_context = cfg.seq_len  # the RoPE chapter reads this: positions beyond it were never trained
+    return c
+
+
+def make_batch(cfg: TrainConfig, tokenizer, rng: random.Random, step: int | None = None):
+    """One batch: ``(ids, answers)``, both ``(rows, length)``; ``answers[b, t]`` is True where token ``t`` is an
+    answer of a synthetic sample (its loss is averaged separately, see :func:`train`).
+
+    Curriculum: during the first ``curriculum_frac`` of ``max_steps`` the rows are shorter (growing from 128
+    tokens to ``seq_len``) and proportionally more numerous, so every step has the same number of tokens. Short
+    rows pack many more retrieval samples into the same compute, and the look-back distance then grows to the
+    whole context as the model learns to retrieve. With ``step=None`` rows are ``seq_len`` long.
+    """
+    train_ids = tasks.corpus_ids(tokenizer, "train")
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    length = cfg.seq_len
+    if step is not None and cfg.curriculum_frac > 0:
+        grow = min(1.0, step / (cfg.curriculum_frac * cfg.max_steps))
+        length = min(cfg.seq_len, max(min(128, cfg.seq_len), int(128 + grow * (cfg.seq_len - 128)) // 32 * 32))
+    n_rows = cfg.batch_size * cfg.seq_len // length
+    rows, weights = [], []
+    names, probs = zip(*cfg.task_mix.items())
+    for _ in range(n_rows):
+        w = [False] * length
+        if rng.random() < cfg.p_corpus:
+            start = rng.randrange(0, len(train_ids) - length)
+            ids = [bos] + train_ids[start:start + length - 1].tolist()
+        else:
+            # Pack synthetic samples: the first of random length up to the whole row (so retrieval is
+            # trained at every distance), then more while there is room, then prose.
+            ids, room = [], length
+            while room >= cfg.min_task_len:
+                sample = _synthetic(cfg, tokenizer, rng, names, probs, room)
+                if ids:
+                    sample.ids = [eos] + sample.ids[1:]  # end-of-text separates packed samples
+                for a, e in sample.spans:
+                    for t in range(a, e):
+                        w[len(ids) + t] = True
+                ids += sample.ids
+                room = length - len(ids)
+                if rng.random() < 0.3:
+                    break
+            if len(ids) < length:
+                n = length - len(ids) - 1
+                start = rng.randrange(0, len(train_ids) - n)
+                ids = ids + [eos] + train_ids[start:start + n].tolist()
+        rows.append(ids[:length])
+        weights.append(w[:length])
+    return torch.tensor(rows), torch.tensor(weights)
+
+
+def _synthetic(cfg: TrainConfig, tokenizer, rng: random.Random, names, probs, room: int):
+    """One synthetic retrieval sample of at most ``room`` tokens, task and shape drawn from the mixture."""
+    task = rng.choices(names, probs)[0]
+    length = rng.randint(cfg.min_task_len, room)
+    kw, need = {}, 80  # need: a little more than the sample's fixed (non-filler) tokens
+    if task == "needle":
+        kw["n_distractors"] = rng.randint(0, 4)
+        need = 100 + 26 * kw["n_distractors"]
+    elif task == "mqar":
+        kw["n_pairs"] = rng.randint(2, 12)
+        need = 30 + 22 * kw["n_pairs"]
+    elif task == "variable_tracking":
+        kw["n_hops"] = rng.randint(0, 2)
+        need = 100 + 40 * kw["n_hops"]
+    if need > room:
+        task, kw = "passkey", {}
+    length = max(length, min(need, room))
+    try:
+        return tasks.make_sample(task, tokenizer, length, rng, split="train", **kw)
+    except ValueError:  # a rare draw of long key words overran the estimate: a pass key always fits
+        return tasks.make_sample("passkey", tokenizer, room, rng, split="train")
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbose: bool = True):
+    """Train a fresh model under ``cfg``; return ``(model, log rows, info)``. Deterministic from ``cfg.seed``."""
+    from transformers import LlamaForCausalLM
+
+    if not isinstance(cfg, TrainConfig):
+        raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    tokenizer = tokenizer or load_tokenizer()
+    rng = random.Random(cfg.seed)
+    model = LlamaForCausalLM(model_config(cfg, tokenizer))
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    log, t0, tokens, stopped_early = [], time.time(), 0, False
+    fh = open(log_path, "w", newline="") if log_path else None
+    writer = None
+    for step in range(cfg.max_steps):
+        if time.time() - t0 > cfg.time_budget_s:
+            stopped_early = True
+            break
+        for g in opt.param_groups:
+            g["lr"] = _lr(cfg, step)
+        ids, w = make_batch(cfg, tokenizer, rng, step)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
+            logits = model(input_ids=ids).logits
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+        answer = w[:, 1:]
+        # Mean loss over prose plus answer_weight x mean loss over answer tokens: the answers are a handful of
+        # tokens among hundreds, and weighting them per token (not per group) left their gradient too weak for
+        # the retrieval circuit to form in the steps a CPU affords.
+        loss = nll[~answer].mean()
+        if answer.any():
+            loss = loss + cfg.answer_weight * nll[answer].mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        tokens += ids.numel()
+        row = {"step": step + 1, "loss": float(loss.detach()), "text_loss": float(nll[~answer].mean()),
+               "answer_loss": float(nll[answer].mean()) if answer.any() else float("nan"),
+               "lr": _lr(cfg, step), "tokens": tokens, "elapsed_s": round(time.time() - t0, 2)}
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            model.eval()
+            row["passkey_512"] = tasks.passkey_accuracy(model, tokenizer, cfg.seq_len, [0.0, 0.5, 1.0], n=4,
+                                                        seed=1234)
+            model.train()
+        log.append(row)
+        if fh:
+            if writer is None:
+                writer = csv.DictWriter(fh, fieldnames=list(log[0]) + ["passkey_512"], extrasaction="ignore")
+                writer.writeheader()
+            writer.writerow(row)
+            fh.flush()
+        if verbose and ((step + 1) % 10 == 0 or "passkey_512" in row):
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
+                  flush=True)
+    if fh:
+        fh.close()
+    model.eval()
+    info = {"steps": len(log), "tokens": tokens, "train_minutes": round((time.time() - t0) / 60, 2),
+            "stopped_at_time_budget": stopped_early}
+    return model, log, info
+
+
+PASSKEY_LENGTHS = (128, 256, 384, 512)
+PASSKEY_BEYOND = (768, 1024)
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def evaluate(model, tokenizer, context_len: int = TRAINED_CONTEXT, n: int = 20, seed: int = 0) -> dict:
+    """The eval card's figures for ``model``: validation perplexity and the probe accuracies."""
+    torch.set_num_threads(1)
+    ppl = tasks.perplexity_by_position(model, tokenizer, context_len, bucket=64)
+    grid = tasks.passkey_grid(model, tokenizer, PASSKEY_LENGTHS, PASSKEY_DEPTHS, n=n, seed=seed)
+    beyond = tasks.passkey_grid(model, tokenizer, PASSKEY_BEYOND, PASSKEY_DEPTHS, n=max(4, n // 2), seed=seed,
+                                batch_size=4)
+    return {
+        "validation_perplexity": ppl["overall"],
+        "validation_windows": ppl["n_windows"],
+        "perplexity_by_position": {"positions": ppl["positions"], "perplexity": ppl["perplexity"]},
+        "passkey": {"context_lens": list(PASSKEY_LENGTHS), "depths": list(PASSKEY_DEPTHS), "n": n,
+                    "accuracy": grid.tolist(),
+                    "accuracy_by_depth": dict(zip(map(str, PASSKEY_DEPTHS), grid.min(1).values.tolist())),
+                    "min_inside_trained_context": float(grid.min())},
+        "passkey_beyond_trained_context": {"context_lens": list(PASSKEY_BEYOND), "depths": list(PASSKEY_DEPTHS),
+                                           "accuracy": beyond.tolist()},
+        "needle_accuracy": tasks.needle_accuracy(model, tokenizer, context_len, n=2 * n, seed=seed),
+        "mqar_accuracy": tasks.mqar_accuracy(model, tokenizer, context_len, n=n, seed=seed),
+        "variable_tracking_accuracy": {
+            str(h): tasks.variable_tracking_accuracy(model, tokenizer, context_len, n=n, n_hops=h, seed=seed)
+            for h in (0, 1, 2)},
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("name", choices=sorted(CONFIGS))
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default: checkpoints/<name>)")
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--time-budget-min", type=float, default=None)
+    args = parser.parse_args(argv)
+    cfg = CONFIGS[args.name]
+    if args.max_steps is not None:
+        cfg = replace(cfg, max_steps=args.max_steps)
+    if args.time_budget_min is not None:
+        cfg = replace(cfg, time_budget_s=args.time_budget_min * 60)
+    out = args.out or CHECKPOINTS / args.name
+    out.mkdir(parents=True, exist_ok=True)
+    if not TOKENIZER_PATH.is_file():
+        train_tokenizer()
+    tokenizer = load_tokenizer()
+    model, log, info = train(cfg, tokenizer, log_path=out / "train_log.csv")
+    model.to(torch.float16).save_pretrained(out)
+    shutil.copy(TOKENIZER_PATH, out / "tokenizer.json")
+    tokenizer.save_pretrained(out)
+    from labsrc.models import load
+
+    t0 = time.time()
+    model, tokenizer = load(str(out))
+    card = {"name": args.name, "parameters": sum(p.numel() for p in model.parameters()),
+            "trained_context": cfg.seq_len, **info, "train_config": asdict(cfg),
+            "final_train_loss": log[-1]["loss"] if log else None, **evaluate(model, tokenizer)}
+    card["eval_minutes"] = round((time.time() - t0) / 60, 2)
+    (out / "eval_card.json").write_text(json.dumps(card, indent=1))
+    print(json.dumps({k: v for k, v in card.items() if k not in ("train_config", "perplexity_by_position")},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

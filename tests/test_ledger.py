@@ -1,0 +1,108 @@
+"""The metrics ledger: every field, figures that agree with independent computations, clear errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from labsrc import ledger, tasks
+from labsrc.data import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+SMALL = dict(context_len=160, n=1, ppl_windows=1, chunk=24, decode_prompt_len=16, decode_tokens=8)
+
+
+def test_measure_returns_every_field_with_the_analytic_kv_bytes(model, tok):
+    row = ledger.measure(model, tok, name="random-tiny", **SMALL)
+    assert set(row) == set(ledger.FIELDS)
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    # fp32 DynamicCache: K and V, every layer, every KV head
+    assert row["kv_bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 4
+    assert row["peak_kv_bytes"] == row["kv_bytes_per_token"] * (SMALL["context_len"] - 1)
+    assert row["decode_tokens_per_s"] > 0
+    assert 0.0 <= row["passkey_accuracy"] <= 1.0 and 0.0 <= row["needle_accuracy"] <= 1.0
+    assert row["acceptance_rate"] is None
+    assert row["validation_perplexity"] > 1
+
+
+def test_perplexity_through_the_cache_equals_one_full_forward(model, tok):
+    got = ledger._perplexity_through_cache(model, tok, ledger.default_cache, 96, 1, 10)
+    ids = tasks.corpus_ids(tok, "validation")
+    x = torch.cat([torch.tensor([tok.bos_token_id]), ids[:95]])[None]
+    with torch.no_grad():
+        logits = model(input_ids=x).logits
+    want = math.exp(float(torch.nn.functional.cross_entropy(logits[0, 47:95], x[0, 48:96])))
+    assert math.isclose(got, want, rel_tol=1e-5)
+
+
+def test_greedy_with_cache_matches_greedy_without(model, tok):
+    prompt = torch.tensor([tasks.passkey_sample(tok, 120, 0.5, __import__("random").Random(1)).prompt_ids])
+    got = ledger.greedy(model, prompt, 5, ledger.default_cache(model)).tokens
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(5):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
+    assert got == ids[0, prompt.shape[1]:].tolist()
+
+
+def test_a_decoder_that_reports_acceptance_shows_up(model, tok):
+    def fake_speculative(model, prompt_ids, max_new_tokens, cache):
+        out = ledger.greedy(model, prompt_ids, max_new_tokens, cache)
+        return ledger.Decoded(out.tokens, acceptance_rate=0.75)
+
+    row = ledger.measure(model, tok, name="spec", decoder=fake_speculative, **SMALL)
+    assert row["acceptance_rate"] == 0.75
+
+
+def test_ledger_accumulates_persists_and_finds_the_pareto_front(tmp_path):
+    base = {f: None for f in ledger.FIELDS}
+    rows = [dict(base, name="a", kv_bytes_per_token=100.0, passkey_accuracy=1.0),
+            dict(base, name="b", kv_bytes_per_token=50.0, passkey_accuracy=0.9),
+            dict(base, name="c", kv_bytes_per_token=60.0, passkey_accuracy=0.5),  # dominated by b
+            dict(base, name="d", kv_bytes_per_token=25.0, passkey_accuracy=0.2)]
+    book = ledger.Ledger(tmp_path / "l.jsonl")
+    for r in rows:
+        book.add(r)
+    book.add(dict(rows[0], passkey_accuracy=0.95))  # same name replaces
+    again = ledger.Ledger(tmp_path / "l.jsonl")
+    assert [r["name"] for r in again.rows] == ["a", "b", "c", "d"]
+    assert again.rows[0]["passkey_accuracy"] == 0.95
+    assert [r["name"] for r in again.pareto("kv_bytes_per_token", "passkey_accuracy")] == ["d", "b", "a"]
+    assert "| a |" in again.to_markdown()
+
+
+def test_bad_arguments_raise_clear_errors(model, tok):
+    with pytest.raises(TypeError, match="model must be"):
+        ledger.measure("llama", tok, name="x")
+    with pytest.raises(TypeError, match="cache_factory must be callable"):
+        ledger.measure(model, tok, name="x", cache_factory="quantized")
+    with pytest.raises(TypeError, match="decoder must be callable"):
+        ledger.measure(model, tok, name="x", decoder=3)
+    with pytest.raises(ValueError, match="name must be"):
+        ledger.measure(model, tok, name="")
+    with pytest.raises(ValueError, match="context_len must be a positive int"):
+        ledger.measure(model, tok, name="x", context_len=0)
+    with pytest.raises(TypeError, match="must return a labsrc.ledger.Decoded"):
+        ledger.measure(model, tok, name="x", decoder=lambda *a: [1, 2], **SMALL)
+    with pytest.raises(ValueError, match="missing fields"):
+        ledger.Ledger(None).add({"name": "x"})
+    with pytest.raises(ValueError, match="not a numeric ledger field"):
+        ledger.Ledger(None).pareto("name", "passkey_accuracy")

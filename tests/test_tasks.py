@@ -1,0 +1,143 @@
+"""The probes: deterministic from a seed, exact lengths, answers that can be checked from the text itself."""
+from __future__ import annotations
+
+import math
+import random
+import re
+
+import pytest
+import torch
+
+from labsrc import tasks
+from labsrc.data import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def _sample(tok, task, seed, context_len=300, **kw):
+    return tasks.make_sample(task, tok, context_len, random.Random(seed), **kw)
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+def test_generators_are_deterministic_and_exact_length(tok, task):
+    for context_len in (257, 300):
+        a, b = _sample(tok, task, 7, context_len), _sample(tok, task, 7, context_len)
+        assert a.ids == b.ids and a.spans == b.spans
+        assert len(a.ids) == context_len
+        assert a.ids[0] == tok.bos_token_id
+        assert _sample(tok, task, 8, context_len).ids != a.ids  # another seed, another sample
+
+
+def test_passkey_answer_is_the_key_stated_at_its_depth(tok):
+    for depth in (0.0, 0.5, 1.0):
+        s = tasks.passkey_sample(tok, 400, depth, random.Random(3))
+        key = s.meta["key"]
+        assert tok.decode(s.answer_ids) == f" {key}"
+        prompt = tok.decode(s.prompt_ids)
+        assert prompt.count(f"The pass key is {key}.") == 1
+        assert prompt.endswith("What is the pass key? The pass key is")
+        where = prompt.index(f"The pass key is {key}.") / len(prompt)
+        assert abs(where - depth) < 0.25, (depth, where)
+
+
+def test_needle_answer_matches_its_key_among_distractors(tok):
+    s = tasks.needle_sample(tok, 500, 0.3, random.Random(5), n_distractors=4)
+    text = tok.decode(s.prompt_ids)
+    found = dict(re.findall(r"The special magic number for (\w+) is (\d+)\.", text))
+    assert len(found) == 5
+    assert found[s.meta["key"]] == s.meta["value"] == tok.decode(s.answer_ids).strip()
+
+
+def test_mqar_answers_follow_the_listed_pairs(tok):
+    s = tasks.mqar_sample(tok, 400, random.Random(2), n_pairs=6)
+    text = tok.decode(s.ids)
+    listed = dict(re.findall(r"(\w+): (\d{3})", text.split("\n\n")[0]))
+    assert listed == s.meta["pairs"]
+    queried = text.split("Recall the pairs.")[1]
+    assert len(s.spans) == 6
+    for (a, e), (k, v) in zip(s.spans, re.findall(r" (\w+): (\d{3}),", queried)):
+        assert tok.decode(s.ids[a:e]).strip() == v == listed[k]
+
+
+def test_variable_tracking_answer_follows_the_chain(tok):
+    for hops in (0, 1, 3):
+        s = tasks.variable_tracking_sample(tok, 600, random.Random(hops), n_hops=hops)
+        text = tok.decode(s.prompt_ids)
+        assign = dict(re.findall(r"VAR (\w{3}) = (VAR \w{3}|\d+)\.", text))
+        assert len(assign) == 2 * (hops + 1)
+        value, steps = f"VAR {s.meta['variable']}", 0
+        while value.startswith("VAR "):
+            value, steps = assign[value[4:]], steps + 1
+        assert steps == hops + 1
+        assert value == s.meta["value"] == tok.decode(s.answer_ids).strip()
+
+
+class _Oracle(torch.nn.Module):
+    """A fake LM that knows the sequences it is scored on and predicts each next token (or a wrong one)."""
+
+    def __init__(self, samples, vocab, wrong=False):
+        super().__init__()
+        self.config = object()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.table = {tuple(s.ids): s.ids for s in samples}
+        self.vocab, self.wrong = vocab, wrong
+
+    def forward(self, input_ids):
+        out = torch.zeros(*input_ids.shape, self.vocab)
+        for b, row in enumerate(input_ids.tolist()):
+            nxt = row[1:] + [0]
+            for t, n in enumerate(nxt):
+                out[b, t, (n + 1) % self.vocab if self.wrong else n] = 1.0
+        return type("Out", (), {"logits": out})
+
+
+def test_score_counts_an_answer_right_only_when_every_token_is_right(tok):
+    rng = random.Random(0)
+    samples = [tasks.passkey_sample(tok, 160, 0.5, rng) for _ in range(3)] + [tasks.mqar_sample(tok, 200, rng, 3)]
+    assert tasks.accuracy(_Oracle(samples, len(tok)), samples, batch_size=2) == 1.0
+    assert tasks.accuracy(_Oracle(samples, len(tok), wrong=True), samples) == 0.0
+
+
+class _Uniform(torch.nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.config, self.vocab = object(), vocab
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids):
+        return type("Out", (), {"logits": torch.zeros(*input_ids.shape, self.vocab)})
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocabulary_size(tok):
+    res = tasks.perplexity_by_position(_Uniform(len(tok)), tok, context_len=65, bucket=16, n_windows=3)
+    assert res["positions"] == [0, 16, 32, 48]
+    assert all(math.isclose(p, len(tok), rel_tol=1e-5) for p in res["perplexity"])  # fp32 logits
+    assert math.isclose(res["overall"], len(tok), rel_tol=1e-5)
+
+
+def test_bad_arguments_raise_clear_errors(tok):
+    with pytest.raises(ValueError, match="too short"):
+        tasks.passkey_sample(tok, 20, 0.5, random.Random(0))
+    with pytest.raises(ValueError, match="depth"):
+        tasks.passkey_sample(tok, 200, 1.5, random.Random(0))
+    with pytest.raises(ValueError, match="context_len"):
+        tasks.needle_sample(tok, 0, 0.5, random.Random(0))
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.make_sample("sudoku", tok, 200, random.Random(0))
+    with pytest.raises(ValueError, match="n_pairs"):
+        tasks.mqar_sample(tok, 300, random.Random(0), n_pairs=0)
+    with pytest.raises(ValueError, match="n_hops"):
+        tasks.variable_tracking_sample(tok, 300, random.Random(0), n_hops=-1)
+    with pytest.raises(ValueError, match="n_distractors"):
+        tasks.needle_sample(tok, 300, 0.5, random.Random(0), n_distractors=99)
+    with pytest.raises(TypeError, match="model must be"):
+        tasks.passkey_accuracy("gpt", tok, 128, [0.5], n=1)
+    with pytest.raises(ValueError, match="n must be"):
+        tasks.passkey_accuracy(_Uniform(len(tok)), tok, 128, [0.5], n=0)
+    with pytest.raises(ValueError, match="depths must not be empty"):
+        tasks.passkey_accuracy(_Uniform(len(tok)), tok, 128, [], n=1)
+    with pytest.raises(ValueError, match="bucket"):
+        tasks.perplexity_by_position(_Uniform(len(tok)), tok, 64, bucket=0)
