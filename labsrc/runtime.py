@@ -75,6 +75,14 @@ SIZES: dict[str, dict[str, dict]] = {
                     kernel_rows=4096, kernel_slots=65536, kernel_heads=8, kernel_dim=128,
                     n_requests=2000, max_len=2048, block_size=16),
     },
+    "rope": {
+        "cpu": dict(lengths=(512, 1024, 2048), bucket=128, n_windows=2, passkey_n=2,
+                    passkey_depths=(0.1, 0.5, 0.9), ft_steps=6, ft_batch=1, ft_lr=1e-4,
+                    kernel_shape=(2, 4, 2, 37, 40), table_rows=96),
+        "gpu": dict(lengths=(512, 1024, 2048, 4096), bucket=128, n_windows=16, passkey_n=10,
+                    passkey_depths=(0.1, 0.3, 0.5, 0.7, 0.9), ft_steps=60, ft_batch=4, ft_lr=1e-4,
+                    kernel_shape=(4, 32, 8, 1024, 128), table_rows=4096),
+    },
     "kv_eviction": {
         "cpu": dict(ctx=256, n=4, new_tokens=8, ppl_len=192, ppl_prefill=128, ablation_n=3, gqa_n=4,
                     bf_tokens=14, bf_budget=7, bf_future=6, bf_slices=12, draws=400, cv_samples=3,
