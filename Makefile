@@ -16,6 +16,10 @@ PYTEST      := $(VENV)/bin/pytest
 # The CPU build of torch 2.13 lies on this workplace's disk; on a GPU box, `make ... TORCH_SPEC=torch` (or conda).
 TORCH_SPEC  ?= torch==2.13.0
 TIMED       := tools/timed
+# Interpreted kernels and small references are single-threaded work; with pytest-xdist's two workers (or two
+# notebooks) on two cores, extra BLAS/OpenMP threads only spin. labsrc.runtime sets torch's own count.
+export OMP_NUM_THREADS ?= 1
+export OPENBLAS_NUM_THREADS ?= 1
 
 CHAPTERS    := $(sort $(wildcard chapters/*.ipynb))
 LABSRC      := $(shell find labsrc -name '*.py' -o -name '*.json' -o -name '*.safetensors' 2>/dev/null)
