@@ -105,7 +105,7 @@ SIZES: dict[str, dict[str, dict]] = {
     },
     "flash_attention": {
         "cpu": dict(tq=37, tk=53, batch=2, n_heads=4, n_kv_heads=2, head_dim=40, block=16,
-                    decode_tmax=77, decode_batch=3, mem_lengths=(128, 256, 512, 1024, 2048), gen_tokens=24,
+                    decode_tmax=77, decode_batch=3, mem_lengths=(128, 256, 512, 1024, 2048), gen_tokens=64,
                     prompt_words=40, sparse_len=480, sparse_layer=3, sparse_block=16, sparse_samples=4,
                     sparse_keep=(1.0, 0.5, 0.25, 0.125, 0.0625), gpu_lengths=(), decode_lengths=()),
         "gpu": dict(tq=37, tk=53, batch=2, n_heads=4, n_kv_heads=2, head_dim=40, block=16,
