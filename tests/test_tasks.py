@@ -141,3 +141,14 @@ def test_bad_arguments_raise_clear_errors(tok):
         tasks.passkey_accuracy(_Uniform(len(tok)), tok, 128, [], n=1)
     with pytest.raises(ValueError, match="bucket"):
         tasks.perplexity_by_position(_Uniform(len(tok)), tok, 64, bucket=0)
+
+
+def test_copy_training_sample_repeats_its_words(tok):
+    s = tasks.copy_sample(tok, None, random.Random(4), n_words=7)
+    t = tasks.copy_sample(tok, 200, random.Random(4), n_words=7)
+    for sample in (s, t):
+        text = tok.decode(sample.ids[1:])
+        words = sample.meta["words"]
+        assert len(words.split()) == 7 and text.startswith(f"Copy these words: {words}.")
+        assert tok.decode(sample.answer_ids) == f" {words}"
+    assert len(t.ids) == 200 and len(s.ids) < 200

@@ -229,22 +229,25 @@ def variable_tracking_sample(tokenizer, context_len: int, rng: random.Random, n_
                      context_len, depths, split, rng, {"variable": target, "value": values[0], "n_hops": n_hops})
 
 
-def copy_sample(tokenizer, context_len: int, rng: random.Random, n_digits: int | None = None,
+def copy_sample(tokenizer, context_len: int | None, rng: random.Random, n_words: int | None = None,
                 split="validation") -> Sample:
-    """A training aid, not a probe: a random digit string, prose, then the same string again to be copied.
+    """A training aid, not a probe: a list of random words, prose, then the same list again to be copied.
 
-    Every digit of the second copy is predictable only by looking back, so this teaches the "find the
-    earlier occurrence, copy what followed" circuit (an induction head) with many targets per sequence.
+    Every word of the second copy is predictable only by looking back, so this teaches the "find the earlier
+    occurrence, copy what followed" circuit (an induction head) with many targets per sequence. Words from
+    :data:`KEYS` rather than digits: with only ten digits the previous token alone does not say where to look.
+    With ``context_len=None`` there is no prose between the two copies (the sample is as short as it can be).
     """
+    n_words = rng.randint(6, 16) if n_words is None else n_words
+    words = " ".join(rng.choice(KEYS) for _ in range(n_words))
+    head = _enc(tokenizer, f"Copy these words: {words}.\n\n")
+    question = _enc(tokenizer, "\n\nThe words were")
+    answer = _enc(tokenizer, f" {words}")
+    if context_len is None:
+        context_len = 1 + len(head) + len(question) + len(answer)
     _check_common(context_len)
-    n_digits = rng.randint(8, 32) if n_digits is None else n_digits
-    digits = "".join(rng.choice("0123456789") for _ in range(n_digits))
-    head = _enc(tokenizer, "Copy this number: ")
-    first = _enc(tokenizer, f"{digits}.\n\n")
-    question = _enc(tokenizer, "\n\nThe number was")
-    answer = _enc(tokenizer, f" {digits}")
-    return _assemble(tokenizer, "copy", head + first, [], [(question, False), (answer, True)], context_len, [],
-                     split, rng, {"digits": digits})
+    return _assemble(tokenizer, "copy", head, [], [(question, False), (answer, True)], context_len, [],
+                     split, rng, {"words": words})
 
 
 def make_sample(task: str, tokenizer, context_len: int, rng: random.Random, split="validation", **kw) -> Sample:
