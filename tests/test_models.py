@@ -1,0 +1,117 @@
+"""The lab's tokenizer and shipped models: round trip, load(), eval cards reproduced, training smoke run."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from labsrc import models, tasks
+from labsrc.data import TOKENIZER_PATH, load_text, load_tokenizer
+from labsrc.models import train as training
+
+TEXTS = ["It is a truth universally acknowledged, that a single man...", "The pass key is 40917. Remember it.",
+         "\"Oh!\" cried Marianne,\n\n--“quotes” café naïve 123 4567890", "  two  spaces\tand a tab  "]
+
+
+def test_tokenizer_round_trip_and_digits():
+    tok = load_tokenizer()
+    assert 4096 <= len(tok) <= 8192
+    for text in TEXTS + [load_text("validation")[:3000]]:
+        assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
+    digits = tok.convert_ids_to_tokens(tok(" 40917", add_special_tokens=False)["input_ids"])
+    assert digits[-5:] == list("40917")  # one token per digit
+
+
+@pytest.mark.parametrize("name", models.SHIPPED)
+def test_shipped_checkpoint_shape_and_config(name):
+    model, tok = models.load(name)
+    cfg = model.config
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert cfg.lab_trained_context == 512
+    assert cfg.num_key_value_heads < cfg.num_attention_heads  # grouped-query attention
+    enc = tok(TEXTS[0], add_special_tokens=False)["input_ids"]
+    assert enc == load_tokenizer()(TEXTS[0], add_special_tokens=False)["input_ids"]
+    n = sum(p.numel() for p in model.parameters())
+    assert n == models.eval_card(name)["parameters"]
+    if name == "lab-target":
+        assert 8e6 <= n <= 15e6 and cfg.num_hidden_layers >= 6 and cfg.num_attention_heads == 8
+    else:
+        target = sum(p.numel() for p in models.load("lab-target")[0].parameters())
+        assert n <= target / 5
+
+
+def test_checkpoints_fit_the_size_budget():
+    total = sum(f.stat().st_size for f in models.CHECKPOINTS.rglob("*") if f.is_file())
+    assert total <= 30 * 2**20, f"checkpoints take {total / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("name", models.SHIPPED)
+def test_load_reproduces_the_eval_card_perplexity(name):
+    torch.set_num_threads(1)
+    model, tok = models.load(name)
+    card = models.eval_card(name)
+    got = tasks.perplexity_by_position(model, tok, card["trained_context"], bucket=64)["overall"]
+    assert math.isclose(got, card["validation_perplexity"], rel_tol=0.01), (got, card["validation_perplexity"])
+
+
+def test_eval_card_and_log_are_complete():
+    for name in models.SHIPPED:
+        card = models.eval_card(name)
+        for key in ("parameters", "train_minutes", "validation_perplexity", "passkey", "needle_accuracy",
+                    "mqar_accuracy", "variable_tracking_accuracy", "passkey_beyond_trained_context"):
+            assert key in card
+        assert card["train_minutes"] <= 60
+        log = models.train_log(name)
+        assert len(log) == card["steps"] and log[-1]["tokens"] == card["tokens"]
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "issue 3 asks for >= 95% pass-key accuracy at every depth inside 512 tokens; the committed lab-target, "
+    "trained for under half an hour on two shared CPU cores, has not learned to retrieve (its eval card records "
+    "the grid). Open: retrain with a recipe that forms induction heads (see the lab-bench report)."))
+def test_target_retrieves_pass_keys_inside_its_trained_context():
+    card = models.eval_card("lab-target")
+    assert card["passkey"]["min_inside_trained_context"] >= 0.95, card["passkey"]["accuracy_by_depth"]
+
+
+def test_tiny_training_run_lowers_the_loss_within_20_steps():
+    cfg = replace(training.CONFIGS["tiny"], max_steps=20, time_budget_s=1e9)  # steps, not seconds, on a busy CPU
+    _, log, info = training.train(cfg, verbose=False)
+    first = sum(r["loss"] for r in log[:3]) / 3
+    last = sum(r["loss"] for r in log[-3:]) / 3
+    assert info["steps"] == 20 and last < first - 0.3, (first, last)
+
+
+def test_batches_are_deterministic_from_the_seed():
+    tok = load_tokenizer()
+    cfg = training.CONFIGS["tiny"]
+    a = training.make_batch(cfg, tok, random.Random(0), 5)
+    b = training.make_batch(cfg, tok, random.Random(0), 5)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert a[0].shape == a[1].shape and a[0].numel() == cfg.batch_size * cfg.seq_len and a[1].any()
+
+
+def test_bad_names_paths_and_arguments_raise_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="lab-target, lab-draft"):
+        models.load("lab-huge")
+    with pytest.raises(FileNotFoundError, match="without a config.json"):
+        models.load(str(tmp_path))
+    with pytest.raises(ValueError, match="unknown model"):
+        models.load(str(tmp_path / "nowhere" / "deeper" / "x"))
+    with pytest.raises(TypeError, match="name_or_path must be"):
+        models.load(3)
+    with pytest.raises(TypeError, match="dtype must be"):
+        models.load("lab-draft", dtype=torch.int8)
+    with pytest.raises(TypeError, match="cfg must be a TrainConfig"):
+        training.train({"hidden_size": 8})
+    with pytest.raises(FileNotFoundError, match="no tokenizer"):
+        load_tokenizer(tmp_path / "tokenizer.json")
+    with pytest.raises(ValueError, match="split must be"):
+        load_text("test")
+    with pytest.raises(SystemExit):
+        training.main(["lab-gigantic"])
+    assert Path(TOKENIZER_PATH).is_file()
