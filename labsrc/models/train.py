@@ -60,7 +60,7 @@ class TrainConfig:
     task_mix: dict = field(default_factory=lambda: {"passkey": 0.3, "copy": 0.35, "needle": 0.1, "mqar": 0.15,
                                                     "variable_tracking": 0.1})
     induction_steps: int = 150  # first steps: rows packed with copy tasks and short pass keys only
-    warmup: str = "copy_words"  # or "random_tokens": the warm-up copies random token strings
+    warmup: str = "copy_words"  # or "random_tokens" / "small_alphabet" (64 tokens): copy random token strings
     curriculum_frac: float = 0.4  # rows grow from 128 tokens to seq_len over this share of the steps
     min_task_len: int = 80
     seed: int = 0
@@ -123,11 +123,13 @@ def make_batch(cfg: TrainConfig, tokenizer, rng: random.Random, step: int | None
             # keys. Diluted among prose, the copy circuit did not form in 1,000 steps; packed densely it forms
             # in about a hundred (the same happens on a toy repeated-sequence task).
             ids = []
-            while cfg.warmup == "random_tokens" and length - len(ids) >= 2 * 24 + 2:
+            alphabet = (list(range(2, len(tokenizer))) if cfg.warmup == "random_tokens"
+                        else random.Random(12345).sample(range(2, len(tokenizer)), 64))
+            while cfg.warmup in ("random_tokens", "small_alphabet") and length - len(ids) >= 2 * 24 + 2:
                 # a string of random tokens, then the same string: the classic task on which induction heads
                 # form within a hundred steps (every token of the repeat is predictable only by looking back)
                 n = rng.randint(8, 24)
-                a = [rng.randrange(2, len(tokenizer)) for _ in range(n)]
+                a = [rng.choice(alphabet) for _ in range(n)]
                 start = len(ids) + 1 + n + 1
                 ids += [eos if ids else bos] + a + [eos] + a
                 for t in range(start, start + n):
@@ -308,13 +310,19 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: checkpoints/<name>)")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--time-budget-min", type=float, default=None)
-    parser.add_argument("--warmup", choices=("copy_words", "random_tokens"), default=None)
+    parser.add_argument("--warmup", choices=("copy_words", "random_tokens", "small_alphabet"), default=None)
+    parser.add_argument("--induction-steps", type=int, default=None)
+    parser.add_argument("--warmup-steps", type=int, default=None)
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.name]
     if args.max_steps is not None:
         cfg = replace(cfg, max_steps=args.max_steps)
     if args.warmup is not None:
         cfg = replace(cfg, warmup=args.warmup)
+    if args.induction_steps is not None:
+        cfg = replace(cfg, induction_steps=args.induction_steps)
+    if args.warmup_steps is not None:
+        cfg = replace(cfg, warmup_steps=args.warmup_steps)
     if args.time_budget_min is not None:
         cfg = replace(cfg, time_budget_s=args.time_budget_min * 60)
     out = args.out or CHECKPOINTS / args.name
