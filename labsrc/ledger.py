@@ -72,8 +72,13 @@ def cache_bytes(cache) -> int:
     """Bytes of every tensor a cache object holds (walks its attributes and layers; counts each storage once).
 
     This counts what a cache *really* stores, so a quantized cache's packed codes and scales, or an evicting
-    cache's shorter tensors, show up as they are.
+    cache's shorter tensors, show up as they are. A cache that states its own storage in an ``nbytes``
+    attribute (the quantized caches do: they also keep a dequantized working copy, which is a simulation
+    artefact, not storage) is taken at its word.
     """
+    stated = getattr(cache, "nbytes", None)
+    if isinstance(stated, int) and not isinstance(stated, bool):
+        return stated
     seen, total = set(), 0
     stack = [cache]
     visited = set()
@@ -172,8 +177,20 @@ def measure(model, tokenizer, *, name: str, cache_factory: Callable | None = Non
                        ("decode_prompt_len", decode_prompt_len), ("decode_tokens", decode_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{arg} must be a positive int, got {value!r}")
-    cache_factory = cache_factory or default_cache
     decoder = decoder or greedy
+    if cache_factory is None:
+        cache_factory = default_cache
+    else:
+        user_factory = cache_factory
+
+        def cache_factory(m):
+            # A factory returning None would let transformers make a fresh cache on every call, silently
+            # dropping the context between chunks; refuse it.
+            cache = user_factory(m)
+            if cache is None:
+                raise TypeError("cache_factory returned None; pass cache_factory=None for the default "
+                                "DynamicCache, or return a transformers.Cache")
+            return cache
     was_training = model.training
     model.eval()
     peak = [0, 0]

@@ -100,9 +100,23 @@ def test_bad_arguments_raise_clear_errors(model, tok):
         ledger.measure(model, tok, name="")
     with pytest.raises(ValueError, match="context_len must be a positive int"):
         ledger.measure(model, tok, name="x", context_len=0)
+    with pytest.raises(TypeError, match="cache_factory returned None"):
+        ledger.measure(model, tok, name="x", cache_factory=lambda m: None, **SMALL)
     with pytest.raises(TypeError, match="must return a labsrc.ledger.Decoded"):
         ledger.measure(model, tok, name="x", decoder=lambda *a: [1, 2], **SMALL)
     with pytest.raises(ValueError, match="missing fields"):
         ledger.Ledger(None).add({"name": "x"})
     with pytest.raises(ValueError, match="not a numeric ledger field"):
         ledger.Ledger(None).pareto("name", "passkey_accuracy")
+
+
+def test_cache_bytes_takes_a_cache_that_states_its_storage_at_its_word(model):
+    class Stated:
+        nbytes = 123
+        def __init__(self):
+            self.working_copy = torch.zeros(1000)  # a simulation buffer, not storage
+    assert ledger.cache_bytes(Stated()) == 123
+    cache = ledger.default_cache(model)
+    k = torch.zeros(1, 2, 5, 8)
+    cache.update(k, k.clone(), 0)
+    assert ledger.cache_bytes(cache) == 2 * k.numel() * 4
