@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 PASSED, FAILED, NOT_SOLVED = "passed", "failed", "not solved yet"
@@ -34,6 +35,24 @@ _TOLERANCES = {
 def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     """The ``(rtol, atol)`` the lab uses when comparing tensors of ``dtype``; exact (0, 0) for integers."""
     return _TOLERANCES.get(dtype, (0.0, 0.0))
+
+
+def randint(gen: torch.Generator, lo: int, hi: int) -> int:
+    """A random integer in ``[lo, hi]`` (both ends included) from ``gen``: for building random check inputs."""
+    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
+
+
+def as_number(fn: Callable) -> Callable:
+    """Wrap a student's function so that a one-element tensor or NumPy value counts as the number it holds:
+    the check should judge the value, not the type."""
+    def wrapped(*args):
+        got = fn(*args)
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            return got.item()
+        if isinstance(got, (np.ndarray, np.generic)) and np.size(got) == 1:
+            return got.item()
+        return got
+    return wrapped
 
 
 class ExerciseFailed(AssertionError):

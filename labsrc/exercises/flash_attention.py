@@ -14,21 +14,9 @@ import math
 
 import torch
 
-from labsrc.exercises.core import Result, check_function
+from labsrc.exercises.core import Result, as_number, check_function, randint
 
 
-def _randint(gen: torch.Generator, lo: int, hi: int) -> int:
-    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
-
-
-def _as_number(fn):
-    """Accept 0-d tensors as numbers, so the check judges the value, not the type."""
-    def wrapped(*args):
-        got = fn(*args)
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
-            return got.item()
-        return got
-    return wrapped
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -44,11 +32,11 @@ def _partial(scores: torch.Tensor, values: torch.Tensor):
 
 
 def _merge_inputs(gen: torch.Generator) -> tuple:
-    rows, d = _randint(gen, 1, 9), _randint(gen, 1, 33)
-    n1, n2 = _randint(gen, 1, 40), _randint(gen, 1, 40)
+    rows, d = randint(gen, 1, 9), randint(gen, 1, 33)
+    n1, n2 = randint(gen, 1, 40), randint(gen, 1, 40)
     # Chunks whose scores live on very different scales: exp() without the max shift overflows in fp32.
-    s1 = torch.randn(rows, n1, generator=gen, dtype=torch.float64) * 3 + float(_randint(gen, -120, 120))
-    s2 = torch.randn(rows, n2, generator=gen, dtype=torch.float64) * 3 + float(_randint(gen, -120, 120))
+    s1 = torch.randn(rows, n1, generator=gen, dtype=torch.float64) * 3 + float(randint(gen, -120, 120))
+    s2 = torch.randn(rows, n2, generator=gen, dtype=torch.float64) * 3 + float(randint(gen, -120, 120))
     v1 = torch.randn(n1, d, generator=gen, dtype=torch.float64)
     v2 = torch.randn(n2, d, generator=gen, dtype=torch.float64)
     return (*_partial(s1, v1), *_partial(s2, v2))
@@ -75,7 +63,7 @@ def check_merge(fn) -> Result:
 # ---------------------------------------------------------------------------------------------------------------
 
 def _naive_inputs(gen: torch.Generator) -> tuple:
-    return _randint(gen, 1, 200_000), [32, 64, 80, 128, 256][_randint(gen, 0, 4)], [1, 2, 4][_randint(gen, 0, 2)]
+    return randint(gen, 1, 200_000), [32, 64, 80, 128, 256][randint(gen, 0, 4)], [1, 2, 4][randint(gen, 0, 2)]
 
 
 def _naive_reference(T, D, dtype_bytes):
@@ -86,14 +74,14 @@ def _naive_reference(T, D, dtype_bytes):
 def check_naive_bytes(fn) -> Result:
     """Check ``fn(T, D, dtype_bytes) -> bytes`` moved by naive single-head attention under the chapter's model:
     every tensor that a separate PyTorch op produces (S, then P) is written to memory and read back."""
-    return check_function("bytes moved by naive attention", _as_number(fn), _naive_reference, _naive_inputs,
+    return check_function("bytes moved by naive attention", as_number(fn), _naive_reference, _naive_inputs,
                           trials=8, seed=32, rtol=1e-12, atol=0.5,
                           hint="Three ops: S = Q K^T, P = softmax(S), O = P V. Count what each reads and writes.")
 
 
 def _tiled_inputs(gen: torch.Generator) -> tuple:
-    return (_randint(gen, 1, 5000), [32, 64, 80, 128][_randint(gen, 0, 3)], [16, 32, 64, 128][_randint(gen, 0, 3)],
-            [1, 2, 4][_randint(gen, 0, 2)])
+    return (randint(gen, 1, 5000), [32, 64, 80, 128][randint(gen, 0, 3)], [16, 32, 64, 128][randint(gen, 0, 3)],
+            [1, 2, 4][randint(gen, 0, 2)])
 
 
 def _tiled_causal_reference(T, D, block_m, dtype_bytes):
@@ -105,7 +93,7 @@ def _tiled_causal_reference(T, D, block_m, dtype_bytes):
 def check_tiled_causal_bytes(fn) -> Result:
     """Check ``fn(T, D, block_m, dtype_bytes) -> bytes`` moved by tiled causal attention (Tq = Tk = T, one head):
     Q read once, O written once, and each query block reads the K and V rows that any of its queries can see."""
-    return check_function("bytes moved by tiled causal attention", _as_number(fn), _tiled_causal_reference,
+    return check_function("bytes moved by tiled causal attention", as_number(fn), _tiled_causal_reference,
                           _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5,
                           hint="Query block i holds rows [i*block_m, min((i+1)*block_m, T)); its last row sees "
                                "keys up to and including itself. The last block may be partial.")
@@ -131,10 +119,10 @@ def tl_load(flat: torch.Tensor, offsets: torch.Tensor, mask: torch.Tensor, other
 
 
 def _tile_inputs(gen: torch.Generator) -> tuple:
-    T, D = _randint(gen, 1, 50), _randint(gen, 1, 40)
-    block_n = [4, 8, 16, 32][_randint(gen, 0, 3)]
+    T, D = randint(gen, 1, 50), randint(gen, 1, 40)
+    block_n = [4, 8, 16, 32][randint(gen, 0, 3)]
     block_d = 1 << max(0, (D - 1).bit_length())  # next power of two >= D, as a Triton kernel would use
-    start = block_n * _randint(gen, 0, (T - 1) // block_n)
+    start = block_n * randint(gen, 0, (T - 1) // block_n)
     k = torch.randn(T, D, generator=gen)
     return k, start, block_n, block_d
 

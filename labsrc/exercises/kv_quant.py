@@ -10,27 +10,12 @@ or ``not solved yet`` while the function still raises ``NotImplementedError``. A
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from labsrc import kvquant
-from labsrc.exercises.core import Result, check_function
+from labsrc.exercises.core import Result, as_number, check_function, randint
 
 
-def _randint(gen: torch.Generator, lo: int, hi: int) -> int:
-    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
-
-
-def _as_number(fn):
-    """Accept 0-d tensors and NumPy scalars as numbers, so the check judges the value, not the type."""
-    def wrapped(*args):
-        got = fn(*args)
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
-            return got.item()
-        if isinstance(got, np.generic):
-            return got.item()
-        return got
-    return wrapped
 
 
 # ------------------------------------------------------------------------------------------- scale and zero
@@ -48,10 +33,10 @@ def _pair_as_tensor(fn):
 
 
 def _group_inputs(gen: torch.Generator) -> tuple:
-    g, d = _randint(gen, 1, 64), [8, 16, 64][_randint(gen, 0, 2)]
+    g, d = randint(gen, 1, 64), [8, 16, 64][randint(gen, 0, 2)]
     shift, spread = float(torch.randn(1, generator=gen)) * 3, float(torch.rand(1, generator=gen)) * 4 + 0.1
     group = torch.randn(g, d, generator=gen, dtype=torch.float64) * spread + shift
-    return group, [2, 4, 8][_randint(gen, 0, 2)]
+    return group, [2, 4, 8][randint(gen, 0, 2)]
 
 
 def _scale_zero_reference(group, bits):
@@ -73,14 +58,14 @@ def check_scale_zero(fn) -> Result:
 
 # ------------------------------------------------------------------------------------------- MSE ratio
 def _ratio_inputs(gen: torch.Generator) -> tuple:
-    d = _randint(gen, 2, 128)
+    d = randint(gen, 2, 128)
     var = torch.exp(torch.randn(d, generator=gen, dtype=torch.float64) * float(torch.rand(1, generator=gen)) * 2)
-    return var, bool(_randint(gen, 0, 3) == 0)  # mostly shared steps, sometimes per-channel steps
+    return var, bool(randint(gen, 0, 3) == 0)  # mostly shared steps, sometimes per-channel steps
 
 
 def check_mse_ratio(fn) -> Result:
     """Check ``fn(channel_var, per_channel_steps) -> float``: predicted MSE without / with normalisation."""
-    return check_function("predicted gain of variance normalisation", _as_number(fn),
+    return check_function("predicted gain of variance normalisation", as_number(fn),
                           lambda v, per: kvquant.predicted_mse_ratio(v, per_channel_steps=per), _ratio_inputs,
                           trials=10, seed=22, rtol=1e-9,
                           hint="With one shared step the widest channel sets the step for every channel; after "
@@ -90,8 +75,8 @@ def check_mse_ratio(fn) -> Result:
 
 # ------------------------------------------------------------------------------------------- bytes
 def _bytes_inputs(gen: torch.Generator) -> tuple:
-    return (_randint(gen, 1, 40_000), _randint(gen, 1, 80), [1, 2, 4, 8][_randint(gen, 0, 3)],
-            [64, 80, 128][_randint(gen, 0, 2)], [2, 4, 8][_randint(gen, 0, 2)], [32, 64, 128][_randint(gen, 0, 2)])
+    return (randint(gen, 1, 40_000), randint(gen, 1, 80), [1, 2, 4, 8][randint(gen, 0, 3)],
+            [64, 80, 128][randint(gen, 0, 2)], [2, 4, 8][randint(gen, 0, 2)], [32, 64, 128][randint(gen, 0, 2)])
 
 
 def _bytes_reference(n_tokens, n_layers, n_kv_heads, head_dim, bits, group_size):
@@ -105,7 +90,7 @@ def check_cache_bytes(fn) -> Result:
     One sequence; K and V in every layer and KV head: packed codes, an fp16 step and fp16 zero point per
     group of ``group_size`` tokens (a trailing partial group is a group), and fp16 mean and std per channel.
     """
-    return check_function("bytes of a KVarN cache", _as_number(fn), _bytes_reference, _bytes_inputs,
+    return check_function("bytes of a KVarN cache", as_number(fn), _bytes_reference, _bytes_inputs,
                           trials=10, seed=23, rtol=1e-12, atol=0.5,
                           hint="Count per layer, per KV head, for K and for V: codes (bits/8 bytes each), "
                                "2 + 2 bytes per group (ceil(n / g) groups) and 2 + 2 bytes per channel for "

@@ -6,26 +6,21 @@ here (or with a real ``transformers`` model); it prints ``passed``, what is wron
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from labsrc.exercises.core import Result, check_function
+from labsrc.exercises.core import Result, check_function, randint
 
-
-def _randint(gen: torch.Generator, lo: int, hi: int) -> int:
-    return int(torch.randint(lo, hi + 1, (1,), generator=gen))
 
 
 # -------------------------------------------------------------------------- 1. parameters of a Llama model
 def _llama_inputs(gen: torch.Generator) -> tuple:
-    n_kv = [1, 2, 4][_randint(gen, 0, 2)]
-    n_heads = n_kv * _randint(gen, 1, 4)
-    head_dim = [8, 16, 24][_randint(gen, 0, 2)]
-    return dict(vocab_size=_randint(gen, 50, 300), hidden_size=n_heads * head_dim,
-                intermediate_size=_randint(gen, 16, 200), num_hidden_layers=_randint(gen, 1, 4),
+    n_kv = [1, 2, 4][randint(gen, 0, 2)]
+    n_heads = n_kv * randint(gen, 1, 4)
+    head_dim = [8, 16, 24][randint(gen, 0, 2)]
+    return dict(vocab_size=randint(gen, 50, 300), hidden_size=n_heads * head_dim,
+                intermediate_size=randint(gen, 16, 200), num_hidden_layers=randint(gen, 1, 4),
                 num_attention_heads=n_heads, num_key_value_heads=n_kv,
-                tie_word_embeddings=bool(_randint(gen, 0, 1))),
+                tie_word_embeddings=bool(randint(gen, 0, 1))),
 
 
 def _llama_reference(cfg: dict) -> int:
@@ -55,11 +50,11 @@ def effective_context_length_ref(lengths, accuracy, threshold):
 
 
 def _ecl_inputs(gen: torch.Generator) -> tuple:
-    n = _randint(gen, 3, 8)
+    n = randint(gen, 3, 8)
     lengths = sorted(set(int(x) for x in torch.randint(16, 4096, (n,), generator=gen)))
     acc = [round(float(a), 2) for a in torch.rand(len(lengths), generator=gen) * 0.4 + 0.6]
     order = torch.randperm(len(lengths), generator=gen).tolist()  # unsorted input on purpose
-    return [lengths[i] for i in order], [acc[i] for i in order], [0.8, 0.85, 0.9][_randint(gen, 0, 2)]
+    return [lengths[i] for i in order], [acc[i] for i in order], [0.8, 0.85, 0.9][randint(gen, 0, 2)]
 
 
 def check_effective_context_length(fn) -> Result:
@@ -77,8 +72,8 @@ def bucket_perplexity_ref(nll: torch.Tensor, bucket: int) -> torch.Tensor:
 
 
 def _bucket_inputs(gen: torch.Generator) -> tuple:
-    rows, n = _randint(gen, 1, 5), _randint(gen, 5, 97)
-    return torch.rand(rows, n, generator=gen, dtype=torch.float64) * 8, _randint(gen, 1, 20)
+    rows, n = randint(gen, 1, 5), randint(gen, 5, 97)
+    return torch.rand(rows, n, generator=gen, dtype=torch.float64) * 8, randint(gen, 1, 20)
 
 
 def check_bucket_perplexity(fn) -> Result:
@@ -98,7 +93,7 @@ def _pareto_ref(points):
 
 
 def _pareto_inputs(gen: torch.Generator) -> tuple:
-    n = _randint(gen, 2, 12)
+    n = randint(gen, 2, 12)
     xs = torch.randint(1, 9, (n,), generator=gen).tolist()
     ys = torch.randint(0, 6, (n,), generator=gen).tolist()
     return (list(zip(map(float, xs), [y / 5 for y in ys])),)
@@ -106,9 +101,9 @@ def _pareto_inputs(gen: torch.Generator) -> tuple:
 
 def check_pareto_front(fn) -> Result:
     """``fn(points) -> list of indices``: the points no other point beats (less bytes *and* more accuracy)."""
-    def as_number(points):
+    def agrees(points):
         got = fn(points)
         return float(sorted(got) == _pareto_ref(points))
-    return check_function("Pareto front", as_number, lambda points: 1.0, _pareto_inputs, trials=10,
+    return check_function("Pareto front", agrees, lambda points: 1.0, _pareto_inputs, trials=10,
                           hint="a point is dominated when another has x <= and y >= with at least one strict; "
                                "return the indices of the others in increasing order (ties both stay).")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from labsrc import rope
-from labsrc.exercises.core import FAILED, NOT_SOLVED, PASSED, Result, _report, check_function
+from labsrc.exercises.core import FAILED, NOT_SOLVED, PASSED, Result, _report, as_number, check_function
 
 __all__ = ["check_wavelength", "check_position_interpolation", "check_ntk_base", "check_yarn_unscaled"]
 
@@ -30,17 +30,6 @@ _BASES = (10000.0, 500000.0, 1000000.0)
 def _pick(gen: torch.Generator, options):
     return options[int(torch.randint(len(options), (1,), generator=gen))]
 
-
-def _as_number(fn):
-    """Accept 0-d tensors and NumPy scalars as numbers, so the check judges the value, not the type."""
-    def wrapped(*args):
-        got = fn(*args)
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
-            return got.item()
-        if isinstance(got, (np.ndarray, np.generic)) and np.size(got) == 1:
-            return got.item()
-        return got
-    return wrapped
 
 
 # ------------------------------------------------------------------------------------------- wavelength
@@ -57,7 +46,7 @@ def _wavelength_reference(i, head_dim, base):
 
 def check_wavelength(fn) -> Result:
     """Check ``fn(i, head_dim, base) -> float``: how many tokens pair ``i`` needs for one full turn."""
-    return check_function("wavelength of pair i", _as_number(fn), _wavelength_reference, _wavelength_inputs,
+    return check_function("wavelength of pair i", as_number(fn), _wavelength_reference, _wavelength_inputs,
                           trials=8, seed=21, rtol=1e-5,
                           hint="pair i turns by theta_i = base**(-2i/head_dim) radians per token.")
 
@@ -103,7 +92,7 @@ def _ntk_reference(base, factor, head_dim):
 def check_ntk_base(fn) -> Result:
     """Check ``fn(base, factor, head_dim) -> float``: the base for which the slowest pair is slowed by exactly
     ``factor`` while pair 0 keeps its frequency."""
-    return check_function("NTK-aware base", _as_number(fn), _ntk_reference, _ntk_inputs, trials=8, seed=23,
+    return check_function("NTK-aware base", as_number(fn), _ntk_reference, _ntk_inputs, trials=8, seed=23,
                           rtol=1e-6,
                           hint="write theta_i with the new base b' and require theta'_last = theta_last / s for "
                                "the last pair, i = head_dim/2 - 1; solve for b'.")
