@@ -5,8 +5,9 @@
 #                the student build executed, the kernel-bench smoke run, the book built, the browser test
 #
 # Each chapter is executed exactly once per change. `make execute` runs the notebooks through nbmake (that
-# is the notebook test) and keeps the executed copies in _build/executed/; `make book` renders those copies
+# is the notebook test) and keeps the executed copies in _executed/chapters/; `make book` renders those copies
 # and never executes anything itself. The executed copies are redone only when a chapter or labsrc changes.
+# (They are not under _build/ because nbmake refuses to collect notebooks below a folder named _build.)
 
 PYTHON      ?= python3
 # A conda user points VENV at the activated environment: make book VENV=$CONDA_PREFIX TORCH_SPEC=
@@ -23,7 +24,7 @@ export OPENBLAS_NUM_THREADS ?= 1
 
 CHAPTERS    := $(sort $(wildcard chapters/*.ipynb))
 LABSRC      := $(shell find labsrc -name '*.py' -o -name '*.json' -o -name '*.safetensors' 2>/dev/null)
-EXECUTED    := _build/executed/.stamp
+EXECUTED    := _executed/chapters/.stamp
 HTML        := _build/html
 
 .PHONY: setup test test-unit execute student test-student bench-smoke book test-browser lab clean help
@@ -56,9 +57,9 @@ test-unit: setup
 # run side by side, each on one torch thread (labsrc.runtime's CPU default).
 execute: $(EXECUTED)
 $(EXECUTED): $(CHAPTERS) $(LABSRC) $(VENV)/.ready
-	rm -rf _build/executed _build/claims && mkdir -p _build/executed
-	cp $(CHAPTERS) _build/executed/
-	LAB_EXERCISES=strict $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=900 _build/executed/*.ipynb
+	rm -rf _executed/chapters _build/claims _build/ledger.jsonl && mkdir -p _executed/chapters
+	cp $(CHAPTERS) _executed/chapters/
+	LAB_EXERCISES=strict $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=900 _executed/chapters/*.ipynb
 	touch $@
 
 student: setup
@@ -66,7 +67,9 @@ student: setup
 
 # Student notebooks: every exercise is a stub; the checks print "not solved yet" and the notebook still runs.
 test-student: student
-	LAB_CLAIMS_DIR=_build/student/claims $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --nbmake-timeout=900 _build/student/*.ipynb
+	rm -rf _executed/student && mkdir -p _executed/student && cp _build/student/*.ipynb _executed/student/
+	LAB_CLAIMS_DIR=_executed/student/claims LAB_LEDGER=_executed/student/ledger.jsonl \
+	  $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --nbmake-timeout=900 _executed/student/*.ipynb
 
 bench-smoke: setup
 	$(PY) -m kernels.bench --all --size tiny --out _build/bench-smoke
@@ -88,4 +91,4 @@ lab: setup
 	$(VENV)/bin/jupyter lab chapters/
 
 clean:
-	rm -rf _build
+	rm -rf _build _executed

@@ -1,7 +1,7 @@
 """Lay out the book's sources in one folder, with executed notebooks and generated pages.
 
 ``make book`` never executes a notebook itself: ``make execute`` ran each chapter once (through nbmake, which is
-also the notebook test) and left executed copies in ``_build/executed/``. This script copies the book pages and
+also the notebook test) and left executed copies in ``_executed/chapters/``. This script copies the book pages and
 those executed copies into ``_build/src/`` and writes the fragments that two pages include:
 
 * ``book/_generated/claims_table.md``: the claims ledger, from the records the notebooks wrote;
@@ -43,7 +43,7 @@ def bench_markdown(results_dir: Path) -> str:
     return "\n".join(parts)
 
 
-def stage(out: Path = ROOT / "_build" / "src", executed: Path = ROOT / "_build" / "executed") -> Path:
+def stage(out: Path = ROOT / "_build" / "src", executed: Path = ROOT / "_executed" / "chapters") -> Path:
     chapters = sorted((ROOT / "chapters").glob("*.ipynb"))
     missing = [p.name for p in chapters if not (executed / p.name).exists()]
     if missing:
