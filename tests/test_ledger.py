@@ -120,3 +120,14 @@ def test_cache_bytes_takes_a_cache_that_states_its_storage_at_its_word(model):
     k = torch.zeros(1, 2, 5, 8)
     cache.update(k, k.clone(), 0)
     assert ledger.cache_bytes(cache) == 2 * k.numel() * 4
+
+
+def test_two_ledgers_on_one_file_keep_each_others_rows(tmp_path):
+    """Two notebooks executed side by side add to the same ledger file: no row may be lost."""
+    row = {f: 0.0 for f in ledger.FIELDS}
+    path = tmp_path / "ledger.jsonl"
+    a, b = ledger.Ledger(path), ledger.Ledger(path)
+    a.add(dict(row, name="from chapter 5"))
+    b.add(dict(row, name="from chapter 6"))
+    a.add(dict(row, name="chapter 5 again"))
+    assert [r["name"] for r in ledger.Ledger(path).rows] == ["from chapter 5", "from chapter 6", "chapter 5 again"]
