@@ -71,7 +71,7 @@ def finetune(model, tokenizer, seq_len: int, steps: int, lr: float = 3e-4, batch
     first quarter of the steps (Adam's first steps are otherwise large on a converged model) and then stays
     constant. The model is left in eval mode. Deterministic from ``seed``.
     """
-    from labsrc.models.train import CONFIGS, make_batch
+    from labsrc.models.train import CONFIGS, make_batch, training_loss
 
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be a positive int, got {steps!r}")
@@ -91,13 +91,7 @@ def finetune(model, tokenizer, seq_len: int, steps: int, lr: float = 3e-4, batch
             g["lr"] = lr * min(1.0, (step + 1) / warmup)
         ids, w = make_batch(cfg, tokenizer, rng)
         ids, w = ids.to(device), w.to(device)
-        logits = model(input_ids=ids).logits
-        nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:],
-                                                reduction="none")
-        answer = w[:, 1:] > 1
-        loss = nll[~answer].mean()
-        if answer.any():
-            loss = loss + cfg.answer_weight * nll[answer].mean()
+        loss, _, _ = training_loss(model(input_ids=ids).logits, ids, w, cfg.answer_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)

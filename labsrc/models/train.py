@@ -207,6 +207,21 @@ def _lr(cfg: TrainConfig, step: int) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def training_loss(logits: torch.Tensor, ids: torch.Tensor, answers: torch.Tensor, answer_weight: float):
+    """The training objective: mean next-token loss over prose plus ``answer_weight`` x mean loss over answer
+    tokens. Returns ``(loss, per-token nll, answer mask)``, the last two aligned with ``ids[:, 1:]``.
+
+    The answers are a handful of tokens among hundreds; weighting them per token (not per group) left their
+    gradient too weak for the retrieval circuit to form in the steps a CPU affords.
+    """
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
+    answer = answers[:, 1:]
+    loss = nll[~answer].mean()
+    if answer.any():
+        loss = loss + answer_weight * nll[answer].mean()
+    return loss, nll, answer
+
+
 def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbose: bool = True):
     """Train a fresh model under ``cfg``; return ``(model, log rows, info)``. Deterministic from ``cfg.seed``."""
     from transformers import LlamaForCausalLM
@@ -235,14 +250,7 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
         ids, w = make_batch(cfg, tokenizer, rng, step)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
             logits = model(input_ids=ids).logits
-        nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-        answer = w[:, 1:]
-        # Mean loss over prose plus answer_weight x mean loss over answer tokens: the answers are a handful of
-        # tokens among hundreds, and weighting them per token (not per group) left their gradient too weak for
-        # the retrieval circuit to form in the steps a CPU affords.
-        loss = nll[~answer].mean()
-        if answer.any():
-            loss = loss + cfg.answer_weight * nll[answer].mean()
+        loss, nll, answer = training_loss(logits, ids, w, cfg.answer_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
