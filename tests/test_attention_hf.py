@@ -17,14 +17,6 @@ NAME = lab_attention.NAME
 RTOL, ATOL = tolerance(torch.float32)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # Tiny matrices: torch's thread pool only adds contention on a shared two-core box.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def model():

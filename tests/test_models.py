@@ -51,7 +51,6 @@ def test_checkpoints_fit_the_size_budget():
 
 @pytest.mark.parametrize("name", models.SHIPPED)
 def test_load_reproduces_the_eval_card_perplexity(name):
-    torch.set_num_threads(1)
     model, tok = models.load(name)
     card = models.eval_card(name)
     got = tasks.perplexity_by_position(model, tok, card["trained_context"], bucket=64)["overall"]

@@ -30,15 +30,6 @@ DEV = runtime.DEVICE
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    # The float64 references are tiny; on a shared two-core box torch's thread pool only adds contention
-    # (measured: about 20x slower with the default pool while other jobs run).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _cover(dims: dict, n: int, seed: int) -> list[dict]:
     """``n`` combinations in which each value of each dimension appears at least ``n // len(values)`` times,
