@@ -77,7 +77,7 @@ def finetune(model, tokenizer, seq_len: int, steps: int, lr: float = 3e-4, batch
         raise ValueError(f"steps must be a positive int, got {steps!r}")
     if not isinstance(seq_len, int) or seq_len < 128:
         raise ValueError(f"seq_len must be an int >= 128, got {seq_len!r}")
-    cfg = replace(CONFIGS["lab-target"], seq_len=seq_len, batch_size=batch_size, curriculum_frac=0.0,
+    cfg = replace(CONFIGS["lab-target"], seq_len=seq_len, batch_size=batch_size,
                   seed=seed, **({} if p_corpus is None else {"p_corpus": p_corpus}))
     rng = random.Random(seed)
     torch.manual_seed(seed)

@@ -69,7 +69,7 @@ def test_set_rope_errors(tokenizer):
 def held_out_loss(model, tokenizer, seq_len):
     cfg = CONFIGS["tiny"]
     from dataclasses import replace
-    ids, _ = make_batch(replace(cfg, seq_len=seq_len, batch_size=4, curriculum_frac=0.0), tokenizer,
+    ids, _ = make_batch(replace(cfg, seq_len=seq_len, batch_size=4), tokenizer,
                         random.Random(12345))
     with torch.no_grad():
         return float(model(input_ids=ids, labels=ids).loss)

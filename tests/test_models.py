@@ -69,9 +69,9 @@ def test_eval_card_and_log_are_complete():
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "issue 3 asks for >= 95% pass-key accuracy at every depth inside 512 tokens; the committed lab-target, "
-    "trained for under half an hour on two shared CPU cores, has not learned to retrieve (its eval card records "
-    "the grid). Open: retrain with a recipe that forms induction heads. strict=True: once a retrained model "
+    "issue 3 asks for >= 95% pass-key accuracy at every depth inside 512 tokens; the committed lab-target (58 "
+    "min on two CPU cores, stopped by the time budget at step 5,283) scores 1.00 in 19 of the 20 cells of its "
+    "eval card's grid and 0.90 (18 of 20 keys) at 512 tokens, depth 0.25. strict=True: once a retrained model "
     "passes, this test fails until the marker is removed."))
 def test_target_retrieves_pass_keys_inside_its_trained_context():
     card = models.eval_card("lab-target")

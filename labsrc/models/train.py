@@ -10,11 +10,13 @@ accuracies, measured on the *saved* weights loaded back through :func:`labsrc.mo
 
 Each training row starts with the BOS token. With probability ``p_corpus`` it is a window of the training
 split; otherwise it packs synthetic retrieval samples from :mod:`labsrc.tasks` (pass key, needle with
-distractors, MQAR, variable tracking, and a digit-copy task; the same generators the probes use, on the
-*training* split's prose) of random length and depth, separated by end-of-text tokens, then more prose. A
-curriculum starts with 128-token rows (more of them per step) and grows them to 512. The loss is the mean
-over prose tokens plus ``answer_weight`` times the mean over answer tokens: the answers are a handful of
-tokens among hundreds, and they are what teaches the model to read its context.
+distractors, MQAR, variable tracking, and a word-copy task; the same generators the probes use, on the
+*training* split's prose) of random length and depth, separated by end-of-text tokens, then more prose. The
+run starts with 128-token rows (more of them per step) that are mostly pass keys: that is where the model
+learns to look things up in its context. Then the rows grow to 512 tokens and the mixture turns to its
+steady share of prose. The loss is the mean over prose tokens plus ``answer_weight`` times the mean over
+answer tokens: the answers are a handful of tokens among hundreds, and they are what teaches the model to
+read its context.
 """
 from __future__ import annotations
 
@@ -48,8 +50,8 @@ class TrainConfig:
     num_key_value_heads: int = 2
     tie_word_embeddings: bool = False
     seq_len: int = TRAINED_CONTEXT
-    batch_size: int = 4
-    max_steps: int = 1100
+    batch_size: int = 4  # rows of seq_len per step; shorter rows come proportionally more numerous
+    max_steps: int = 5600
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
@@ -57,29 +59,37 @@ class TrainConfig:
     grad_clip: float = 1.0
     answer_weight: float = 1.0
     p_corpus: float = 0.3
-    task_mix: dict = field(default_factory=lambda: {"passkey": 0.3, "copy": 0.35, "needle": 0.1, "mqar": 0.15,
-                                                    "variable_tracking": 0.1})
-    induction_steps: int = 150  # first steps: rows packed with copy tasks and short pass keys only
-    warmup: str = "copy_words"  # or "random_tokens" / "small_alphabet" (64 tokens): copy random token strings
-    curriculum_frac: float = 0.4  # rows grow from 128 tokens to seq_len over this share of the steps
+    task_mix: dict = field(default_factory=lambda: {"passkey": 0.45, "needle": 0.15, "mqar": 0.15,
+                                                    "variable_tracking": 0.15, "copy": 0.1})
+    # Retrieval first: for short_steps the rows are short_len tokens of pass keys only, where the look-up
+    # circuit forms (in the committed lab-target run the answer loss fell below 0.05 by step 300). Diluted, it
+    # formed far more slowly: with a tenth of the rows prose and 40% other tasks the answer loss was still at
+    # 0.8-1.0 at step 1,100, and a random-token copy warm-up (4,000 possible tokens) left copy accuracy at zero
+    # for 640 steps. Then the rows grow to seq_len over grow_steps, and the mixture turns to task_mix/p_corpus.
+    short_len: int = 128
+    short_steps: int = 1200
+    short_p_corpus: float = 0.0
+    short_task_mix: dict = field(default_factory=lambda: {"passkey": 1.0})
+    grow_steps: int = 1500
     min_task_len: int = 80
     seed: int = 0
-    time_budget_s: float = 26 * 60
-    eval_every: int = 200
-    # One thread, not two: on two cores shared with other jobs, two OpenMP threads wait on each other and
-    # ran about 4x slower than one in our measurement (1,100 vs 250 tokens/s for lab-target).
-    threads: int = 1
+    time_budget_s: float = 58 * 60
+    eval_every: int = 500
+    # Two threads on a quiet machine: 4,360 tokens/s against 2,490 on one (lab-target, 512-token rows, bf16).
+    # On two cores shared with other jobs, two OpenMP threads wait on each other; pass --threads 1 there.
+    threads: int = 2
     bf16_autocast: bool = True
 
 
 CONFIGS = {
     "lab-target": TrainConfig(),
     "lab-draft": TrainConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, tie_word_embeddings=True, max_steps=1000, lr=3e-3,
-                             induction_steps=0, time_budget_s=15 * 60),
+                             num_key_value_heads=2, tie_word_embeddings=True, max_steps=1500, lr=3e-3,
+                             short_steps=300, grow_steps=400, time_budget_s=30 * 60),
     "tiny": TrainConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, tie_word_embeddings=True, seq_len=128, batch_size=4, max_steps=20,
-                        lr=3e-3, warmup_steps=2, eval_every=0, time_budget_s=120),
+                        lr=3e-3, warmup_steps=2, short_steps=0, grow_steps=0, eval_every=0, time_budget_s=120,
+                        threads=1),
 }
 
 
@@ -98,64 +108,41 @@ def model_config(cfg: TrainConfig, tokenizer):
     return c
 
 
+def row_length(cfg: TrainConfig, step: int | None) -> int:
+    """Length of the training rows at ``step``: ``short_len`` for the first ``short_steps``, then growing (in
+    multiples of 32) to ``seq_len`` over ``grow_steps``; ``seq_len`` when ``step`` is None."""
+    short = min(cfg.short_len, cfg.seq_len)
+    if step is None or step >= cfg.short_steps + cfg.grow_steps:
+        return cfg.seq_len
+    if step < cfg.short_steps:
+        return short
+    grow = (step - cfg.short_steps) / max(1, cfg.grow_steps)
+    return min(cfg.seq_len, int(short + grow * (cfg.seq_len - short)) // 32 * 32)
+
+
 def make_batch(cfg: TrainConfig, tokenizer, rng: random.Random, step: int | None = None):
     """One batch: ``(ids, answers)``, both ``(rows, length)``; ``answers[b, t]`` is True where token ``t`` is an
-    answer of a synthetic sample (its loss is averaged separately, see :func:`train`).
+    answer of a synthetic sample (its loss is averaged separately, see :func:`training_loss`).
 
-    Curriculum: during the first ``curriculum_frac`` of ``max_steps`` the rows are shorter (growing from 128
-    tokens to ``seq_len``) and proportionally more numerous, so every step has the same number of tokens. Short
-    rows pack many more retrieval samples into the same compute, and the look-back distance then grows to the
-    whole context as the model learns to retrieve. With ``step=None`` rows are ``seq_len`` long.
+    Every step has ``batch_size * seq_len`` tokens; rows are :func:`row_length` long, so short rows come more
+    numerous. A row is, with probability ``p_corpus``, a window of the training prose; otherwise it packs
+    synthetic retrieval samples (the first of random length up to the whole row, so retrieval is trained at
+    every distance), separated by end-of-text, then prose. During the first ``short_steps`` the rows use
+    ``short_p_corpus`` and ``short_task_mix`` instead: mostly pass keys, which is where retrieval is learnt.
     """
     train_ids = tasks.corpus_ids(tokenizer, "train")
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    length = cfg.seq_len
-    if step is not None and cfg.curriculum_frac > 0:
-        grow = min(1.0, step / (cfg.curriculum_frac * cfg.max_steps))
-        length = min(cfg.seq_len, max(min(128, cfg.seq_len), int(128 + grow * (cfg.seq_len - 128)) // 32 * 32))
-    n_rows = cfg.batch_size * cfg.seq_len // length
+    length = row_length(cfg, step)
+    short = step is not None and step < cfg.short_steps
+    p_corpus = cfg.short_p_corpus if short else cfg.p_corpus
+    names, probs = zip(*(cfg.short_task_mix if short else cfg.task_mix).items())
     rows, weights = [], []
-    names, probs = zip(*cfg.task_mix.items())
-    for _ in range(n_rows):
+    for _ in range(cfg.batch_size * cfg.seq_len // length):
         w = [False] * length
-        if step is not None and step < cfg.induction_steps:
-            # Warm-up for retrieval: dense rows of copy tasks with nothing between the copies, and short pass
-            # keys. Diluted among prose, the copy circuit did not form in 1,000 steps; packed densely it forms
-            # in about a hundred (the same happens on a toy repeated-sequence task).
-            ids = []
-            alphabet = (list(range(2, len(tokenizer))) if cfg.warmup == "random_tokens"
-                        else random.Random(12345).sample(range(2, len(tokenizer)), 64))
-            while cfg.warmup in ("random_tokens", "small_alphabet") and length - len(ids) >= 2 * 24 + 2:
-                # a string of random tokens, then the same string: the classic task on which induction heads
-                # form within a hundred steps (every token of the repeat is predictable only by looking back)
-                n = rng.randint(8, 24)
-                a = [rng.choice(alphabet) for _ in range(n)]
-                start = len(ids) + 1 + n + 1
-                ids += [eos if ids else bos] + a + [eos] + a
-                for t in range(start, start + n):
-                    w[t] = True
-            while length - len(ids) >= 40:
-                room = length - len(ids)
-                if room >= cfg.min_task_len and rng.random() < 0.3:
-                    sample = tasks.passkey_sample(tokenizer, rng.randint(cfg.min_task_len, min(room, 160)),
-                                                  rng.random(), rng, split="train")
-                else:
-                    sample = tasks.copy_sample(tokenizer, None, rng, n_words=rng.randint(4, 10), split="train")
-                    if len(sample.ids) > room:
-                        break
-                if ids:
-                    sample.ids = [eos] + sample.ids[1:]
-                for a, e in sample.spans:
-                    for t in range(a, e):
-                        w[len(ids) + t] = True
-                ids += sample.ids
-            ids = ids + [eos] * (length - len(ids))
-        elif rng.random() < cfg.p_corpus:
+        if rng.random() < p_corpus:
             start = rng.randrange(0, len(train_ids) - length)
             ids = [bos] + train_ids[start:start + length - 1].tolist()
         else:
-            # Pack synthetic samples: the first of random length up to the whole row (so retrieval is
-            # trained at every distance), then more while there is room, then prose.
             ids, room = [], length
             while room >= cfg.min_task_len:
                 sample = _synthetic(cfg, tokenizer, rng, names, probs, room)
@@ -191,6 +178,9 @@ def _synthetic(cfg: TrainConfig, tokenizer, rng: random.Random, names, probs, ro
     elif task == "variable_tracking":
         kw["n_hops"] = rng.randint(0, 2)
         need = 100 + 40 * kw["n_hops"]
+    elif task == "copy":
+        kw["n_words"] = rng.randint(4, 12)
+        need = 20 + 3 * kw["n_words"]
     if need > room:
         task, kw = "passkey", {}
     length = max(length, min(need, room))
@@ -318,19 +308,13 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=None, help="output folder (default: checkpoints/<name>)")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--time-budget-min", type=float, default=None)
-    parser.add_argument("--warmup", choices=("copy_words", "random_tokens", "small_alphabet"), default=None)
-    parser.add_argument("--induction-steps", type=int, default=None)
-    parser.add_argument("--warmup-steps", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's, 2)")
     args = parser.parse_args(argv)
     cfg = CONFIGS[args.name]
     if args.max_steps is not None:
         cfg = replace(cfg, max_steps=args.max_steps)
-    if args.warmup is not None:
-        cfg = replace(cfg, warmup=args.warmup)
-    if args.induction_steps is not None:
-        cfg = replace(cfg, induction_steps=args.induction_steps)
-    if args.warmup_steps is not None:
-        cfg = replace(cfg, warmup_steps=args.warmup_steps)
+    if args.threads is not None:
+        cfg = replace(cfg, threads=args.threads)
     if args.time_budget_min is not None:
         cfg = replace(cfg, time_budget_s=args.time_budget_min * 60)
     out = args.out or CHECKPOINTS / args.name
