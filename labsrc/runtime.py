@@ -84,7 +84,7 @@ SIZES: dict[str, dict[str, dict]] = {
                     kernel_shape=(4, 32, 8, 1024, 128), table_rows=4096),
     },
     "kv_eviction": {
-        "cpu": dict(ctx=256, n=3, ppl_len=152, ppl_prefill=128, ablation_n=2, gqa_n=2,
+        "cpu": dict(ctx=256, n=8, ppl_len=152, ppl_prefill=128, ablation_n=4, gqa_n=4,
                     bf_tokens=14, bf_budget=7, bf_future=6, bf_slices=12, draws=400, cv_samples=2,
                     overhead_prompt=256, overhead_tokens=16, survival_chunk=16, anim_frames=8,
                     ledger_ctx=256, ledger_n=1, ledger_windows=1, ledger_decode=16),
