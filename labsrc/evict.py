@@ -568,13 +568,13 @@ class ValueAware(EvictionPolicy):
 
     ``window`` defaults to the source's W = 512. ``recent`` newest tokens are always kept; the default
     (None) is ``min(8, budget // 4)``, and ``recent=0`` is the rule exactly as the source writes it, with
-    R_i as the only recency signal. Chapter 6 measures why the lab adds the window: A_i sums the attention a
-    token received from the window's queries, and a token that just arrived has had at most one query, so
-    its A_i is near zero whatever it holds. R_i^gamma lies between 0.86 and 1 with the source's gamma = 0.3 and
-    lam = 0.5, far too flat to make up for that, so without the window each step evicts, in most layers, the
-    token it has just generated and the question at the end of a prompt, and pass-key retrieval collapses.
-    A short ``window`` (W = 16) fails too: the question's queries attend only the first token of the key,
-    so the rest of the key scores near zero and is gone when the answer needs it.
+    R_i as the only recency signal. Chapter 6 measures why the lab keeps the newest tokens: A_i sums the
+    attention a token received from the window's queries, and a token that just arrived has had at most one
+    query, so its A_i is near zero whatever it holds. R_i^gamma lies between 0.86 and 1 with the source's
+    gamma = 0.3 and lam = 0.5, far too flat to make up for that, so without them each step evicts, in most
+    layers, the token it has just generated and the question at the end of a prompt, and pass-key retrieval
+    collapses. A short ``window`` (W = 16) fails too: the question's queries attend only the first token of
+    the key, so the rest of the key scores near zero and is gone when the answer needs it.
     """
 
     name = "value_aware"
