@@ -43,6 +43,24 @@ def test_passkey_answer_is_the_key_stated_at_its_depth(tok):
         assert abs(where - depth) < 0.25, (depth, where)
 
 
+def test_passkey_decoys_are_other_numbers_and_leave_the_key_alone(tok):
+    plain = tasks.passkey_sample(tok, 400, 0.4, random.Random(11))
+    again = tasks.passkey_sample(tok, 400, 0.4, random.Random(11), n_decoys=0)
+    assert again.ids == plain.ids  # the probe (no decoys) is the same sample it always was
+    for seed in range(20):
+        s = tasks.passkey_sample(tok, 400, 0.4, random.Random(seed), split="train", n_decoys=3)
+        assert len(s.ids) == 400 and s.meta["n_decoys"] == 3
+        key = s.meta["key"]
+        assert tok.decode(s.answer_ids) == f" {key}"
+        prompt = tok.decode(s.prompt_ids)
+        assert prompt.count(f"The pass key is {key}.") == 1
+        assert len(s.meta["decoys"]) == 3
+        for decoy in s.meta["decoys"]:
+            assert re.search(r"\d", decoy) and decoy.strip() in prompt
+        # three decoys put at least three numbers other than the key into the prose
+        assert len([n for n in re.findall(r"\d+", prompt) if n != key]) >= 3
+
+
 def test_needle_answer_matches_its_key_among_distractors(tok):
     s = tasks.needle_sample(tok, 500, 0.3, random.Random(5), n_distractors=4)
     text = tok.decode(s.prompt_ids)
@@ -131,6 +149,8 @@ def test_bad_arguments_raise_clear_errors(tok):
         tasks.mqar_sample(tok, 300, random.Random(0), n_pairs=0)
     with pytest.raises(ValueError, match="n_hops"):
         tasks.variable_tracking_sample(tok, 300, random.Random(0), n_hops=-1)
+    with pytest.raises(ValueError, match="n_decoys"):
+        tasks.passkey_sample(tok, 300, 0.5, random.Random(0), n_decoys=-1)
     with pytest.raises(ValueError, match="n_distractors"):
         tasks.needle_sample(tok, 300, 0.5, random.Random(0), n_distractors=99)
     with pytest.raises(TypeError, match="model must be"):

@@ -133,16 +133,43 @@ def _assemble(tokenizer, task, head, inserts, tail_parts, context_len, depths, s
 
 
 # ----------------------------------------------------------------------------------------------- generators
-def passkey_sample(tokenizer, context_len: int, depth: float, rng: random.Random, split="validation") -> Sample:
-    """A 5-digit pass key stated once at ``depth`` (0 = start, 1 = end) of ``context_len`` tokens of prose."""
+# Numbers of the kinds that turn up in prose (headings, years, references, sums): the decoys a pass-key haystack
+# can carry. Each is (template, (fewest, most) digits of each number in it).
+DECOYS = (
+    ("\n\nCHAPTER {}\n\n", (1, 2)), (" in the year {}", (4, 4)), (" (No. {}, Vol. II)", (1, 3)),
+    (" {}-{}", (2, 4)), (" page {}", (1, 3)), (" {} pounds", (2, 5)), (" The number is {}.", (5, 5)),
+    (" {} ", (1, 5)), (" the {}th", (2, 2)), (" No. {}", (5, 5)),
+)
+
+
+def _decoy(rng: random.Random) -> str:
+    template, (lo, hi) = rng.choice(DECOYS)
+    n = template.count("{}")
+    return template.format(*(_digits(rng, rng.randint(lo, hi)) for _ in range(n)))
+
+
+def passkey_sample(tokenizer, context_len: int, depth: float, rng: random.Random, split="validation",
+                   n_decoys: int = 0) -> Sample:
+    """A 5-digit pass key stated once at ``depth`` (0 = start, 1 = end) of ``context_len`` tokens of prose.
+
+    ``n_decoys`` other numbers (a chapter heading, a year, a page, a sum; see :data:`DECOYS`) go into the prose
+    at random depths. The probe uses none; training uses a few, because the prose itself has numbers and the
+    pass keys a model gets wrong are the ones whose haystack does ("CHAPTER 30" near the end turned the key
+    50518 into 50338).
+    """
     _check_common(context_len, depth)
+    if not isinstance(n_decoys, int) or isinstance(n_decoys, bool) or n_decoys < 0:
+        raise ValueError(f"n_decoys must be a non-negative int, got {n_decoys!r}")
     key = _digits(rng, 5)
     head = _enc(tokenizer, "There is a pass key hidden in this text. Find it and remember it.\n\n")
     needle = _enc(tokenizer, f" The pass key is {key}. Remember it. {key} is the pass key. ")
     question = _enc(tokenizer, "\n\nWhat is the pass key? The pass key is")
     answer = _enc(tokenizer, f" {key}")
-    return _assemble(tokenizer, "passkey", head, [needle], [(question, False), (answer, True)], context_len,
-                     [depth], split, rng, {"key": key, "depth": depth})
+    decoys = [_decoy(rng) for _ in range(n_decoys)]
+    depths = [depth] + [rng.random() for _ in range(n_decoys)]
+    return _assemble(tokenizer, "passkey", head, [needle] + [_enc(tokenizer, d) for d in decoys],
+                     [(question, False), (answer, True)], context_len, depths, split, rng,
+                     {"key": key, "depth": depth, "n_decoys": n_decoys, "decoys": decoys})
 
 
 def needle_sample(tokenizer, context_len: int, depth: float, rng: random.Random, n_distractors: int = 3,
@@ -300,14 +327,19 @@ def _check_n_seed(n, seed):
 
 
 def passkey_grid(model, tokenizer, context_lens: Sequence[int], depths: Sequence[float], n: int = 10,
-                 seed: int = 0, batch_size: int = 8) -> torch.Tensor:
-    """Pass-key accuracy over a grid: a ``(len(depths), len(context_lens))`` tensor of accuracies."""
+                 seed: int = 0, batch_size: int = 8, n_decoys: int = 0) -> torch.Tensor:
+    """Pass-key accuracy over a grid: a ``(len(depths), len(context_lens))`` tensor of accuracies.
+
+    ``n_decoys`` puts that many other numbers into each haystack (see :func:`passkey_sample`); the standard
+    probe has none.
+    """
     _check_n_seed(n, seed)
-    grid = torch.zeros(len(depths), len(context_lens))
+    grid = torch.zeros(len(depths), len(context_lens), dtype=torch.float64)  # 19/20 is 0.95, not 0.9499999
     for j, L in enumerate(context_lens):
         for i, d in enumerate(depths):
-            rng = random.Random(f"passkey-{seed}-{L}-{d}")
-            grid[i, j] = accuracy(model, [passkey_sample(tokenizer, L, d, rng) for _ in range(n)], batch_size)
+            rng = random.Random(f"passkey-{seed}-{L}-{d}" + (f"-decoys{n_decoys}" if n_decoys else ""))
+            samples = [passkey_sample(tokenizer, L, d, rng, n_decoys=n_decoys) for _ in range(n)]
+            grid[i, j] = accuracy(model, samples, batch_size)
     return grid
 
 
