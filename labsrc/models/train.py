@@ -11,7 +11,8 @@ accuracies, measured on the *saved* weights loaded back through :func:`labsrc.mo
 Each training row starts with the BOS token. With probability ``p_corpus`` it is a window of the training
 split; otherwise it packs synthetic retrieval samples from :mod:`labsrc.tasks` (pass key, needle with
 distractors, MQAR, variable tracking, and a word-copy task; the same generators the probes use, on the
-*training* split's prose) of random length and depth, separated by end-of-text tokens, then more prose. The
+*training* split's prose) of random length and depth, separated by end-of-text tokens, then more prose; a pass
+key's prose carries up to ``max_decoys`` other numbers, so that the model learns which number to copy. The
 run starts with 128-token rows (more of them per step) that are mostly pass keys: that is where the model
 learns to look things up in its context. Then the rows grow to 512 tokens and the mixture turns to its
 steady share of prose. The loss is the mean over prose tokens plus ``answer_weight`` times the mean over
@@ -72,6 +73,9 @@ class TrainConfig:
     short_task_mix: dict = field(default_factory=lambda: {"passkey": 1.0})
     grow_steps: int = 1500
     min_task_len: int = 80
+    # Pass keys in training carry up to this many decoy numbers in their prose (tasks.DECOYS): the keys the
+    # model got wrong without them were the ones whose haystack held numbers ("CHAPTER 30", "1797-98").
+    max_decoys: int = 3
     seed: int = 0
     time_budget_s: float = 58 * 60
     eval_every: int = 500
@@ -85,7 +89,10 @@ CONFIGS = {
     "lab-target": TrainConfig(),
     "lab-draft": TrainConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=2, tie_word_embeddings=True, max_steps=1500, lr=3e-3,
-                             short_steps=300, grow_steps=400, time_budget_s=30 * 60),
+                             short_steps=300, grow_steps=400, time_budget_s=30 * 60,
+                             # With decoys the draft's look-up circuit did not form in its 300 short steps (pass
+                             # key 0.00 in every cell, validation perplexity 80.0); without, it scores 0.75-1.00.
+                             max_decoys=0),
     "tiny": TrainConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, tie_word_embeddings=True, seq_len=128, batch_size=4, max_steps=20,
                         lr=3e-3, warmup_steps=2, short_steps=0, grow_steps=0, eval_every=0, time_budget_s=120,
@@ -169,7 +176,11 @@ def _synthetic(cfg: TrainConfig, tokenizer, rng: random.Random, names, probs, ro
     task = rng.choices(names, probs)[0]
     length = rng.randint(cfg.min_task_len, room)
     kw, need = {}, 80  # need: a little more than the sample's fixed (non-filler) tokens
-    if task == "needle":
+    if task == "passkey":
+        if cfg.max_decoys:  # no draw without decoys: the rng stream, and so the run, stays as it was
+            kw["n_decoys"] = rng.randint(0, cfg.max_decoys)
+            need = 80 + 14 * kw["n_decoys"]
+    elif task == "needle":
         kw["n_distractors"] = rng.randint(0, 4)
         need = 100 + 26 * kw["n_distractors"]
     elif task == "mqar":
@@ -275,6 +286,7 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
 PASSKEY_LENGTHS = (128, 256, 384, 512)
 PASSKEY_BEYOND = (768, 1024)
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+PASSKEY_DECOYS = 3  # the eval card's second grid: the same pass keys with three other numbers in the prose
 
 
 def evaluate(model, tokenizer, context_len: int = TRAINED_CONTEXT, n: int = 20, seed: int = 0) -> dict:
@@ -284,6 +296,8 @@ def evaluate(model, tokenizer, context_len: int = TRAINED_CONTEXT, n: int = 20, 
     grid = tasks.passkey_grid(model, tokenizer, PASSKEY_LENGTHS, PASSKEY_DEPTHS, n=n, seed=seed)
     beyond = tasks.passkey_grid(model, tokenizer, PASSKEY_BEYOND, PASSKEY_DEPTHS, n=max(4, n // 2), seed=seed,
                                 batch_size=4)
+    decoys = tasks.passkey_grid(model, tokenizer, PASSKEY_LENGTHS, PASSKEY_DEPTHS, n=n, seed=seed,
+                                n_decoys=PASSKEY_DECOYS)
     return {
         "validation_perplexity": ppl["overall"],
         "validation_windows": ppl["n_windows"],
@@ -294,6 +308,9 @@ def evaluate(model, tokenizer, context_len: int = TRAINED_CONTEXT, n: int = 20, 
                     "min_inside_trained_context": float(grid.min())},
         "passkey_beyond_trained_context": {"context_lens": list(PASSKEY_BEYOND), "depths": list(PASSKEY_DEPTHS),
                                            "accuracy": beyond.tolist()},
+        "passkey_with_decoys": {"context_lens": list(PASSKEY_LENGTHS), "depths": list(PASSKEY_DEPTHS), "n": n,
+                                "n_decoys": PASSKEY_DECOYS, "accuracy": decoys.tolist(),
+                                "min_inside_trained_context": float(decoys.min())},
         "needle_accuracy": tasks.needle_accuracy(model, tokenizer, context_len, n=2 * n, seed=seed),
         "mqar_accuracy": tasks.mqar_accuracy(model, tokenizer, context_len, n=n, seed=seed),
         "variable_tracking_accuracy": {
@@ -309,7 +326,12 @@ def main(argv=None):
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--time-budget-min", type=float, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's, 2)")
+    parser.add_argument("--eval-only", action="store_true",
+                        help="do not train: re-measure the eval card of the checkpoint in --out (or checkpoints/"
+                             "<name>) with the current probes, keeping its training record")
     args = parser.parse_args(argv)
+    if args.eval_only:
+        return _reevaluate(args.out or CHECKPOINTS / args.name)
     cfg = CONFIGS[args.name]
     if args.max_steps is not None:
         cfg = replace(cfg, max_steps=args.max_steps)
@@ -326,17 +348,37 @@ def main(argv=None):
     model.to(torch.float16).save_pretrained(out)
     shutil.copy(TOKENIZER_PATH, out / "tokenizer.json")
     tokenizer.save_pretrained(out)
+    card = {"name": args.name, "parameters": sum(p.numel() for p in model.parameters()),
+            "trained_context": cfg.seq_len, **info, "train_config": asdict(cfg),
+            "final_train_loss": log[-1]["loss"] if log else None}
+    _write_card(out, card)
+
+
+def _write_card(out: Path, card: dict):
+    """Measure the checkpoint in ``out`` as saved (loaded back through :func:`labsrc.models.load`) and write
+    ``card`` plus those figures to ``out/eval_card.json``."""
     from labsrc.models import load
 
     t0 = time.time()
     model, tokenizer = load(str(out))
-    card = {"name": args.name, "parameters": sum(p.numel() for p in model.parameters()),
-            "trained_context": cfg.seq_len, **info, "train_config": asdict(cfg),
-            "final_train_loss": log[-1]["loss"] if log else None, **evaluate(model, tokenizer)}
+    card = {**card, **evaluate(model, tokenizer)}
     card["eval_minutes"] = round((time.time() - t0) / 60, 2)
     (out / "eval_card.json").write_text(json.dumps(card, indent=1))
     print(json.dumps({k: v for k, v in card.items() if k not in ("train_config", "perplexity_by_position")},
                      indent=1))
+
+
+_TRAINING_RECORD = ("name", "parameters", "trained_context", "steps", "tokens", "train_minutes",
+                    "stopped_at_time_budget", "train_config", "final_train_loss")
+
+
+def _reevaluate(out: Path):
+    """``--eval-only``: rewrite the eval card of an already trained checkpoint, keeping its training record."""
+    path = Path(out) / "eval_card.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--eval-only needs a trained checkpoint with an eval card; {path} does not exist")
+    old = json.loads(path.read_text())
+    _write_card(Path(out), {k: old[k] for k in _TRAINING_RECORD if k in old})
 
 
 if __name__ == "__main__":
