@@ -1,18 +1,44 @@
 """The claims ledger: figures the source text states, set beside what the lab measures.
 
-A notebook calls :func:`record` when it has measured something the source claims; the book's "Claims
-ledger" page is rendered from these records when the book is built, so no row is ever typed by hand.
-Records are JSON files in :func:`claims_dir` (``_build/claims`` in the repository, or ``$LAB_CLAIMS_DIR``).
+A notebook calls :func:`record` when it has checked something the source claims; the book's "Claims ledger"
+page is rendered from these records when the book is built, so no row is ever typed by hand. Records are JSON
+files in :func:`claims_dir` (``_build/claims`` in the repository, or ``$LAB_CLAIMS_DIR``).
+
+Every row says how it knows what it says (its *basis*) and by which rule its verdict was decided:
+
+* ``"exact"``: arithmetic or a closed form computed from the text's own figures (bytes of a cache, a formula's
+  sign). There is no sampling error, so no sample size or interval.
+* ``"measured"``: a sampled measurement on the lab's models. The row carries the runtime profile, the sample
+  size ``n`` and a 95% interval (Wilson's for an accuracy, :func:`wilson`), and its verdict treats a
+  difference whose intervals overlap as *inconclusive* (:func:`compare`, :func:`judge`).
+* ``"reading"``: the text read against itself or against the paper it cites (``cite`` names the paper's key
+  in ``book/references.bib``); this is how a row reaches *misattributed*.
+
+The verdict rule (``rule``) is stated in words with the row, and it is the rule the notebook's code applied:
+a verdict is computed from the measurement, never typed.
 """
 from __future__ import annotations
 
 import json
+import math
+import operator
 import os
 import re
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from statistics import NormalDist
 
-VERDICTS = ("reproduced", "reproduced in trend only", "not reproduced", "wrong in the text")
+VERDICTS = ("reproduced", "reproduced in trend only", "not reproduced", "inconclusive", "wrong in the text",
+            "misattributed")
+"""Every verdict a row may carry (their meanings are on the book's claims page)."""
+
+BASES = ("exact", "measured", "reading")
+"""How a row knows what it says: exact arithmetic, a sampled measurement, or a reading of the text/paper."""
+
+Z95 = NormalDist().inv_cdf(0.975)  # 1.95996...: the two-sided 95% normal quantile
 REPO_ROOT = Path(__file__).resolve().parents[1]
+_REQUIRED = ("id", "claim", "section", "measured", "verdict", "notebook", "rule", "basis", "profile")
 
 
 def claims_dir() -> Path:
@@ -20,44 +46,275 @@ def claims_dir() -> Path:
     return Path(os.environ.get("LAB_CLAIMS_DIR", REPO_ROOT / "_build" / "claims"))
 
 
-def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: str, notebook: str) -> dict:
-    """Record one row of the claims ledger and return it.
+# ------------------------------------------------------------------------------------------------------------
+# Sampling error: intervals and the comparison rule every measured verdict uses.
+# ------------------------------------------------------------------------------------------------------------
+def _count(name: str, value) -> int:
+    """An integer count (numpy integers too, not bools or floats)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
-    ``claim_id`` is a short stable slug (``"kv-70b-128k-320gib"``); ``claim`` quotes what the source states,
-    ``section`` its section number (``"10.1.1"``), ``measured`` what this run of ``notebook`` found, and
-    ``verdict`` one of :data:`VERDICTS`.
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval for ``k`` successes in ``n`` trials (95% by default).
+
+    Unlike the textbook ``p +- z sqrt(p(1-p)/n)`` it never leaves [0, 1] and does not collapse to a point at
+    ``k = 0`` or ``k = n``: 20 right answers out of 20 give [0.84, 1.00], not "exactly 1".
     """
-    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", claim_id or ""):
-        raise ValueError(f"claim_id must be a lowercase slug like 'kv-70b-320gib', got {claim_id!r}")
-    if verdict not in VERDICTS:
-        raise ValueError(f"verdict must be one of {VERDICTS}, got {verdict!r}")
-    for name, value in (("claim", claim), ("section", section), ("measured", measured), ("notebook", notebook)):
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{name} must be a non-empty string")
-    row = dict(id=claim_id, claim=claim, section=section, measured=measured, verdict=verdict, notebook=notebook)
-    folder = claims_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{claim_id}.json").write_text(json.dumps(row, indent=1, ensure_ascii=False))
-    print(f"claims ledger: [{verdict}] {claim_id}")
+    k, n = _count("k", k), _count("n", n)
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    if not 0 <= k <= n:
+        raise ValueError(f"k must lie in [0, n={n}], got {k}")
+    if not (isinstance(z, (int, float)) and math.isfinite(z) and z > 0):
+        raise ValueError(f"z must be a finite positive number, got {z!r}")
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    # At k = 0 (or n) the exact bound is 0 (or 1); rounding can leave 1e-17 instead.
+    lo = 0.0 if k == 0 else max(0.0, centre - half)
+    hi = 1.0 if k == n else min(1.0, centre + half)
+    return lo, hi
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom; beyond 30 the normal quantile is used.
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A number with its 95% interval and the sample size behind it.
+
+    Build one with :meth:`accuracy` (k of n right: Wilson interval), :meth:`mean` (a sample of numbers:
+    Student-t interval) or :meth:`exact` (no sampling error: the interval is the point and ``n`` is None).
+    """
+
+    value: float
+    lo: float
+    hi: float
+    n: int | None
+    method: str
+
+    def __post_init__(self):
+        for name in ("value", "lo", "hi"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
+                raise ValueError(f"Estimate.{name} must be a number (not NaN), got {v!r}")
+        if not self.lo <= self.value <= self.hi:
+            raise ValueError(f"Estimate needs lo <= value <= hi, got {self.lo} <= {self.value} <= {self.hi}")
+        if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
+            raise ValueError(f"Estimate.n must be a positive int or None, got {self.n!r}")
+
+    @classmethod
+    def accuracy(cls, k: int, n: int) -> "Estimate":
+        """``k`` right out of ``n``: the fraction with its Wilson interval."""
+        lo, hi = wilson(k, n)
+        return cls(_count("k", k) / n, lo, hi, n, "Wilson")
+
+    @classmethod
+    def mean(cls, samples) -> "Estimate":
+        """The mean of ``samples`` (at least two finite numbers) with a Student-t 95% interval."""
+        xs = [float(x) for x in samples]
+        if len(xs) < 2:
+            raise ValueError(f"samples must hold at least two numbers for an interval, got {len(xs)}")
+        if not all(math.isfinite(x) for x in xs):
+            raise ValueError("samples must be finite numbers")
+        n = len(xs)
+        m = sum(xs) / n
+        sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+        t = _T95[n - 2] if n - 1 <= len(_T95) else Z95
+        half = t * sd / math.sqrt(n)
+        return cls(m, m - half, m + half, n, "Student t")
+
+    @classmethod
+    def exact(cls, value: float) -> "Estimate":
+        """A computed number with no sampling error."""
+        return cls(float(value), float(value), float(value), None, "exact")
+
+    def __str__(self) -> str:
+        if self.n is None:
+            return f"{self.value:.4g} (exact)"
+        return f"{self.value:.3g} (95% CI {self.lo:.3g}-{self.hi:.3g}, n = {self.n})"
+
+
+def compare(a: Estimate, b: Estimate) -> int:
+    """+1 if ``a`` is above ``b``, -1 if below, 0 if their 95% intervals overlap (the data cannot tell).
+
+    Non-overlapping 95% intervals is a conservative rule (a difference it calls real is real at well below
+    the 5% level); that is the side to err on when a verdict rests on it.
+    """
+    if not isinstance(a, Estimate) or not isinstance(b, Estimate):
+        raise TypeError(f"compare takes two Estimates, got {type(a).__name__} and {type(b).__name__}")
+    if a.lo > b.hi:
+        return 1
+    if a.hi < b.lo:
+        return -1
+    return 0
+
+
+def judge(holds: bool, *, separable: bool = True, trend_only: bool = False) -> str:
+    """The verdict of a measured claim from what the measurement found.
+
+    ``separable=False`` (the data cannot tell the cases apart: overlapping intervals, a probe every method
+    fails) gives ``"inconclusive"`` whatever ``holds`` says. Otherwise a claim that holds is ``"reproduced"``,
+    or ``"reproduced in trend only"`` when the lab can only test its direction (``trend_only``: a different
+    model or scale), and one that does not hold is ``"not reproduced"``.
+    """
+    if not separable:
+        return "inconclusive"
+    if holds:
+        return "reproduced in trend only" if trend_only else "reproduced"
+    return "not reproduced"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Rows: write, read back, render.
+# ------------------------------------------------------------------------------------------------------------
+def _text(name: str, value) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _validate(row: dict, where: str) -> dict:
+    """Check one row's fields; ``where`` names the file (and line) in the message."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a claim row must be a JSON object, got {type(row).__name__}")
+    missing = [f for f in _REQUIRED if f not in row]
+    if missing:
+        raise ValueError(f"{where}: claim row is missing fields {missing}")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", str(row["id"])):
+        raise ValueError(f"{where}: id must be a lowercase slug like 'kv-70b-320gib', got {row['id']!r}")
+    if row["verdict"] not in VERDICTS:
+        raise ValueError(f"{where}: verdict must be one of {VERDICTS}, got {row['verdict']!r}")
+    if row["basis"] not in BASES:
+        raise ValueError(f"{where}: basis must be one of {BASES}, got {row['basis']!r}")
+    for name in ("claim", "section", "measured", "notebook", "rule", "profile"):
+        try:
+            _text(name, row[name])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    if row["basis"] == "measured":
+        n, interval = row.get("n"), row.get("interval")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{where}: a measured row needs n, a positive int sample size, got {n!r}")
+        if (not isinstance(interval, (list, tuple)) or len(interval) != 2
+                or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in interval)
+                or interval[0] > interval[1]):
+            raise ValueError(f"{where}: a measured row needs interval, a finite [lo, hi] 95% interval, "
+                             f"got {interval!r}")
+    if row["basis"] == "reading" and not row.get("cite"):
+        raise ValueError(f"{where}: a reading row must cite the paper it reads (cite=<bibtex key>)")
+    if row["verdict"] == "misattributed" and row["basis"] != "reading":
+        raise ValueError(f"{where}: 'misattributed' is a reading of the cited paper: basis must be 'reading'")
     return row
 
 
+def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: str, notebook: str, rule: str,
+           basis: str, estimate: Estimate | None = None, n: int | None = None,
+           interval: tuple[float, float] | None = None, cite: str | list[str] | None = None,
+           anchor: str | None = None) -> dict:
+    """Record one row of the claims ledger and return it.
+
+    Args:
+        claim_id: a short stable slug (``"kv-70b-128k-320gib"``).
+        claim: what the source states (paraphrased in English; quote the Chinese where wording matters).
+        section: the source's section number (``"10.1.1"``).
+        measured: what this run found, in a sentence the numbers make true.
+        verdict: one of :data:`VERDICTS`, computed by the notebook from its measurement.
+        notebook: the notebook's stem (``"01_kv_cache"``).
+        rule: the verdict rule in words, as stated before the measurement (``"reproduced if every 95%
+            interval lies above 0.9"``).
+        basis: one of :data:`BASES`.
+        estimate: for ``basis="measured"``: the decisive :class:`Estimate`, which fills ``n`` and ``interval``.
+        n, interval: the sample size and 95% interval, when no single :class:`Estimate` says them.
+        cite: bibtex key(s) of the paper(s) a ``"reading"`` row checks the text against.
+        anchor: a MyST label in the chapter (``(kv-quant-table-10-5)=``) that the claims page links to.
+
+    The runtime profile (``cpu`` or ``gpu``) is recorded with every row.
+    """
+    from labsrc import runtime
+
+    if estimate is not None:
+        if not isinstance(estimate, Estimate):
+            raise TypeError(f"estimate must be a labsrc.claims.Estimate, got {type(estimate).__name__}")
+        if n is not None or interval is not None:
+            raise ValueError("give either estimate or n/interval, not both")
+        n, interval = estimate.n, (estimate.lo, estimate.hi)
+    if isinstance(cite, str):
+        cite = [cite]
+    if anchor is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", str(anchor)):
+        raise ValueError(f"anchor must be a lowercase MyST label like 'kv-quant-table', got {anchor!r}")
+    row = dict(id=claim_id, claim=claim, section=section, measured=measured, verdict=verdict, notebook=notebook,
+               rule=rule, basis=basis, profile=runtime.PROFILE, n=n,
+               interval=[float(interval[0]), float(interval[1])] if interval is not None else None,
+               cite=list(cite) if cite else None, anchor=anchor)
+    _validate(row, f"claim {claim_id!r}")
+    folder = claims_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{claim_id}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(row, indent=1, ensure_ascii=False))
+    os.replace(tmp, path)  # a reader never sees half a row
+    return row
+
+
+def _section_key(section: str):
+    return [int(x) if x.isdigit() else x for x in re.split(r"[.\s]", section)]
+
+
 def load(folder: Path | None = None) -> list[dict]:
-    """Every recorded claim, sorted by section then id."""
+    """Every recorded claim, validated, sorted by section then id (a bad file raises naming it)."""
     folder = claims_dir() if folder is None else Path(folder)
-    rows = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
-    return sorted(rows, key=lambda r: ([int(x) if x.isdigit() else x for x in re.split(r"[.\s]", r["section"])], r["id"]))
+    rows = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            row = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON claim row ({e})") from None
+        rows.append(_validate(row, str(path)))
+    return sorted(rows, key=lambda r: (_section_key(r["section"]), r["id"]))
+
+
+def _cell(text) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _evidence(r: dict) -> str:
+    """What stands behind a row, in a few words: basis, profile, n and interval, cited paper."""
+    if r["basis"] == "exact":
+        return "exact arithmetic"
+    if r["basis"] == "reading":
+        return "reading of " + ", ".join(f"{{cite:p}}`{k}`" for k in r["cite"])
+    lo, hi = r["interval"]
+    return f"measured, {r['profile']} profile, n = {r['n']}, 95% CI {lo:.3g}-{hi:.3g}"
 
 
 def render_markdown(rows: list[dict]) -> str:
-    """The ledger as a Markdown table (used by the book build)."""
+    """The ledger as Markdown: verdict counts, then one table per chapter (used by the book build)."""
     if not rows:
         return "*No claims have been recorded yet: execute the chapters (`make book`) to fill this table.*\n"
-    def cell(text: str) -> str:
-        return str(text).replace("|", "\\|").replace("\n", " ")
-    lines = ["| Claim in the source | Section | What the lab measured | Verdict | Measured in |",
-             "|---|---|---|---|---|"]
+    counts = Counter(r["verdict"] for r in rows)
+    out = [f"{len(rows)} claims checked.", "", "| Verdict | Claims |", "|---|---|"]
+    out += [f"| {v} | {counts[v]} |" for v in VERDICTS]
+    out.append("")
+    by_chapter: dict[str, list[dict]] = {}
     for r in rows:
-        lines.append(f"| {cell(r['claim'])} | {cell(r['section'])} | {cell(r['measured'])} | **{cell(r['verdict'])}** "
-                     f"| {cell(r['notebook'])} |")
-    return "\n".join(lines) + "\n"
+        by_chapter.setdefault(r["notebook"], []).append(r)
+    for notebook in sorted(by_chapter):
+        out += [f"### {{doc}}`/chapters/{notebook}`", "",
+                "| Claim in the source | § | What the lab found | Evidence and rule | Verdict |",
+                "|---|---|---|---|---|"]
+        for r in by_chapter[notebook]:
+            where = f"{{ref}}`{_cell(r['section'])} <{r['anchor']}>`" if r.get("anchor") else _cell(r["section"])
+            out.append(f"| {_cell(r['claim'])} | {where} | {_cell(r['measured'])} | {_evidence(r)}. "
+                       f"*Rule:* {_cell(r['rule'])} | **{r['verdict']}** |")
+        out.append("")
+    return "\n".join(out)
