@@ -124,10 +124,101 @@ def test_cache_bytes_takes_a_cache_that_states_its_storage_at_its_word(model):
 
 def test_two_ledgers_on_one_file_keep_each_others_rows(tmp_path):
     """Two notebooks executed side by side add to the same ledger file: no row may be lost."""
-    row = {f: 0.0 for f in ledger.FIELDS}
+    row = dict({f: 0.0 for f in ledger.FIELDS}, notes="")
     path = tmp_path / "ledger.jsonl"
     a, b = ledger.Ledger(path), ledger.Ledger(path)
     a.add(dict(row, name="from chapter 5"))
     b.add(dict(row, name="from chapter 6"))
     a.add(dict(row, name="chapter 5 again"))
     assert [r["name"] for r in ledger.Ledger(path).rows] == ["from chapter 5", "from chapter 6", "chapter 5 again"]
+
+
+def _row(name, **values):
+    return dict({f: None for f in ledger.FIELDS}, name=name, notes="", **values)
+
+
+def test_a_stale_copy_never_overwrites_a_newer_row(tmp_path):
+    """Lost update: ledger A read row r, notebook B rewrote r, A adds another row; B's r must survive."""
+    path = tmp_path / "ledger.jsonl"
+    a = ledger.Ledger(path)
+    a.add(_row("shared", passkey_accuracy=0.5))
+    b = ledger.Ledger(path)
+    b.add(_row("shared", passkey_accuracy=0.9))  # the newest write of "shared"
+    a.add(_row("a's own", passkey_accuracy=0.1))
+    got = {r["name"]: r["passkey_accuracy"] for r in ledger.Ledger(path).rows}
+    assert got == {"shared": 0.9, "a's own": 0.1}
+    assert {r["name"]: r["passkey_accuracy"] for r in a.rows}["shared"] == 0.9, "rows are read afresh"
+
+
+def test_numpy_and_torch_scalars_are_stored_as_numbers(tmp_path):
+    import numpy as np
+
+    book = ledger.Ledger(tmp_path / "l.jsonl")
+    book.add(_row("np", passkey_accuracy=np.float32(0.75), peak_kv_bytes=np.int64(1024),
+                  validation_perplexity=torch.tensor(12.5), context_len=torch.tensor(512)))
+    book.add(_row("next", passkey_accuracy=0.5))  # every later add still works
+    row = ledger.Ledger(tmp_path / "l.jsonl").rows[0]
+    assert row["passkey_accuracy"] == 0.75 and type(row["passkey_accuracy"]) is float
+    assert row["peak_kv_bytes"] == 1024 and type(row["peak_kv_bytes"]) is int
+    assert row["validation_perplexity"] == 12.5 and row["context_len"] == 512
+
+
+@pytest.mark.parametrize("values, error, message", [
+    (dict(passkey_accuracy=float("nan")), ValueError, "'passkey_accuracy' is NaN"),
+    (dict(passkey_accuracy="0.5"), TypeError, "'passkey_accuracy' must be a number or None"),
+    (dict(passkey_accuracy=True), TypeError, "must be a number"),
+    (dict(peak_kv_bytes=torch.ones(2)), TypeError, "'peak_kv_bytes' must be a number"),
+    (dict(notes=3), TypeError, "'notes' must be a string or None"),
+    (dict(extra=object()), TypeError, "extra field 'extra' is not JSON-safe"),
+])
+def test_bad_rows_are_refused_before_anything_is_written(tmp_path, values, error, message):
+    book = ledger.Ledger(tmp_path / "l.jsonl")
+    book.add(_row("good", passkey_accuracy=1.0))
+    with pytest.raises(error, match=message):
+        book.add(dict(_row("bad"), **values))
+    book.add(_row("after", passkey_accuracy=0.5))
+    assert [r["name"] for r in book.rows] == ["good", "after"]
+
+
+def test_a_malformed_file_is_reported_with_its_line(tmp_path):
+    path = tmp_path / "l.jsonl"
+    ledger.Ledger(path).add(_row("good", passkey_accuracy=1.0))
+    with open(path, "a") as f:
+        f.write('{"name": "half a row"\n')
+    with pytest.raises(ValueError, match=r"l\.jsonl, line 2: not a JSON ledger row"):
+        ledger.Ledger(path)
+    path.write_text('{"name": "no fields"}\n')
+    with pytest.raises(ValueError, match=r"line 1: row is missing fields"):
+        ledger.Ledger(path)
+    path.write_text('[1, 2]\n')
+    with pytest.raises(TypeError, match=r"line 1: a ledger row must be a dict"):
+        ledger.Ledger(path)
+    path.write_text(__import__("json").dumps(_row("nan", passkey_accuracy=1.0)).replace("1.0", "NaN") + "\n")
+    with pytest.raises(ValueError, match=r"line 1: field 'passkey_accuracy' is NaN"):
+        ledger.Ledger(path)
+
+
+def test_pareto_skips_missing_values_and_keeps_infinite_ones_in_order(tmp_path):
+    book = ledger.Ledger(None)
+    book.add(_row("a", kv_bytes_per_token=10.0, validation_perplexity=float("inf")))
+    book.add(_row("b", kv_bytes_per_token=20.0, validation_perplexity=30.0))
+    book.add(_row("c", kv_bytes_per_token=5.0, validation_perplexity=None))
+    front = book.pareto("kv_bytes_per_token", "validation_perplexity", maximize_y=False)
+    assert [r["name"] for r in front] == ["a", "b"]
+    with pytest.raises(ValueError, match="not a numeric ledger field"):
+        book.pareto("notes", "validation_perplexity")
+
+
+def test_two_processes_adding_at_once_lose_no_row(tmp_path):
+    """The lock is real: two processes each add 15 rows to one file at the same time; all 30 are there."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "l.jsonl"
+    code = ("import sys; from labsrc import ledger\n"
+            "book = ledger.Ledger(sys.argv[1])\n"
+            "for i in range(15):\n"
+            "    book.add(dict({f: None for f in ledger.FIELDS}, name=f'{sys.argv[2]}-{i}', notes=''))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), tag]) for tag in ("x", "y")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert len(ledger.Ledger(path).rows) == 30
