@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings, strategies as st
 import torch
 
 from labsrc import ledger, tasks
@@ -222,3 +223,21 @@ def test_two_processes_adding_at_once_lose_no_row(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", code, str(path), tag]) for tag in ("x", "y")]
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert len(ledger.Ledger(path).rows) == 30
+
+
+@settings(max_examples=60, deadline=None)
+@given(points=st.lists(st.tuples(st.one_of(st.none(), st.floats(0, 1e6)),
+                                 st.one_of(st.none(), st.floats(-1e3, 1e3), st.sampled_from([-math.inf, math.inf]))),
+                       max_size=12),
+       minimize_x=st.booleans(), maximize_y=st.booleans())
+def test_pareto_front_is_exactly_the_non_dominated_rows(points, minimize_x, maximize_y):
+    book = ledger.Ledger(None)
+    for i, (x, y) in enumerate(points):
+        book.add(_row(f"r{i}", kv_bytes_per_token=x, passkey_accuracy=y))
+    front = book.pareto("kv_bytes_per_token", "passkey_accuracy", minimize_x, maximize_y)
+    sx, sy = (1 if minimize_x else -1), (-1 if maximize_y else 1)  # both as "smaller is better"
+    full = {(sx * x, sy * y) for x, y in points if x is not None and y is not None}
+    # A point is on the front when no other point is at least as good on both axes and better on one.
+    expected = {(x, y) for x, y in full if not any(bx <= x and by <= y and (bx, by) != (x, y) for bx, by in full)}
+    got = [(sx * r["kv_bytes_per_token"], sy * r["passkey_accuracy"]) for r in front]
+    assert set(got) == expected and len(got) == len(expected), "one row per point of the front"
