@@ -172,3 +172,64 @@ def test_copy_training_sample_repeats_its_words(tok):
         assert len(words.split()) == 7 and text.startswith(f"Copy these words: {words}.")
         assert tok.decode(sample.answer_ids) == f" {words}"
     assert len(t.ids) == 200 and len(s.ids) < 200
+
+
+# --- property-based: any length, depth and seed gives a well-formed sample; any bad argument a clear error ----
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_PROPS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@_PROPS
+@given(task=st.sampled_from(tasks.TASKS), context_len=st.integers(200, 1500), seed=st.integers(0, 2**32))
+def test_any_sample_is_exact_length_with_checkable_answers(tok, task, context_len, seed):
+    s = _sample(tok, task, seed, context_len)
+    assert len(s.ids) == context_len and s.ids[0] == tok.bos_token_id
+    assert s.spans and all(0 < a < b <= context_len for a, b in s.spans)
+    assert s.spans == sorted(s.spans), "answers in the order they come"
+    assert s.prompt_ids + s.answer_ids == s.ids[: s.spans[0][1]]
+
+
+@_PROPS
+@given(context_len=st.integers(120, 1200), depth=st.floats(0, 1), seed=st.integers(0, 2**32),
+       n_decoys=st.integers(0, 3))
+def test_passkey_key_sits_where_asked_and_is_the_answer(tok, context_len, depth, seed, n_decoys):
+    s = tasks.passkey_sample(tok, context_len, depth, random.Random(seed), n_decoys=n_decoys)
+    key = s.meta["key"]
+    assert tok.decode(s.answer_ids) == f" {key}"
+    needle = tasks._enc(tok, f" The pass key is {key}. Remember it. {key} is the pass key. ")
+    starts = [i for i in range(len(s.prompt_ids)) if s.prompt_ids[i:i + len(needle)] == needle]
+    assert len(starts) == 1, "the key is stated exactly once"
+    # Its position in the filler: within a decoy's length of depth x (filler length).
+    head = len(tasks._enc(tok, "There is a pass key hidden in this text. Find it and remember it.\n\n")) + 1
+    fill = context_len - len(s.ids[s.spans[0][0]:]) - len(tasks._enc(tok, "\n\nWhat is the pass key? The pass key is")) \
+        - head - len(needle) - sum(len(tasks._enc(tok, d)) for d in s.meta["decoys"])
+    before_decoys = sum(len(tasks._enc(tok, d)) for d in s.meta["decoys"])
+    assert abs((starts[0] - head) - depth * fill) <= before_decoys + 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -0.01, 1.01, float("inf"), "0.5", None])
+def test_bad_depth_names_the_argument(tok, bad):
+    with pytest.raises(ValueError, match="depth must be a number in"):
+        tasks.passkey_sample(tok, 300, bad, random.Random(0))
+    with pytest.raises(ValueError, match="depth must be a number in"):
+        tasks.needle_sample(tok, 300, bad, random.Random(0))
+
+
+@_PROPS
+@given(bad=st.one_of(st.integers(max_value=0), st.floats(), st.booleans(), st.text(max_size=3)))
+def test_bad_context_len_names_the_argument(tok, bad):
+    with pytest.raises(ValueError, match="context_len must be a positive int"):
+        tasks.passkey_sample(tok, bad, 0.5, random.Random(0))
+
+
+def test_a_context_longer_than_the_corpus_is_refused_clearly(tok):
+    too_long = len(tasks.corpus_ids(tok, "validation")) + 1000
+    with pytest.raises(ValueError, match="context_len=.* needs more filler than the 'validation' split holds"):
+        tasks.passkey_sample(tok, too_long, 0.5, random.Random(0))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_copy_word_count_names_the_argument(tok, bad):
+    with pytest.raises(ValueError, match="n_words must be a positive int"):
+        tasks.copy_sample(tok, None, random.Random(0), n_words=bad)

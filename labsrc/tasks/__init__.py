@@ -89,6 +89,9 @@ def _filler(tokenizer, split: str, n: int, rng: random.Random) -> list[int]:
     ids = corpus_ids(tokenizer, split)
     if n <= 0:
         return []
+    if n >= len(ids):
+        raise ValueError(f"context_len={n} tokens or more needs more filler than the {split!r} split holds "
+                         f"({len(ids)} tokens)")
     start = rng.randrange(0, len(ids) - n)
     return ids[start:start + n].tolist()
 
@@ -97,10 +100,14 @@ def _digits(rng: random.Random, n: int) -> str:
     return str(rng.randrange(10 ** (n - 1), 10 ** n))
 
 
-def _check_common(context_len, depth=None):
+_NO_DEPTH = object()  # tasks without a depth; a depth of None is an error, not "unchecked"
+
+
+def _check_common(context_len, depth=_NO_DEPTH):
     if not isinstance(context_len, int) or isinstance(context_len, bool) or context_len < 1:
         raise ValueError(f"context_len must be a positive int, got {context_len!r}")
-    if depth is not None and not (isinstance(depth, (int, float)) and 0.0 <= depth <= 1.0):
+    if depth is not _NO_DEPTH and (isinstance(depth, bool) or not isinstance(depth, (int, float))
+                                   or not 0.0 <= depth <= 1.0):
         raise ValueError(f"depth must be a number in [0, 1], got {depth!r}")
 
 
@@ -266,6 +273,8 @@ def copy_sample(tokenizer, context_len: int | None, rng: random.Random, n_words:
     With ``context_len=None`` there is no prose between the two copies (the sample is as short as it can be).
     """
     n_words = rng.randint(6, 16) if n_words is None else n_words
+    if not isinstance(n_words, int) or isinstance(n_words, bool) or n_words < 1:
+        raise ValueError(f"n_words must be a positive int, got {n_words!r}")
     words = " ".join(rng.choice(KEYS) for _ in range(n_words))
     head = _enc(tokenizer, f"Copy these words: {words}.\n\n")
     question = _enc(tokenizer, "\n\nThe words were")
