@@ -27,17 +27,29 @@ LABSRC      := $(shell find labsrc -name '*.py' -o -name '*.json' -o -name '*.sa
 EXECUTED    := _executed/chapters/.stamp
 HTML        := _build/html
 
-.PHONY: setup test test-unit execute student test-student bench-smoke book test-browser lab clean help
+.PHONY: FORCE setup test test-unit execute student test-student bench-smoke book test-browser lab clean help
 
 help:
 	@sed -n '1,12p' Makefile
 
-$(VENV)/.ready: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+# The torch build is its own step, keyed on TORCH_SPEC: `make ... TORCH_SPEC=torch` after a CPU set-up (or
+# back) reinstalls torch, which a plain `pip install` would not do, since the installed build already
+# satisfies the bare name. The spec is recorded in $(VENV)/.torch-spec, rewritten only when it changes.
+$(VENV)/.torch-spec: FORCE
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo '$(TORCH_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC)' > $@
+
+$(VENV)/.torch: $(VENV)/.torch-spec
 	$(PY) -m pip install -q --upgrade pip
+	$(if $(TORCH_SPEC),$(PY) -m pip install -q --force-reinstall --no-deps "$(TORCH_SPEC)")
 	$(if $(TORCH_SPEC),$(PY) -m pip install -q "$(TORCH_SPEC)")
+	touch $@
+
+$(VENV)/.ready: pyproject.toml $(VENV)/.torch
 	$(PY) -m pip install -q -e ".[dev,book]"
 	touch $@
+
+FORCE:
 
 setup: $(VENV)/.ready
 

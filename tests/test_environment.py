@@ -1,0 +1,67 @@
+"""The three descriptions of one environment (pyproject.toml, environment.yml, binder/) say the same thing."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+DEPS = PYPROJECT["project"]["dependencies"]
+
+
+def _spec(requirements, name):
+    """The version specifier of ``name`` in a list of requirement strings (markers and comments dropped)."""
+    for req in requirements:
+        m = re.match(rf"\s*{re.escape(name)}\s*([<>=!~][^;#]*)?(;.*)?$", req)
+        if m:
+            return (m.group(1) or "").replace(" ", "")
+    raise AssertionError(f"{name} is not listed in {requirements}")
+
+
+def test_environment_yml_installs_the_project_and_its_torch_range():
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    assert "pytorch" not in env["channels"], "the pytorch channel stopped at torch 2.5, older than triton 3.2 needs"
+    deps = env["dependencies"]
+    conda = [d for d in deps if isinstance(d, str)]
+    pip = next(d["pip"] for d in deps if isinstance(d, dict))
+    assert any(d.startswith("python") for d in conda) and "pip" in conda
+    assert "c-compiler" in conda, "Triton compiles kernels with a C compiler at run time"
+    assert not any(re.match(r"(pytorch|triton)\b", d) for d in conda), "torch and triton come from pip, together"
+    assert _spec(pip, "torch") == _spec(DEPS, "torch")
+    assert "-e .[dev,book]" in pip, "every other package comes from pyproject.toml, so the lists cannot drift"
+    assert len(pip) == 2, f"environment.yml lists packages of its own: {pip}"
+
+
+def test_binder_pins_python_and_the_cpu_torch():
+    lines = [ln.strip() for ln in (ROOT / "binder" / "requirements.txt").read_text().splitlines()
+             if ln.strip() and not ln.startswith("#")]
+    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in lines
+    assert _spec(lines, "torch") == _spec(DEPS, "torch")
+    assert any(ln.startswith("-e .") for ln in lines)
+    runtime = (ROOT / "binder" / "runtime.txt").read_text().strip()
+    major, minor = map(int, re.fullmatch(r"python-(\d+)\.(\d+)", runtime).groups())
+    low = tuple(map(int, re.search(r">=\s*(\d+)\.(\d+)", PYPROJECT["project"]["requires-python"]).groups()))
+    assert (major, minor) >= low
+
+
+def test_the_torch_range_holds_the_installed_build():
+    import torch
+    from packaging.specifiers import SpecifierSet
+
+    version = torch.__version__.split("+")[0]
+    assert version in SpecifierSet(_spec(DEPS, "torch")), f"torch {version} is outside pyproject's range"
+
+
+@pytest.mark.skipif(not any(shutil.which(s) for s in ("mamba", "micromamba", "conda")),
+                    reason="no conda solver on this machine; the file's package list is checked above")
+def test_environment_yml_solves():
+    solver = next(s for s in ("mamba", "micromamba", "conda") if shutil.which(s))
+    out = subprocess.run([solver, "env", "create", "--dry-run", "-n", "lclab-check", "-f",
+                          str(ROOT / "environment.yml")], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
