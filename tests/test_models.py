@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,3 +150,45 @@ def test_load_reproduces_the_eval_card_pass_keys_at_the_trained_length():
     j = card["context_lens"].index(512)
     grid = tasks.passkey_grid(model, tok, [512], card["depths"], n=card["n"], seed=0)
     assert grid[:, 0].tolist() == pytest.approx([row[j] for row in card["accuracy"]], abs=1e-6)
+
+
+def test_training_shows_a_progress_bar_with_the_time_left(capsys):
+    from dataclasses import replace
+
+    cfg = replace(training.CONFIGS["tiny"], max_steps=3)
+    training.train(cfg, verbose=True)
+    err = capsys.readouterr().err
+    assert "training" in err and "3/3" in err and "step" in err, err[-500:]
+    assert re.search(r"<\d\d:\d\d", err), "the bar shows the time left"
+    training.train(cfg, verbose=False)
+    assert capsys.readouterr().err == "", "verbose=False is silent"
+
+
+def test_a_retrain_never_overwrites_a_checkpoint_without_overwrite(tmp_path):
+    out = tmp_path / "lab-target"
+    assert training.fresh_folder(out) == out, "a new folder is used as it is"
+    out.mkdir()
+    assert training.fresh_folder(out) == out, "so is an empty one"
+    (out / "config.json").write_text("{}")
+    assert training.fresh_folder(out) == tmp_path / "lab-target-retrained-1"
+    (tmp_path / "lab-target-retrained-1").mkdir()
+    (tmp_path / "lab-target-retrained-1" / "config.json").write_text("{}")
+    assert training.fresh_folder(out) == tmp_path / "lab-target-retrained-2"
+
+
+def test_main_trains_into_a_new_folder_unless_told_to_overwrite(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_train(cfg, tokenizer, log_path):
+        calls.append(Path(log_path).parent)
+        raise RuntimeError("stop here: only the folder is under test")
+
+    monkeypatch.setattr(training, "train", fake_train)
+    out = tmp_path / "lab-draft"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    for argv in (["lab-draft", "--out", str(out)], ["lab-draft", "--out", str(out), "--overwrite"]):
+        with pytest.raises(RuntimeError, match="stop here"):
+            training.main(argv)
+    assert calls == [tmp_path / "lab-draft-retrained-1", out]
+    assert (out / "config.json").read_text() == "{}"

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from labsrc import tasks
 from labsrc.data import TOKENIZER_PATH, load_tokenizer, train_tokenizer
@@ -242,9 +243,14 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
     log, t0, tokens, stopped_early = [], time.time(), 0, False
     fh = open(log_path, "w", newline="") if log_path else None
     writer = None
+    # A bar with the step, the rate and the time left (an hour-long run must say how long it has to go);
+    # `verbose=False` (the tests) shows nothing.
+    bar = tqdm(total=cfg.max_steps, desc="training", unit="step", disable=not verbose,
+               dynamic_ncols=True, mininterval=1.0)
     for step in range(cfg.max_steps):
         if time.time() - t0 > cfg.time_budget_s:
             stopped_early = True
+            bar.write(f"stopped at the time budget ({cfg.time_budget_s / 60:.0f} min) after {step} steps")
             break
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
@@ -272,9 +278,12 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
                 writer.writeheader()
             writer.writerow(row)
             fh.flush()
-        if verbose and ((step + 1) % 10 == 0 or "passkey_512" in row):
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                  flush=True)
+        bar.update(1)
+        bar.set_postfix(loss=f"{row['loss']:.3f}", seq=ids.shape[1], refresh=False)
+        if "passkey_512" in row:
+            bar.write(f"step {step + 1}: pass key at {cfg.seq_len} tokens {row['passkey_512']:.2f}, "
+                      f"loss {row['loss']:.3f}")
+    bar.close()
     if fh:
         fh.close()
     model.eval()
@@ -322,7 +331,11 @@ def evaluate(model, tokenizer, context_len: int = TRAINED_CONTEXT, n: int = 20, 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("name", choices=sorted(CONFIGS))
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default: checkpoints/<name>)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: checkpoints/<name>); if it already holds a checkpoint, "
+                             "the run writes to <out>-retrained-<n> unless --overwrite is given")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="train into --out (or checkpoints/<name>) even if it holds a checkpoint")
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--time-budget-min", type=float, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's, 2)")
@@ -340,7 +353,10 @@ def main(argv=None):
     if args.time_budget_min is not None:
         cfg = replace(cfg, time_budget_s=args.time_budget_min * 60)
     out = args.out or CHECKPOINTS / args.name
+    if not args.overwrite:
+        out = fresh_folder(out)
     out.mkdir(parents=True, exist_ok=True)
+    print(f"writing the checkpoint to {out}", flush=True)
     if not TOKENIZER_PATH.is_file():
         train_tokenizer()
     tokenizer = load_tokenizer()
@@ -352,6 +368,21 @@ def main(argv=None):
             "trained_context": cfg.seq_len, **info, "train_config": asdict(cfg),
             "final_train_loss": log[-1]["loss"] if log else None}
     _write_card(out, card)
+
+
+def fresh_folder(out: Path) -> Path:
+    """``out`` if it holds no checkpoint yet, else the first free ``<out>-retrained-<n>`` beside it.
+
+    A retrain must not silently replace the shipped models (the chapters' numbers come from them): writing
+    over them takes ``--overwrite``.
+    """
+    out = Path(out)
+    if not out.exists() or not any(out.iterdir()):
+        return out
+    n = 1
+    while (candidate := out.with_name(f"{out.name}-retrained-{n}")).exists() and any(candidate.iterdir()):
+        n += 1
+    return candidate
 
 
 def _write_card(out: Path, card: dict):
