@@ -192,3 +192,13 @@ def test_main_trains_into_a_new_folder_unless_told_to_overwrite(tmp_path, monkey
             training.main(argv)
     assert calls == [tmp_path / "lab-draft-retrained-1", out]
     assert (out / "config.json").read_text() == "{}"
+
+
+def test_load_draws_no_progress_bar_and_leaves_the_setting_alone(capfd):
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.is_progress_bar_enabled()
+    models.load("lab-draft")
+    out, err = capfd.readouterr()
+    assert "Loading weights" not in out + err, "no progress widget in the book's outputs"
+    assert hf_logging.is_progress_bar_enabled(), "the user's transformers setting is restored"

@@ -49,9 +49,19 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | to
 
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    from transformers.utils import logging as hf_logging
+
     where = resolve(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(where)
+    # transformers draws a "Loading weights" bar for a 9M-parameter model that loads in milliseconds; in a
+    # notebook it is a widget that clutters the page. Switch it off for this call only.
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype).to(device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(where)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return model, tokenizer
 
 
