@@ -103,11 +103,18 @@ def _check_bits(bits) -> int:
 
 
 def _check_int(value, name: str, minimum: int = 1) -> int:
-    """``value`` as an int ``>= minimum``, else a ValueError naming ``name`` (bools are not ints here)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    """``value`` as a Python int ``>= minimum`` (numpy integers too; bools and floats are refused), else a
+    ValueError naming ``name``."""
+    what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if isinstance(value, bool) or isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be {what}, got {value!r}")
-    return value
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+    if n < minimum:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return n
 
 
 def _check_group_size(group_size) -> int:
@@ -494,7 +501,7 @@ def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 128, normalize: b
     """
     _check_x(x)
     _check_bits(bits)
-    _check_group_size(group_size)
+    group_size = _check_group_size(group_size)
     _check_granularity(granularity)
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
@@ -561,6 +568,9 @@ def var_ratio(x: torch.Tensor) -> torch.Tensor:
 
 def mse(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean squared error of ``y`` against ``x`` (a 0-d fp32 tensor)."""
+    for name, t in (("x", x), ("y", y)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x.shape != y.shape:
         raise ValueError(f"shapes differ: {tuple(x.shape)} vs {tuple(y.shape)}")
     return (x.float() - y.float()).pow(2).mean()
@@ -600,7 +610,10 @@ def predicted_mse_ratio(channel_var, per_channel_steps: bool = False) -> float:
     claimed gain by 4), so it cannot be a gain. Non-zero channel means widen a shared range further, so with
     uneven means the measured gain of normalisation exceeds this prediction.
     """
-    v = torch.as_tensor(channel_var, dtype=torch.float64).flatten()
+    try:
+        v = torch.as_tensor(channel_var, dtype=torch.float64).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"channel_var must be a sequence or tensor of numbers, got {type(channel_var).__name__}") from None
     if v.numel() == 0:
         raise ValueError("channel_var is empty")
     if (v <= 0).any() or not torch.isfinite(v).all():
@@ -729,6 +742,8 @@ def calibrate(model, texts_or_input_ids, tokenizer=None, momentum: float | None 
     if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))
                                  or not (0.0 < float(momentum) <= 1.0)):
         raise ValueError(f"momentum must be in (0, 1] or None, got {momentum!r}")
+    if max_length is not None:
+        max_length = _check_int(max_length, "max_length")
     batches = _as_id_batches(texts_or_input_ids, tokenizer, max_length)
     moments = None  # per layer: [k_m1, k_m2, v_m1, v_m2]
     total = 0
@@ -785,6 +800,8 @@ class KVarNLayer(DynamicLayer):
         self.value_granularity = _check_granularity(value_granularity)
         if stats is not None and not isinstance(stats, KVStats):
             raise TypeError(f"stats must be a KVStats (one layer of calibrate()), got {type(stats).__name__}")
+        if not isinstance(normalize, bool):
+            raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
         if stats is not None and not normalize:
             raise ValueError("stats were given but normalize=False")
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:

@@ -575,3 +575,19 @@ def test_cache_rejects_bad_layer_indices(tiny_llama):
     with pytest.raises(ValueError, match="quantize_layers must be an iterable of layer indices"):
         kq.KVarNCache(tiny_llama.config, quantize_layers=[True])
     assert not kq.KVarNCache(tiny_llama.config, quantize_layers=torch.tensor([1])).layers[0].enabled
+    with pytest.raises(TypeError, match="normalize must be a bool"):
+        kq.KVarNCache(tiny_llama.config, normalize=1)
+    with pytest.raises(ValueError, match="max_length must be a positive int, got 0"):
+        kq.calibrate(tiny_llama, [torch.zeros(1, 4, dtype=torch.long)], max_length=0)
+
+
+def test_helpers_refuse_non_tensors_and_accept_numpy_ints():
+    import numpy as np
+    with pytest.raises(TypeError, match="y must be a torch.Tensor"):
+        kq.mse(torch.zeros(2), [0.0, 0.0])
+    with pytest.raises(ValueError, match="channel_var must be a sequence or tensor of numbers"):
+        kq.predicted_mse_ratio("abc")
+    assert kq.kv_bytes(np.int64(300), 1, 2, np.int64(64), bits=4, group_size=np.int64(128)) == \
+        kq.kv_bytes(300, 1, 2, 64, bits=4, group_size=128)
+    qt = kq.quantize(_x((1, 9, 8)), bits=4, group_size=np.int64(4), normalize=False)
+    assert type(qt.group_size) is int and qt.scale.shape == (1, 3, 1)

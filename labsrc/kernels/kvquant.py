@@ -198,7 +198,7 @@ def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
     """
     x = _check_tensor(x, "x")
     _check_bits(bits)
-    _check_group_size(group_size)
+    group_size = _check_group_size(group_size)
     if x.dim() < 2 or x.shape[-2] == 0 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape (..., tokens, head_dim) with tokens > 0 and head_dim > 0, "
                          f"got {tuple(x.shape)}")
@@ -550,13 +550,28 @@ def decode_attention_ref_fp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             seq_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Unquantized decode attention baseline with ``torch.nn.functional.scaled_dot_product_attention``.
 
-    ``q``: ``[B, Hq, D]``, ``k``, ``v``: ``[B, Hkv, T, D]`` (GQA via ``enable_gqa``).
+    ``q``: ``[B, Hq, D]``, ``k``, ``v``: ``[B, Hkv, T, D]`` (GQA via ``enable_gqa``); ``seq_lens``: ``[B]``
+    integers in ``[1, T]``.
     """
+    for name, x, dims in (("q", q, 3), ("k", k, 4), ("v", v, 4)):
+        _check_tensor(x, name)
+        if x.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D, got shape {tuple(x.shape)}")
     b, hq, d = q.shape
+    if tuple(k.shape) != tuple(v.shape) or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [B, Hkv, T, D] for q {tuple(q.shape)}")
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        raise ValueError(f"n_heads {hq} must be a positive multiple of n_kv_heads {k.shape[1]}")
     t = k.shape[2]
     mask = None
     if seq_lens is not None:
-        mask = (torch.arange(t, device=q.device)[None, :] < seq_lens[:, None]).view(b, 1, 1, t)
+        if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in (torch.int32, torch.int64):
+            raise TypeError("seq_lens must be an int32 or int64 tensor")
+        if seq_lens.shape != (b,):
+            raise ValueError(f"seq_lens must have shape ({b},), got {tuple(seq_lens.shape)}")
+        if b > 0 and (int(seq_lens.min()) < 1 or int(seq_lens.max()) > t):
+            raise ValueError(f"seq_lens must lie in [1, {t}] (the cache holds {t} tokens)")
+        mask = (torch.arange(t, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]).view(b, 1, 1, t)
     out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
     return out.squeeze(2)
 

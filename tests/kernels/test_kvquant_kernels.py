@@ -577,3 +577,17 @@ def test_property_bad_arguments_raise_the_documented_error(data):
     for fn in fns:
         with pytest.raises(exc, match=msg):
             fn(q, k, v, **kwargs)
+
+
+def test_decode_ref_fp_errors():
+    k = torch.zeros(2, 2, 5, 16)
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        kk.decode_attention_ref_fp(torch.zeros(2, 16), k, k)
+    with pytest.raises(ValueError, match="must both be"):
+        kk.decode_attention_ref_fp(torch.zeros(2, 4, 16), k, k[:, :, :3])
+    with pytest.raises(ValueError, match="n_heads 3 must be a positive multiple"):
+        kk.decode_attention_ref_fp(torch.zeros(2, 3, 16), k, k)
+    with pytest.raises(ValueError, match=r"seq_lens must lie in \[1, 5\]"):
+        kk.decode_attention_ref_fp(torch.zeros(2, 4, 16), k, k, torch.tensor([0, 5]))
+    with pytest.raises(TypeError, match="seq_lens must be an int32 or int64 tensor"):
+        kk.decode_attention_ref_fp(torch.zeros(2, 4, 16), k, k, [5, 5])
