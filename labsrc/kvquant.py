@@ -184,6 +184,10 @@ class ChannelStats:
         return (self.mean.numel() + self.std.numel()) * STORE_BYTES
 
     def to(self, device) -> "ChannelStats":
+        """The statistics on ``device`` (``self`` when already there: no copy and no second validation)."""
+        if self.mean.device == torch.device(device) and self.std.device == self.mean.device \
+                and self.mean.dtype == self.std.dtype == torch.float16:
+            return self
         return ChannelStats(self.mean.to(device), self.std.to(device))
 
     @staticmethod
@@ -400,7 +404,7 @@ class QuantizedTensor:
             raise ValueError(f"{name}.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
         if self.granularity == "token" and self.group_size != 1:
             raise ValueError(f"{name}.group_size must be 1 for granularity 'token', got {self.group_size}")
-        if self.dtype not in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"{name}.dtype must be a floating dtype, got {self.dtype!r}")
         *lead, t, d = shape
         per = 8 // self.bits

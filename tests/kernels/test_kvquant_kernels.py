@@ -331,6 +331,10 @@ def _tampered():
         v.packed, v.scale, v.zero, v.shape = v.packed[:, :, :16], v.scale[:, :, :2], v.zero[:, :, :2], (2, 2, 16, 64)
     def stats_type(k, v):
         k.stats = (torch.zeros(64), torch.ones(64))
+    def scale_device(k, v):  # the meta device stands in for a second device on a CPU-only machine
+        k.scale = k.scale.to("meta")
+    def cache_device(k, v):
+        v.packed, v.scale, v.zero = (t.to("meta") for t in (v.packed, v.scale, v.zero))
 
     cases = [
         (packed_shape, ValueError, r"k.packed has shape \(2, 2, 20, 16\) but k.shape=\(2, 2, 20, 64\), bits=4"),
@@ -346,6 +350,8 @@ def _tampered():
         (shape_tokens, ValueError, r"k.packed has shape \(2, 2, 20, 32\) but k.shape=\(2, 2, 21, 64\)"),
         (mismatched_kv, ValueError, r"k and v must both be quantized"),
         (stats_type, TypeError, r"k.stats must be a ChannelStats or None"),
+        (scale_device, ValueError, r"k.scale is on meta but k.packed on cpu"),
+        (cache_device, ValueError, r"v.packed is on meta but the other inputs are on cpu"),
     ]
     return make, cases
 
@@ -360,7 +366,7 @@ def test_tampered_quantized_tensors_are_refused_before_launch(i):
     for fn in (kk.decode_attention_quant, kk.decode_attention_quant_ref):
         with pytest.raises(exc, match=msg):
             fn(q, k, v)
-    if tamper.__name__ not in ("mismatched_kv", "both_wrong_bits"):
+    if tamper.__name__ not in ("mismatched_kv", "both_wrong_bits", "cache_device"):
         qt = k if msg.startswith("k") else v
         name_msg = re.sub(r"\b[kv]\.", "qt.", msg)
         for fn in (kk.dequantize_unpack, kk.dequantize_unpack_ref):
