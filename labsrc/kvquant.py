@@ -16,6 +16,21 @@ safe direction, so the grid ``[z, z + L*s]`` still covers ``[min, max]`` and eve
 within half a step, ``|x - x_hat| <= s/2`` (:func:`scale_zero`). Rounding is half-up (``floor(v + 1/2)``),
 which is what the Triton kernels do too, so kernel and reference produce the same codes.
 
+Two edge cases, handled alike here and in the kernels (:mod:`labsrc.kernels.kvquant`):
+
+* *A range fp16 cannot hold.* fp16's largest value is 65504, so a group whose zero point lies below -65504
+  or whose step exceeds 65504 (a range above ``65504 * L``: about 2e5 at 2 bits, 1e6 at 4 bits, 1.7e7 at 8
+  bits) has no fp16 ``(s, z)``. Storing ``inf`` would turn the whole group into NaN when dequantized, so
+  quantizing such a group raises a ``ValueError`` that names the group and its range. We keep fp16 storage
+  rather than switching to fp32 metadata so that the byte counts (:attr:`QuantizedTensor.nbytes`,
+  :func:`kv_bytes`, the source's :func:`kvarn_bytes_source`) stay both honest and the ones the source text
+  compares: two bytes per step and zero point is what is truly stored. With KVarN the range is the one
+  *after* normalisation: a channel that was almost constant during calibration (its std is floored at
+  ``1e-4``) turns a modest later deviation into a huge normalised value; the error says so.
+* *NaN or infinite inputs.* A group holding a NaN, ``+inf`` or ``-inf`` gets NaN as its step and zero point
+  and code 0 for every element, so the whole group dequantizes to NaN (the non-finite value is not silently
+  replaced by a finite one, and its neighbours are not trusted either: their grid was meant to include it).
+
 Grouping (``granularity``)
 --------------------------
 For a cache tensor of shape ``(..., tokens, head_dim)``:
@@ -67,6 +82,7 @@ Recipes for the chapter's experiments (``cfg = model.config``, ``stats = calibra
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -75,6 +91,7 @@ import torch
 SUPPORTED_BITS = (2, 4, 8)
 GRANULARITIES = ("group", "token", "channel")
 STORE_BYTES = 2  # scales, zero points and statistics are stored in fp16
+FP16_MAX = 65504.0  # the largest finite fp16: a step, zero point or statistic must not exceed it
 _MIN_STD = 1e-4  # a constant channel would otherwise divide by zero
 
 
@@ -85,10 +102,23 @@ def _check_bits(bits) -> int:
     return bits
 
 
+def _check_int(value, name: str, minimum: int = 1) -> int:
+    """``value`` as a Python int ``>= minimum`` (numpy integers too; bools and floats are refused), else a
+    ValueError naming ``name``."""
+    what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if isinstance(value, bool) or isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+    if n < minimum:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return n
+
+
 def _check_group_size(group_size) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    return group_size
+    return _check_int(group_size, "group_size")
 
 
 def _check_granularity(granularity) -> str:
@@ -116,7 +146,10 @@ class ChannelStats:
 
     The leading dimensions broadcast against the leading dimensions of the tensor being quantized (all but the
     token axis): stats of shape ``(H, D)`` serve a cache tensor ``(B, H, T, D)``. They are kept in fp16, the
-    way they are stored next to the cache.
+    way they are stored next to the cache, so both must be finite and within fp16's range (``|mean|`` and
+    ``std`` at most 65504); ``std`` must not be negative. A std below ``1e-4`` (a constant channel) is raised
+    to ``1e-4`` so that normalising never divides by zero. Anything else raises a ``ValueError`` naming the
+    field.
     """
 
     mean: torch.Tensor
@@ -131,6 +164,17 @@ class ChannelStats:
             raise ValueError(f"ChannelStats mean shape {tuple(self.mean.shape)} != std shape {tuple(self.std.shape)}")
         if self.mean.dim() < 1:
             raise ValueError("ChannelStats tensors need at least a channel dimension")
+        if self.mean.device != self.std.device:
+            raise ValueError(f"ChannelStats.mean is on {self.mean.device} but ChannelStats.std on {self.std.device}")
+        for name in ("mean", "std"):
+            t = getattr(self, name).float()
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"ChannelStats.{name} must be finite, got NaN or inf")
+            if bool((t.abs() > FP16_MAX).any()):
+                raise ValueError(f"ChannelStats.{name} has values beyond fp16's range (|x| <= {FP16_MAX:g}), "
+                                 f"largest {float(t.abs().max()):g}")
+        if bool((self.std < 0).any()):
+            raise ValueError(f"ChannelStats.std must be >= 0, got {float(self.std.min()):g}")
         self.mean = self.mean.to(torch.float16)
         self.std = self.std.float().clamp_min(_MIN_STD).to(torch.float16)
 
@@ -140,13 +184,25 @@ class ChannelStats:
         return (self.mean.numel() + self.std.numel()) * STORE_BYTES
 
     def to(self, device) -> "ChannelStats":
+        """The statistics on ``device`` (``self`` when already there: no copy and no second validation)."""
+        if self.mean.device == torch.device(device) and self.std.device == self.mean.device \
+                and self.mean.dtype == self.std.dtype == torch.float16:
+            return self
         return ChannelStats(self.mean.to(device), self.std.to(device))
 
     @staticmethod
     def of(x: torch.Tensor) -> "ChannelStats":
         """Statistics of ``x`` itself, over its token axis: shape ``x.shape[:-2] + (head_dim,)``."""
         x = _check_x(x).float()
-        return ChannelStats(x.mean(dim=-2), x.std(dim=-2, unbiased=False))
+        if x.shape[-2] == 0:
+            raise ValueError("x has no tokens to measure statistics over (shape (..., 0, head_dim))")
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("x holds NaN or inf, so its own channel statistics are undefined; "
+                             "pass calibrated stats or finite x")
+        try:
+            return ChannelStats(x.mean(dim=-2), x.std(dim=-2, unbiased=False))
+        except ValueError as e:
+            raise ValueError(f"statistics of x cannot be stored: {e}") from None
 
 
 @dataclass
@@ -180,6 +236,32 @@ def _resolve_stats(x: torch.Tensor, stats: ChannelStats | None) -> ChannelStats:
 
 
 # ----------------------------------------------------------------------------------------------- the quantizer
+def _scale_zero(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`scale_zero` without its overflow check: a group whose ``s`` or ``z`` does not fit in fp16 comes
+    back with a non-finite ``s`` or ``z``; a non-finite ``xmin``/``xmax`` gives NaN for both."""
+    levels = float(2 ** bits - 1)
+    xmin, xmax = xmin.float(), xmax.float()
+    z = (xmin - xmin.abs() * 2.0 ** -10 - 2.0 ** -24).to(torch.float16)
+    s = ((xmax - z.float()) / levels)
+    s = (s + s * 2.0 ** -10 + 2.0 ** -24).to(torch.float16)
+    finite = torch.isfinite(xmin) & torch.isfinite(xmax)
+    nan = torch.tensor(float("nan"), dtype=torch.float16, device=s.device)
+    return torch.where(finite, s, nan), torch.where(finite, z, nan)
+
+
+def _overflow_error(name: str, index: tuple, lo: float, hi: float, bits: int, normalized: bool) -> ValueError:
+    """The error for a group whose fp16 step or zero point would overflow (module docstring)."""
+    where = "normalised values" if normalized else "values"
+    hint = (" With KVarN normalisation this usually means a channel whose calibrated std is tiny (it is floored "
+            f"at {_MIN_STD:g}) deviates later: recalibrate on data that exercises it, or quantize without "
+            "normalisation." if normalized else
+            " Use more bits, smaller groups, or rescale the tensor.")
+    return ValueError(
+        f"{name}: quantization group {index} holds {where} in [{lo:.6g}, {hi:.6g}]; its {bits}-bit step "
+        f"(range / {2 ** bits - 1}) or zero point (the minimum) does not fit in fp16, whose largest value is "
+        f"{FP16_MAX:g}, so the group would dequantize to NaN.{hint}")
+
+
 def scale_zero(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``s`` and zero point ``z`` (both fp16) of groups with minimum ``xmin`` and maximum ``xmax``.
 
@@ -187,26 +269,55 @@ def scale_zero(xmin: torch.Tensor, xmax: torch.Tensor, bits: int) -> tuple[torch
     relative margin of 2^-10 plus 2^-24 is more than fp16's rounding error), so the grid still covers the
     group and no element is clamped. A constant group gets a tiny positive step and is reconstructed exactly
     up to that step.
+
+    A group with a non-finite ``xmin`` or ``xmax`` (it held a NaN or an infinity) gets NaN for both. A
+    finite group whose ``s`` or ``z`` exceeds fp16's range (``|z| > 65504`` or ``s > 65504``) raises a
+    ``ValueError`` naming the group: storing ``inf`` would make the whole group dequantize to NaN.
     """
+    for name, t in (("xmin", xmin), ("xmax", xmax)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating torch.Tensor, got {type(t).__name__}")
+    if xmin.shape != xmax.shape:
+        raise ValueError(f"xmin shape {tuple(xmin.shape)} != xmax shape {tuple(xmax.shape)}")
     _check_bits(bits)
-    levels = float(2 ** bits - 1)
-    xmin, xmax = xmin.float(), xmax.float()
-    z = (xmin - xmin.abs() * 2.0 ** -10 - 2.0 ** -24).to(torch.float16)
-    s = ((xmax - z.float()) / levels)
-    s = (s + s * 2.0 ** -10 + 2.0 ** -24).to(torch.float16)
+    s, z = _scale_zero(xmin, xmax, bits)
+    over = torch.isfinite(xmin) & torch.isfinite(xmax) & ~(torch.isfinite(s) & torch.isfinite(z))
+    if bool(over.any()):
+        i = tuple(int(j) for j in over.nonzero()[0])
+        raise _overflow_error("xmin/xmax", i, float(xmin[i]), float(xmax[i]), bits, normalized=False)
     return s, z
 
 
 def quantize_codes(x: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integer codes ``clamp(floor((x - z)/s + 1/2), 0, 2**bits - 1)`` as uint8 (``s, z`` broadcast to ``x``)."""
+    """Integer codes ``clamp(floor((x - z)/s + 1/2), 0, 2**bits - 1)`` as uint8 (``s, z`` broadcast to ``x``).
+
+    Where ``(x - z)/s`` is not a number (a NaN group, whose ``s`` and ``z`` are NaN) the code is 0, so the
+    result never depends on how the platform casts NaN to an integer.
+    """
+    _check_bits(bits)
     levels = 2 ** bits - 1
     v = (x.float() - z.float()) / s.float()
+    v = torch.where(torch.isnan(v), torch.zeros_like(v), v)
     return torch.floor(v + 0.5).clamp_(0, levels).to(torch.uint8)
 
 
 def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack uint8 codes ``(..., D)`` into ``(..., D * bits / 8)`` bytes in the planar layout (module docstring)."""
+    """Pack codes ``(..., D)`` into uint8 ``(..., D * bits / 8)`` bytes in the planar layout (module docstring).
+
+    ``q`` must be an integer tensor with values in ``[0, 2**bits - 1]`` (TypeError / ValueError naming ``q``
+    otherwise): a code out of range would spill into its neighbour's bits.
+    """
     _check_bits(bits)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.is_floating_point() or q.is_complex() or q.dtype == torch.bool:
+        raise TypeError(f"q must be an integer tensor of codes, got dtype {q.dtype}")
+    if q.dim() < 1:
+        raise ValueError("q must have at least one (channel) dimension")
+    levels = 2 ** bits - 1
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > levels):
+        raise ValueError(f"q must hold {bits}-bit codes in [0, {levels}], got values in "
+                         f"[{int(q.min())}, {int(q.max())}]")
     per = 8 // bits
     d = q.shape[-1]
     if d % per:
@@ -223,6 +334,12 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: ``(..., Dp)`` bytes to ``(..., Dp * 8 / bits)`` uint8 codes."""
     _check_bits(bits)
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"packed must be a torch.Tensor, got {type(packed).__name__}")
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed must be uint8 bytes, got dtype {packed.dtype}")
+    if packed.dim() < 1:
+        raise ValueError("packed must have at least one (byte) dimension")
     per = 8 // bits
     if per == 1:
         return packed
@@ -251,7 +368,8 @@ class QuantizedTensor:
 
     ``scale``/``zero`` have shape ``(..., G, 1)`` for ``"group"`` (``G = ceil(T/g)``), ``(..., T, 1)`` for
     ``"token"`` and ``(..., G, D)`` for ``"channel"``. :meth:`dequantize` rebuilds the tensor in its original
-    dtype; :attr:`nbytes` counts every byte stored.
+    dtype; :attr:`nbytes` counts every byte stored. The fields are plain attributes (a cache reorders them in
+    place), so :meth:`validate` checks that they still agree before anything reads the buffers.
     """
 
     packed: torch.Tensor
@@ -265,6 +383,67 @@ class QuantizedTensor:
     dtype: torch.dtype
     stats_shared: bool = False  # calibrated stats stored once per layer, not with every tensor
 
+    def validate(self, name: str = "qt") -> "QuantizedTensor":
+        """Check that the buffers match ``shape``, ``bits``, ``group_size`` and ``granularity`` (returns self).
+
+        Raises TypeError/ValueError naming the field (``{name}.packed``, ``{name}.scale``, ...): packed codes
+        uint8 ``(..., T, D*bits/8)``, fp16 ``scale``/``zero`` of the granularity's shape, statistics with
+        ``D`` channels broadcasting to the leading dims, everything on one device. Reading buffers sized by
+        metadata they do not match would read out of bounds in a kernel, or silently misalign groups.
+        """
+        shape = self.shape
+        if not isinstance(shape, tuple) or len(shape) < 2 or \
+                not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            raise ValueError(f"{name}.shape must be a tuple (..., tokens, head_dim) of non-negative ints, got {shape!r}")
+        if shape[-1] == 0:
+            raise ValueError(f"{name}.shape has head_dim 0")
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"{name}.bits must be one of {SUPPORTED_BITS}, got {self.bits!r}")
+        _check_int(self.group_size, f"{name}.group_size")
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"{name}.granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if self.granularity == "token" and self.group_size != 1:
+            raise ValueError(f"{name}.group_size must be 1 for granularity 'token', got {self.group_size}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"{name}.dtype must be a floating dtype, got {self.dtype!r}")
+        *lead, t, d = shape
+        per = 8 // self.bits
+        if d % per:
+            raise ValueError(f"{name}.shape has head_dim {d}, not a multiple of {per} ({self.bits}-bit codes)")
+        want = {"packed": (*lead, t, d // per)}
+        n_groups = -(-t // self.group_size)
+        want["scale"] = want["zero"] = (*lead, n_groups, d if self.granularity == "channel" else 1)
+        for part, dtype in (("packed", torch.uint8), ("scale", torch.float16), ("zero", torch.float16)):
+            buf = getattr(self, part)
+            if not isinstance(buf, torch.Tensor):
+                raise TypeError(f"{name}.{part} must be a torch.Tensor, got {type(buf).__name__}")
+            if buf.dtype != dtype:
+                raise TypeError(f"{name}.{part} must have dtype {dtype}, got {buf.dtype}")
+            if tuple(buf.shape) != want[part]:
+                raise ValueError(f"{name}.{part} has shape {tuple(buf.shape)} but {name}.shape={shape}, "
+                                 f"bits={self.bits}, group_size={self.group_size} ({self.granularity!r}) "
+                                 f"need {want[part]}")
+        device = self.packed.device
+        for part in ("scale", "zero"):
+            if getattr(self, part).device != device:
+                raise ValueError(f"{name}.{part} is on {getattr(self, part).device} but {name}.packed on {device}")
+        if self.stats is not None:
+            if not isinstance(self.stats, ChannelStats):
+                raise TypeError(f"{name}.stats must be a ChannelStats or None, got {type(self.stats).__name__}")
+            st = self.stats.mean
+            if st.shape[-1] != d:
+                raise ValueError(f"{name}.stats have {st.shape[-1]} channels but {name}.shape has head_dim {d}")
+            try:
+                ok = torch.broadcast_shapes(tuple(st.shape[:-1]), tuple(lead)) == tuple(lead)
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{name}.stats of shape {tuple(st.shape)} do not broadcast to {name}'s leading "
+                                 f"shape {tuple(lead)}")
+            if st.device != device:
+                raise ValueError(f"{name}.stats are on {st.device} but {name}.packed on {device}")
+        return self
+
     @property
     def codes(self) -> torch.Tensor:
         """The unpacked integer codes, uint8 of shape ``shape``."""
@@ -272,6 +451,7 @@ class QuantizedTensor:
 
     def steps(self) -> torch.Tensor:
         """The quantization step of every element in the units of the original tensor: ``s * sigma_j``."""
+        self.validate()
         t = self.shape[-2]
         s = _expand(self.scale.float(), self.group_size, t).expand(self.shape)
         if self.stats is not None:
@@ -279,7 +459,11 @@ class QuantizedTensor:
         return s
 
     def dequantize(self) -> torch.Tensor:
-        """``q * s + z``, then ``* sigma_j + mu_j`` when normalised, cast back to the original dtype."""
+        """``q * s + z``, then ``* sigma_j + mu_j`` when normalised, cast back to the original dtype.
+
+        A group stored with NaN step and zero point (it held a NaN or an infinity) comes back as NaN.
+        """
+        self.validate()
         t = self.shape[-2]
         q = self.codes.float()
         x = q * _expand(self.scale.float(), self.group_size, t) + _expand(self.zero.float(), self.group_size, t)
@@ -316,10 +500,12 @@ def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 128, normalize: b
       (default: True for calibrated ``stats``, False for statistics measured on ``x``).
 
     Returns a :class:`QuantizedTensor`; ``.dequantize()`` gives the reconstruction, ``.nbytes`` the storage.
+    A group holding NaN or inf dequantizes to NaN; a group whose fp16 step or zero point would overflow
+    raises a ``ValueError`` naming it (module docstring, "Two edge cases").
     """
     _check_x(x)
     _check_bits(bits)
-    _check_group_size(group_size)
+    group_size = _check_group_size(group_size)
     _check_granularity(granularity)
     if not isinstance(normalize, bool):
         raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
@@ -333,13 +519,22 @@ def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 128, normalize: b
         xf = (xf - st.mean.float().unsqueeze(-2)) / st.std.float().unsqueeze(-2)
     t = x.shape[-2]
     g = 1 if granularity == "token" else group_size
-    if granularity == "channel":
-        xmin = _groups(xf, g, math.inf).amin(dim=-2)
-        xmax = _groups(xf, g, -math.inf).amax(dim=-2)
-    else:
-        xmin = _groups(xf, g, math.inf).amin(dim=(-2, -1)).unsqueeze(-1)
-        xmax = _groups(xf, g, -math.inf).amax(dim=(-2, -1)).unsqueeze(-1)
-    s, z = scale_zero(xmin, xmax, bits)
+    dims = -2 if granularity == "channel" else (-2, -1)
+    xmin = _groups(xf, g, math.inf).amin(dim=dims)
+    xmax = _groups(xf, g, -math.inf).amax(dim=dims)
+    # Groups holding a NaN or an infinity of x itself: NaN step and zero point (module docstring).
+    bad = _groups(~torch.isfinite(x), g, False).any(dim=dims)
+    if granularity != "channel":
+        xmin, xmax, bad = xmin.unsqueeze(-1), xmax.unsqueeze(-1), bad.unsqueeze(-1)
+    s, z = _scale_zero(xmin, xmax, bits)
+    nan = torch.tensor(float("nan"), dtype=torch.float16, device=s.device)
+    s, z = torch.where(bad, nan, s), torch.where(bad, nan, z)
+    # A finite group without a finite fp16 step or zero point: its range is beyond fp16 (normalised values
+    # of finite x can even overflow fp32 when a calibrated std is tiny).
+    over = ~bad & ~(torch.isfinite(s) & torch.isfinite(z))
+    if bool(over.any()):
+        i = tuple(int(j) for j in over.nonzero()[0])
+        raise _overflow_error("x", i, float(xmin[i]), float(xmax[i]), bits, normalized=normalize)
     q = quantize_codes(xf, _expand(s, g, t), _expand(z, g, t), bits)
     return QuantizedTensor(pack_codes(q, bits), s, z, st, bits, g, granularity, tuple(x.shape), x.dtype,
                            stats_shared=shared if st is not None else False)
@@ -377,6 +572,9 @@ def var_ratio(x: torch.Tensor) -> torch.Tensor:
 
 def mse(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean squared error of ``y`` against ``x`` (a 0-d fp32 tensor)."""
+    for name, t in (("x", x), ("y", y)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x.shape != y.shape:
         raise ValueError(f"shapes differ: {tuple(x.shape)} vs {tuple(y.shape)}")
     return (x.float() - y.float()).pow(2).mean()
@@ -416,7 +614,10 @@ def predicted_mse_ratio(channel_var, per_channel_steps: bool = False) -> float:
     claimed gain by 4), so it cannot be a gain. Non-zero channel means widen a shared range further, so with
     uneven means the measured gain of normalisation exceeds this prediction.
     """
-    v = torch.as_tensor(channel_var, dtype=torch.float64).flatten()
+    try:
+        v = torch.as_tensor(channel_var, dtype=torch.float64).flatten()
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"channel_var must be a sequence or tensor of numbers, got {type(channel_var).__name__}") from None
     if v.numel() == 0:
         raise ValueError("channel_var is empty")
     if (v <= 0).any() or not torch.isfinite(v).all():
@@ -436,6 +637,11 @@ def kvarn_bytes_source(n_tokens: int, n_layers: int, n_heads: int, head_dim: int
     ``d_h**2 * 2`` bytes of statistics per head, where the text itself says sigma costs ``2 * d_h`` bytes per
     head; it also leaves out the mean. :func:`kv_bytes` counts what is actually stored.
     """
+    _check_int(n_tokens, "n_tokens", 0)
+    for name, val in (("n_layers", n_layers), ("n_heads", n_heads), ("head_dim", head_dim)):
+        _check_int(val, name)
+    _check_group_size(group_size)
+    _check_bits(bits)
     return 2 * n_layers * n_heads * head_dim * (n_tokens * bits / 8 + n_tokens / group_size * 2 * 2 + head_dim * 2)
 
 
@@ -448,7 +654,15 @@ def kv_bytes(n_tokens: int, n_layers: int, n_kv_heads: int, head_dim: int, bits:
     quantization group: per ``g`` tokens (``"group"``), per token (``"token"``) or per channel per ``g``
     tokens (``"channel"``). ``stats=True`` adds fp16 mean and std per channel per KV head per layer (stored
     once, not per sequence). The last ``window`` tokens are kept at ``fp_bytes`` per value.
+
+    The steps, zero points and statistics are counted at 2 bytes (``STORE_BYTES``) because that is what
+    :func:`quantize` stores: a group whose parameters do not fit in fp16 is refused, never widened.
     """
+    _check_int(n_tokens, "n_tokens", 0)
+    for name, val in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                      ("batch", batch), ("fp_bytes", fp_bytes)):
+        _check_int(val, name)
+    _check_int(window, "window", 0)
     if bits is None:
         return 2 * n_layers * batch * n_kv_heads * n_tokens * head_dim * fp_bytes
     _check_bits(bits)
@@ -477,6 +691,11 @@ def _as_id_batches(data, tokenizer, max_length) -> list[torch.Tensor]:
             raise ValueError("input_ids tensor must be 1-D or 2-D")
     if isinstance(data, (str, bytes)):
         raise TypeError("texts_or_input_ids must be a list of texts, not a single string")
+    try:
+        data = list(data)
+    except TypeError:
+        raise TypeError(f"texts_or_input_ids must be a list of texts or token-id tensors, "
+                        f"got {type(data).__name__}") from None
     out = []
     for item in data:
         if isinstance(item, str):
@@ -524,8 +743,11 @@ def calibrate(model, texts_or_input_ids, tokenizer=None, momentum: float | None 
     counts); with ``momentum=a`` the moments are an exponential moving average, ``m <- (1-a) m + a m_sample``,
     as the source describes. Returns one :class:`KVStats` per layer with tensors of shape ``(H_kv, D)``.
     """
-    if momentum is not None and not (0.0 < float(momentum) <= 1.0):
+    if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, (int, float))
+                                 or not (0.0 < float(momentum) <= 1.0)):
         raise ValueError(f"momentum must be in (0, 1] or None, got {momentum!r}")
+    if max_length is not None:
+        max_length = _check_int(max_length, "max_length")
     batches = _as_id_batches(texts_or_input_ids, tokenizer, max_length)
     moments = None  # per layer: [k_m1, k_m2, v_m1, v_m2]
     total = 0
@@ -582,6 +804,8 @@ class KVarNLayer(DynamicLayer):
         self.value_granularity = _check_granularity(value_granularity)
         if stats is not None and not isinstance(stats, KVStats):
             raise TypeError(f"stats must be a KVStats (one layer of calibrate()), got {type(stats).__name__}")
+        if not isinstance(normalize, bool):
+            raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
         if stats is not None and not normalize:
             raise ValueError("stats were given but normalize=False")
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -731,7 +955,17 @@ class KVarNCache(Cache):
                     raise TypeError(f"stats[{i}] must be a KVStats, got {type(st).__name__}")
                 if tuple(st.k.mean.shape) != want or tuple(st.v.mean.shape) != want:
                     raise ValueError(f"stats[{i}] have shape {tuple(st.k.mean.shape)}, expected (n_kv_heads, head_dim) = {want}")
-        chosen = set(range(n_layers)) if quantize_layers is None else {int(i) for i in quantize_layers}
+        if quantize_layers is None:
+            chosen = set(range(n_layers))
+        else:
+            try:  # ints, numpy or 0-d tensor integers; not floats, bools or strings
+                if isinstance(quantize_layers, (str, bytes)) or \
+                        any(isinstance(i, bool) for i in quantize_layers):
+                    raise TypeError
+                chosen = {operator.index(i) for i in quantize_layers}
+            except TypeError:
+                raise ValueError(f"quantize_layers must be an iterable of layer indices (ints), "
+                                 f"got {quantize_layers!r}") from None
         if any(i < 0 or i >= n_layers for i in chosen):
             raise ValueError(f"quantize_layers must be in [0, {n_layers}), got {sorted(chosen)}")
         layers = [KVarNLayer(bits, group_size, key_granularity, value_granularity, normalize,

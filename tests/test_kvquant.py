@@ -412,3 +412,182 @@ def test_scale_zero_check_reports_a_wrong_type(monkeypatch):
     monkeypatch.delenv("LAB_EXERCISES", raising=False)
     result = ex.check_scale_zero(lambda group, bits: 1.0)
     assert result.status == "failed" and "expected a tensor" in result.message
+
+
+# ------------------------------------------------------------------------------------------- edge values (issue 13)
+def test_group_beyond_fp16_raises_naming_the_group():
+    """A 4-bit step of a 1e6 range is 66667 > 65504: fp16 cannot hold it, and inf would dequantize to NaN."""
+    x = torch.zeros(1, 6, 8)
+    x[0, 5, 3] = 1e6  # second group of 4 tokens (a partial one)
+    with pytest.raises(ValueError, match=r"x: quantization group \(0, 1, 0\) holds values in \[0, 1e\+06\].*"
+                                         r"does not fit in fp16.*65504"):
+        kq.quantize(x, bits=4, group_size=4, normalize=False)
+    neg = torch.zeros(1, 4, 8)
+    neg[0, 0, 0] = -7e4  # range fits an 8-bit step, but the zero point (the minimum) does not fit fp16
+    with pytest.raises(ValueError, match="does not fit in fp16"):
+        kq.quantize(neg, bits=8, group_size=4, normalize=False)
+    with pytest.raises(ValueError, match=r"xmin/xmax: quantization group \(1,\)"):
+        kq.scale_zero(torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1e6]), 4)
+
+
+@pytest.mark.parametrize("granularity", ["group", "token", "channel"])
+def test_range_1e6_at_8_bits_fits_and_stays_within_half_a_step(granularity):
+    gen = torch.Generator().manual_seed(13)
+    x = torch.rand(2, 9, 16, generator=gen) * 1e6  # steps up to 1e6 / 255 ~ 3922: fp16 holds them
+    x[:, ::4, :] = 0.0  # ... and zero points: every group (of any granularity) holds a 0
+    x[..., 0] = 0.0
+    qt = kq.quantize(x, bits=8, group_size=4, normalize=False, granularity=granularity)
+    y = qt.dequantize()
+    assert torch.isfinite(qt.scale).all() and torch.isfinite(qt.zero).all() and torch.isfinite(y).all()
+    slack = 4 * torch.finfo(torch.float32).eps * (x.abs() + 1)
+    assert bool(((x - y).abs() <= qt.steps() / 2 + slack).all())
+
+
+def test_kvarn_near_constant_calibration_channel_then_a_deviation_raises():
+    """Calibrated std 0 is floored at 1e-4: a later deviation of -10 normalises to -1e5, a zero point beyond
+    fp16; one of +200 to 2e6, a 4-bit step of 1.3e5."""
+    calib = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    calib[:, 2] = 0.5  # constant during calibration
+    stats = kq.ChannelStats.of(calib)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+    x[:, 2] = 0.5
+    ok = kq.quantize(x, bits=4, group_size=8, stats=stats)  # still constant: fine
+    assert torch.isfinite(ok.dequantize()).all()
+    for deviation in (-10.0, 200.0):
+        x[11, 2] = 0.5 + deviation
+        with pytest.raises(ValueError, match=r"group \(1, 0\) holds normalised values.*calibrated std is tiny"):
+            kq.quantize(x, bits=4, group_size=8, stats=stats)
+
+
+def _nonfinite_cases():
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for pos in ((0, 0, 0), (1, 8, 5), (0, 10, 7)):  # first element, inside a group, the partial group
+            yield value, pos
+
+
+@pytest.mark.parametrize("value,pos", list(_nonfinite_cases()))
+@pytest.mark.parametrize("granularity", ["group", "token", "channel"])
+def test_nonfinite_input_makes_its_group_nan(value, pos, granularity):
+    x = _x((2, 11, 8), seed=3)
+    x[pos] = value
+    qt = kq.quantize(x, bits=4, group_size=4, normalize=False, granularity=granularity)
+    g = 1 if granularity == "token" else 4
+    grp = (pos[0], pos[1] // g) + ((pos[2],) if granularity == "channel" else (0,))
+    assert torch.isnan(qt.scale[grp]) and torch.isnan(qt.zero[grp])
+    assert int(torch.isnan(qt.scale).sum()) == 1 and int(torch.isnan(qt.zero).sum()) == 1
+    y = qt.dequantize()
+    in_group = torch.zeros_like(x, dtype=torch.bool)
+    rows = slice(pos[1] // g * g, pos[1] // g * g + g)
+    if granularity == "channel":
+        in_group[pos[0], rows, pos[2]] = True
+    else:
+        in_group[pos[0], rows, :] = True
+    assert bool(torch.isnan(y[in_group]).all()) and bool(torch.isfinite(y[~in_group]).all())
+    assert int(qt.codes[in_group].max()) == 0  # defined codes, not a NaN cast to uint8
+    clean = kq.quantize(torch.where(in_group, 0.0, x), bits=4, group_size=4, normalize=False,
+                        granularity=granularity).dequantize()
+    # the other groups are untouched by the bad one
+    assert torch.equal(y[~in_group], clean[~in_group])
+
+
+def test_pack_codes_rejects_codes_it_cannot_store():
+    with pytest.raises(ValueError, match=r"q must hold 4-bit codes in \[0, 15\], got values in \[0, 16\]"):
+        kq.pack_codes(torch.tensor([[16, 0, 1, 2]], dtype=torch.uint8), 4)
+    with pytest.raises(ValueError, match=r"q must hold 2-bit codes in \[0, 3\], got values in \[-1, 2\]"):
+        kq.pack_codes(torch.tensor([[-1, 0, 1, 2]]), 2)
+    with pytest.raises(TypeError, match="q must be an integer tensor of codes, got dtype torch.float32"):
+        kq.pack_codes(torch.zeros(1, 4), 4)
+    with pytest.raises(TypeError, match="q must be a torch.Tensor"):
+        kq.pack_codes([[0, 1]], 8)
+    assert kq.pack_codes(torch.tensor([[255, 0]], dtype=torch.int64), 8).dtype == torch.uint8
+    with pytest.raises(TypeError, match="packed must be uint8"):
+        kq.unpack_codes(torch.zeros(1, 4), 4)
+
+
+def test_channel_stats_rejects_what_it_cannot_store():
+    with pytest.raises(ValueError, match=r"ChannelStats.std must be >= 0, got -1"):
+        kq.ChannelStats(torch.zeros(4), torch.tensor([1.0, -1.0, 1.0, 1.0]))
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ChannelStats.std must be finite"):
+            kq.ChannelStats(torch.zeros(4), torch.tensor([1.0, bad, 1.0, 1.0]))
+        with pytest.raises(ValueError, match="ChannelStats.mean must be finite"):
+            kq.ChannelStats(torch.tensor([1.0, bad, 1.0, 1.0]), torch.ones(4))
+    with pytest.raises(ValueError, match="ChannelStats.mean has values beyond fp16's range"):
+        kq.ChannelStats(torch.tensor([1e5, 0.0]), torch.ones(2))
+    assert float(kq.ChannelStats(torch.zeros(2), torch.zeros(2)).std.min()) > 0  # a constant channel: floored
+    with pytest.raises(ValueError, match="x holds NaN or inf"):
+        kq.quantize(torch.tensor([[1.0, float("nan")], [0.0, 1.0]]), normalize=True)
+    with pytest.raises(ValueError, match="x has no tokens"):
+        kq.ChannelStats.of(torch.zeros(3, 0, 4))
+
+
+def test_quantized_tensor_validate_names_the_tampered_field():
+    def fresh():
+        return kq.quantize(_x((2, 10, 8)), bits=4, group_size=4)
+    qt = fresh()
+    qt.packed = qt.packed[..., :3]
+    with pytest.raises(ValueError, match=r"qt.packed has shape \(2, 10, 3\).*need \(2, 10, 4\)"):
+        qt.dequantize()
+    qt = fresh()
+    qt.bits = 8
+    with pytest.raises(ValueError, match=r"qt.packed has shape \(2, 10, 4\) but .*bits=8"):
+        qt.dequantize()
+    qt = fresh()
+    qt.group_size = 2
+    with pytest.raises(ValueError, match=r"qt.scale has shape \(2, 3, 1\).*need \(2, 5, 1\)"):
+        qt.dequantize()
+    qt = fresh()
+    qt.zero = qt.zero.float()
+    with pytest.raises(TypeError, match="qt.zero must have dtype torch.float16"):
+        qt.steps()
+    qt = fresh()
+    qt.stats = kq.ChannelStats(torch.zeros(3, 8), torch.ones(3, 8))
+    with pytest.raises(ValueError, match="qt.stats of shape"):
+        qt.dequantize()
+    qt = fresh()
+    qt.shape = [2, 10, 8]
+    with pytest.raises(ValueError, match="qt.shape must be a tuple"):
+        qt.dequantize()
+
+
+def test_other_bad_arguments_raise_value_errors_naming_them():
+    with pytest.raises(ValueError, match="group_size must be a positive int, got 0"):
+        kq.kvarn_bytes_source(10, 1, 1, 8, group_size=0)  # was a ZeroDivisionError
+    with pytest.raises(ValueError, match="n_tokens must be an int >= 0, got -1"):
+        kq.kv_bytes(-1, 1, 1, 8)
+    with pytest.raises(ValueError, match="window must be an int >= 0"):
+        kq.kv_bytes(10, 1, 1, 8, window=-2)
+    with pytest.raises(ValueError, match="head_dim must be a positive int, got 8.0"):
+        kq.kv_bytes(10, 1, 1, 8.0)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        kq.quantize_codes(torch.zeros(2, 2), torch.ones(1), torch.zeros(1), 5)
+    with pytest.raises(TypeError, match="xmin must be a floating torch.Tensor"):
+        kq.scale_zero(0.0, torch.ones(1), 4)
+    with pytest.raises(ValueError, match="momentum must be in"):
+        kq.calibrate(None, [torch.zeros(1, 4, dtype=torch.long)], momentum="0.5")
+    with pytest.raises(TypeError, match="texts_or_input_ids must be a list"):
+        kq.calibrate(None, 5)
+
+
+def test_cache_rejects_bad_layer_indices(tiny_llama):
+    with pytest.raises(ValueError, match="quantize_layers must be an iterable of layer indices"):
+        kq.KVarNCache(tiny_llama.config, quantize_layers=["a"])
+    with pytest.raises(ValueError, match="quantize_layers must be an iterable of layer indices"):
+        kq.KVarNCache(tiny_llama.config, quantize_layers=[True])
+    assert not kq.KVarNCache(tiny_llama.config, quantize_layers=torch.tensor([1])).layers[0].enabled
+    with pytest.raises(TypeError, match="normalize must be a bool"):
+        kq.KVarNCache(tiny_llama.config, normalize=1)
+    with pytest.raises(ValueError, match="max_length must be a positive int, got 0"):
+        kq.calibrate(tiny_llama, [torch.zeros(1, 4, dtype=torch.long)], max_length=0)
+
+
+def test_helpers_refuse_non_tensors_and_accept_numpy_ints():
+    import numpy as np
+    with pytest.raises(TypeError, match="y must be a torch.Tensor"):
+        kq.mse(torch.zeros(2), [0.0, 0.0])
+    with pytest.raises(ValueError, match="channel_var must be a sequence or tensor of numbers"):
+        kq.predicted_mse_ratio("abc")
+    assert kq.kv_bytes(np.int64(300), 1, 2, np.int64(64), bits=4, group_size=np.int64(128)) == \
+        kq.kv_bytes(300, 1, 2, 64, bits=4, group_size=128)
+    qt = kq.quantize(_x((1, 9, 8)), bits=4, group_size=np.int64(4), normalize=False)
+    assert type(qt.group_size) is int and qt.scale.shape == (1, 3, 1)

@@ -25,10 +25,26 @@ Kernels (each with a PyTorch ``*_ref`` beside it):
 
 Supported: bits 2/4/8 for (de)quantization, 4/8 for decode attention; inputs fp32/fp16/bf16. The only
 ``tl.dot`` is on fp16 operands, which the interpreter computes correctly, so bf16 inputs need no upcasting.
+
+Edge cases, as in the reference (:mod:`labsrc.kvquant`, "Two edge cases"):
+
+* a group holding NaN or +-inf gets NaN step and zero point and code 0, so it dequantizes to NaN (the kernel
+  takes the group's range over its finite values only to keep the codes defined, then marks the group);
+* a finite group whose fp16 step or zero point would overflow (range beyond fp16's 65504) raises the same
+  ``ValueError`` as the reference. The kernel marks such a group with an infinite step; the wrapper looks
+  for one after the launch and lets the reference produce the message, so both say the same thing;
+* decode attention reads only the first ``seq_lens[b]`` tokens: a NaN group beyond them does not matter,
+  one within them makes that sequence's output NaN for the query heads of its KV head.
+
+Wrappers validate every argument and every field of a :class:`~labsrc.kvquant.QuantizedTensor`
+(:meth:`~labsrc.kvquant.QuantizedTensor.validate`) before a launch, copy strided or expanded inputs to
+contiguous buffers in the dtype the kernel reads, and refuse sizes beyond Triton's launch limits (a block of
+at most 2^20 elements, grid axes 1 and 2 at most 65535 programs) with a message stating the limit.
 """
 from __future__ import annotations
 
 import math
+import numbers
 
 import labsrc  # noqa: F401  (must come before triton: sets TRITON_INTERPRET on CPU-only machines)
 from labsrc import runtime
@@ -41,22 +57,44 @@ import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DECODE_BITS = (4, 8)
+MAX_BLOCK_NUMEL = 1048576  # Triton's largest tensor (tl.arange and every block): 2^20 elements
+MAX_GRID_0 = 2 ** 31 - 1  # programs along grid axis 0
+MAX_GRID_12 = 65535  # programs along grid axes 1 and 2
+MAX_ROW_ELEMENTS = 2 ** 31 - 1  # offsets within one (T, D) row are int32 in the kernels
 
 # GPU: 64 tokens per decode block keeps a 64 x 64-byte tile of codes per program in registers; the
 # interpreter runs programs one after another in NumPy, where bigger blocks and fewer splits are faster.
 _DECODE_BLOCK_T = 64 if runtime.HAS_CUDA else 128
 _DEQ_BLOCK_T = 64 if runtime.HAS_CUDA else 256
+_PACK_BLOCK_T = 128 if runtime.HAS_CUDA else 512  # tokens per chunk when quantize_pack walks a group
 
 
 # ----------------------------------------------------------------------------------------------- validation
 def _check_tensor(x, name: str, dtypes=SUPPORTED_DTYPES) -> torch.Tensor:
+    """``x`` checked for type and dtype, returned contiguous (a strided or expanded view is copied once)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {x.dtype}; supported: {', '.join(str(d).removeprefix('torch.') for d in dtypes)}")
-    if not x.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous())")
-    return x
+    return x.contiguous()
+
+
+def _check_block(what: str, rows: int, cols: int) -> None:
+    """Refuse a ``rows x cols`` block beyond Triton's largest tensor (the sizes are powers of two)."""
+    if rows * cols > MAX_BLOCK_NUMEL:
+        raise ValueError(f"{what} needs a block of {rows} x {cols} = {rows * cols} elements, beyond Triton's "
+                         f"limit of {MAX_BLOCK_NUMEL} elements per block")
+
+
+def _check_grid(what: str, n: int, limit: int) -> None:
+    if n > limit:
+        raise ValueError(f"{what} needs {n} programs on one grid axis, beyond Triton's limit of {limit}")
+
+
+def _check_row(name: str, t: int, d: int) -> None:
+    if t * d > MAX_ROW_ELEMENTS:
+        raise ValueError(f"{name} has {t} tokens x {d} channels = {t * d} elements per row, beyond the "
+                         f"kernels' int32 offsets (at most {MAX_ROW_ELEMENTS})")
 
 
 def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -88,47 +126,64 @@ def _stats_rows(stats: ChannelStats | None, lead: tuple, d: int, device) -> tupl
 def _quantize_pack_kernel(x_ptr, mean_ptr, std_ptr, out_ptr, scale_ptr, zero_ptr, T, D, DP, G,
                           BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1)
-    offs_t = grp * GROUP + tl.arange(0, BLOCK_T)
+    # One program per (row, group) on a 1-D grid (axis 0 allows 2^31 - 1 programs, axes 1-2 only 65535);
+    # a group longer than BLOCK_T tokens is walked in chunks, so any group size launches.
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // G
+    grp = pid % G
+    t_first = grp * GROUP
+    n_t = tl.minimum(T - t_first, GROUP)  # tokens in this group (a trailing group may be short)
     offs_c = tl.arange(0, BLOCK_DP)
-    mask_t = (tl.arange(0, BLOCK_T) < GROUP) & (offs_t < T)
     mask_c = offs_c < DP
-    mask = mask_t[:, None] & mask_c[None, :]
     base = x_ptr + row * T * D
-    # Pass 1: the group's range over all channels (each of the PACK channel slices in turn).
+    # Pass 1: the group's range over all channels (each of the PACK channel slices in turn), over finite
+    # inputs only, and a count of non-finite ones (NaN would be dropped by min/max: count it instead).
     lo = tl.full([BLOCK_T, BLOCK_DP], float("inf"), tl.float32)
     hi = tl.full([BLOCK_T, BLOCK_DP], float("-inf"), tl.float32)
-    for k in tl.static_range(PACK):
-        ch = k * DP + offs_c
-        mu = tl.load(mean_ptr + row * D + ch, mask=mask_c, other=0.0)
-        sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
-        x = tl.load(base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-        xn = tl.div_rn(x - mu[None, :], sd[None, :])
-        lo = tl.minimum(lo, tl.where(mask, xn, float("inf")))
-        hi = tl.maximum(hi, tl.where(mask, xn, float("-inf")))
+    n_bad = tl.zeros([BLOCK_T, BLOCK_DP], tl.int32)
+    for t0 in range(0, n_t, BLOCK_T):
+        offs_t = t_first + t0 + tl.arange(0, BLOCK_T)
+        mask = ((t0 + tl.arange(0, BLOCK_T)) < n_t)[:, None] & mask_c[None, :]
+        for k in tl.static_range(PACK):
+            ch = k * DP + offs_c
+            mu = tl.load(mean_ptr + row * D + ch, mask=mask_c, other=0.0)
+            sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
+            x = tl.load(base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+            finite = tl.abs(x) < float("inf")  # false for NaN and +-inf
+            n_bad += tl.where(mask & ~finite, 1, 0)
+            xn = tl.div_rn(x - mu[None, :], sd[None, :])
+            lo = tl.minimum(lo, tl.where(mask & finite, xn, float("inf")))
+            hi = tl.maximum(hi, tl.where(mask & finite, xn, float("-inf")))
     xmin = tl.min(tl.min(lo, axis=1), axis=0)
     xmax = tl.max(tl.max(hi, axis=1), axis=0)
+    bad = tl.sum(tl.sum(n_bad, axis=1), axis=0) > 0
     # The same safe fp16 rounding as labsrc.kvquant.scale_zero: zero point down, step up.
     z16 = (xmin - tl.abs(xmin) * 0.0009765625 - 5.960464477539063e-08).to(tl.float16)
     z = z16.to(tl.float32)
     s = tl.div_rn(xmax - z, (2 ** BITS - 1) * 1.0)
     s16 = (s + s * 0.0009765625 + 5.960464477539063e-08).to(tl.float16)
     s = s16.to(tl.float32)
-    tl.store(scale_ptr + row * G + grp, s16)
-    tl.store(zero_ptr + row * G + grp, z16)
-    # Pass 2: codes, packed PACK per byte.
-    packed = tl.zeros([BLOCK_T, BLOCK_DP], tl.int32)
-    for k in tl.static_range(PACK):
-        ch = k * DP + offs_c
-        mu = tl.load(mean_ptr + row * D + ch, mask=mask_c, other=0.0)
-        sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
-        x = tl.load(base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0).to(tl.float32)
-        xn = tl.div_rn(x - mu[None, :], sd[None, :])
-        v = tl.div_rn(xn - z, s)
-        q = tl.minimum(tl.maximum(tl.floor(v + 0.5), 0.0), (2 ** BITS - 1) * 1.0).to(tl.int32)
-        packed = packed | (q << (k * BITS))
-    tl.store(out_ptr + row * T * DP + offs_t[:, None] * DP + offs_c[None, :], packed.to(tl.uint8), mask=mask)
+    # A non-finite group stores NaN; a finite group whose s or z overflowed fp16 stores s = inf, a mark the
+    # wrapper looks for (and raises on) after the launch.
+    fits = (tl.abs(s) < float("inf")) & (tl.abs(z) < float("inf"))
+    tl.store(scale_ptr + pid, tl.where(bad, float("nan"), tl.where(fits, s, float("inf"))).to(tl.float16))
+    tl.store(zero_ptr + pid, tl.where(bad, float("nan"), z).to(tl.float16))
+    # Pass 2: codes, packed PACK per byte (code 0 throughout a non-finite group).
+    for t0 in range(0, n_t, BLOCK_T):
+        offs_t = t_first + t0 + tl.arange(0, BLOCK_T)
+        mask = ((t0 + tl.arange(0, BLOCK_T)) < n_t)[:, None] & mask_c[None, :]
+        packed = tl.zeros([BLOCK_T, BLOCK_DP], tl.int32)
+        for k in tl.static_range(PACK):
+            ch = k * DP + offs_c
+            mu = tl.load(mean_ptr + row * D + ch, mask=mask_c, other=0.0)
+            sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
+            x = tl.load(base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+            xn = tl.div_rn(x - mu[None, :], sd[None, :])
+            v = tl.div_rn(xn - z, s)
+            v = tl.where(bad | ~fits, 0.0, v)  # keep the float -> int cast defined
+            q = tl.minimum(tl.maximum(tl.floor(v + 0.5), 0.0), (2 ** BITS - 1) * 1.0).to(tl.int32)
+            packed = packed | (q << (k * BITS))
+        tl.store(out_ptr + row * T * DP + offs_t[:, None] * DP + offs_c[None, :], packed.to(tl.uint8), mask=mask)
 
 
 def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
@@ -137,32 +192,45 @@ def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
 
     ``stats`` (a :class:`~labsrc.kvquant.ChannelStats`, e.g. calibrated) switches on KVarN's normalisation.
     Returns the same :class:`~labsrc.kvquant.QuantizedTensor` as :func:`quantize_pack_ref`. ``D`` must be a
-    multiple of ``8 // bits``.
+    multiple of ``8 // bits``. ``x`` may be any strided view (it is copied to a contiguous buffer). A group
+    holding NaN or +-inf dequantizes to NaN; a group whose range does not fit fp16's step or zero point
+    raises the reference's ``ValueError`` (module docstring).
     """
-    _check_tensor(x, "x")
+    x = _check_tensor(x, "x")
     _check_bits(bits)
-    _check_group_size(group_size)
-    if x.dim() < 2 or x.shape[-2] == 0:
-        raise ValueError(f"x must have shape (..., tokens, head_dim) with tokens > 0, got {tuple(x.shape)}")
+    group_size = _check_group_size(group_size)
+    if x.dim() < 2 or x.shape[-2] == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x must have shape (..., tokens, head_dim) with tokens > 0 and head_dim > 0, "
+                         f"got {tuple(x.shape)}")
     pack = 8 // bits
     t, d = x.shape[-2], x.shape[-1]
     if d % pack:
         raise ValueError(f"x has head_dim {d}, which must be a multiple of {pack} to pack {bits}-bit codes")
     lead = tuple(x.shape[:-2])
     n = math.prod(lead)
+    dp = d // pack
+    n_groups = -(-t // group_size)
+    block_dp = triton.next_power_of_2(dp)
+    _check_block(f"x with head_dim {d} at {bits} bits", 1, block_dp)
+    block_t = min(triton.next_power_of_2(group_size), _PACK_BLOCK_T, MAX_BLOCK_NUMEL // block_dp)
+    _check_grid(f"x of shape {tuple(x.shape)} with group_size {group_size} (rows x groups)", n * n_groups,
+                MAX_GRID_0)
+    _check_row("x", t, d)
     mean, std = _stats_rows(stats, lead, d, x.device)
     if stats is not None:
         # Use exactly the fp16-rounded statistics that are stored (ChannelStats keeps them in fp16).
         mean, std = mean.to(torch.float16).float(), std.to(torch.float16).float()
-    dp = d // pack
-    n_groups = -(-t // group_size)
     packed = torch.empty(*lead, t, dp, dtype=torch.uint8, device=x.device)
     scale = torch.empty(*lead, n_groups, 1, dtype=torch.float16, device=x.device)
     zero = torch.empty_like(scale)
     if n > 0:
-        _quantize_pack_kernel[(n, n_groups)](
+        _quantize_pack_kernel[(n * n_groups,)](
             x, mean, std, packed, scale, zero, t, d, dp, n_groups, BITS=bits, PACK=pack, GROUP=group_size,
-            BLOCK_T=triton.next_power_of_2(group_size), BLOCK_DP=triton.next_power_of_2(dp))
+            BLOCK_T=block_t, BLOCK_DP=block_dp)
+        if bool(torch.isinf(scale).any()):
+            # A finite group whose fp16 step or zero point overflowed: the reference names it.
+            quantize_pack_ref(x, bits, group_size, stats)
+            raise ValueError("x: a quantization group's step or zero point does not fit in fp16 (max 65504)")
     st = None if stats is None else stats.to(x.device)
     return QuantizedTensor(packed, scale, zero, st, bits, group_size, "group", tuple(x.shape), x.dtype,
                            stats_shared=stats is not None)
@@ -177,11 +245,13 @@ def quantize_pack_ref(x: torch.Tensor, bits: int = 4, group_size: int = 128,
 
 # ----------------------------------------------------------------------------------------------- unpack-dequantize
 @triton.jit
-def _dequantize_kernel(p_ptr, scale_ptr, zero_ptr, mean_ptr, std_ptr, out_ptr, T, D, DP, G,
+def _dequantize_kernel(p_ptr, scale_ptr, zero_ptr, mean_ptr, std_ptr, out_ptr, T, D, DP, G, NBLK,
                        BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # One program per (row, block of BLOCK_T tokens), on a 1-D grid of rows x NBLK programs.
+    pid = tl.program_id(0).to(tl.int64)
+    row = pid // NBLK
+    offs_t = (pid % NBLK) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = tl.arange(0, BLOCK_DP)
     mask_t = offs_t < T
     mask_c = offs_c < DP
@@ -200,26 +270,36 @@ def _dequantize_kernel(p_ptr, scale_ptr, zero_ptr, mean_ptr, std_ptr, out_ptr, T
 
 
 def _check_quantized(qt, name: str, device=None) -> None:
+    """Validate ``qt`` for the kernels: every field against the others (:meth:`QuantizedTensor.validate`),
+    a granularity the kernels read, and the device."""
     if not isinstance(qt, QuantizedTensor):
         raise TypeError(f"{name} must be a labsrc.kvquant.QuantizedTensor, got {type(qt).__name__}")
     if qt.granularity not in ("group", "token"):
         raise ValueError(f"{name} has granularity {qt.granularity!r}; the kernels support 'group' and 'token'")
-    for part in ("packed", "scale", "zero"):
-        t = getattr(qt, part)
-        if not t.is_contiguous():
-            raise ValueError(f"{name}.{part} must be contiguous")
-        if device is not None:
-            _check_device(f"{name}.{part}", t, device)
-    if qt.packed.dtype != torch.uint8 or qt.scale.dtype != torch.float16 or qt.zero.dtype != torch.float16:
-        raise TypeError(f"{name} must hold uint8 codes and fp16 scale/zero, got {qt.packed.dtype}/{qt.scale.dtype}")
+    qt.validate(name)
+    if device is not None:
+        _check_device(f"{name}.packed", qt.packed, device)
+
+
+def _buffers(qt: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``packed``, ``scale``, ``zero`` as contiguous buffers (their dtypes are checked by validate())."""
+    return qt.packed.contiguous(), qt.scale.contiguous(), qt.zero.contiguous()
+
+
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
 
 
 def dequantize_unpack(qt: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Unpack and dequantize a ``"group"``/``"token"`` :class:`~labsrc.kvquant.QuantizedTensor` to ``(..., T, D)``."""
+    """Unpack and dequantize a ``"group"``/``"token"`` :class:`~labsrc.kvquant.QuantizedTensor` to ``(..., T, D)``.
+
+    Every field of ``qt`` is checked against the others first (``packed`` of shape ``(..., T, D*bits/8)``,
+    ``scale``/``zero`` of shape ``(..., ceil(T/g), 1)``, statistics, devices), with an error naming the field.
+    """
     _check_quantized(qt, "qt")
     out_dtype = qt.dtype if out_dtype is None else out_dtype
-    if out_dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"out_dtype must be float32, float16 or bfloat16, got {out_dtype}")
+    _check_out_dtype(out_dtype)
     *lead, t, d = qt.shape
     lead = tuple(lead)
     pack = 8 // qt.bits
@@ -227,17 +307,29 @@ def dequantize_unpack(qt: QuantizedTensor, out_dtype: torch.dtype | None = None)
     n = math.prod(lead)
     n_groups = qt.scale.shape[-2]
     device = qt.packed.device
+    block_dp = triton.next_power_of_2(dp)
+    _check_block(f"qt with head_dim {d} at {qt.bits} bits", 1, block_dp)
+    block_t = min(_DEQ_BLOCK_T, MAX_BLOCK_NUMEL // block_dp)
+    n_blocks = triton.cdiv(t, block_t)
+    _check_grid(f"qt of shape {tuple(qt.shape)} (rows x token blocks)", n * n_blocks, MAX_GRID_0)
+    _check_row("qt", t, d)
     mean, std = _stats_rows(qt.stats, lead, d, device)
+    packed, scale, zero = _buffers(qt)
     out = torch.empty(*lead, t, d, dtype=out_dtype, device=device)
     if n > 0 and t > 0:
-        _dequantize_kernel[(n, triton.cdiv(t, _DEQ_BLOCK_T))](
-            qt.packed, qt.scale, qt.zero, mean, std, out, t, d, dp, n_groups, BITS=qt.bits, PACK=pack,
-            GROUP=qt.group_size, BLOCK_T=_DEQ_BLOCK_T, BLOCK_DP=triton.next_power_of_2(dp))
+        _dequantize_kernel[(n * n_blocks,)](
+            packed, scale, zero, mean, std, out, t, d, dp, n_groups, n_blocks, BITS=qt.bits, PACK=pack,
+            GROUP=qt.group_size, BLOCK_T=block_t, BLOCK_DP=block_dp)
     return out
 
 
 def dequantize_unpack_ref(qt: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """PyTorch reference of :func:`dequantize_unpack`: ``qt.dequantize()``."""
+    """PyTorch reference of :func:`dequantize_unpack`: ``qt.dequantize()`` (which validates ``qt`` too)."""
+    if not isinstance(qt, QuantizedTensor):
+        raise TypeError(f"qt must be a labsrc.kvquant.QuantizedTensor, got {type(qt).__name__}")
+    if out_dtype is not None:
+        _check_out_dtype(out_dtype)
+    qt.validate("qt")
     x = qt.dequantize()
     return x if out_dtype is None else x.float().to(out_dtype)
 
@@ -336,8 +428,10 @@ def _decode_kernel(q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_p
     tl.store(l_ptr + part, l_i, mask=mask_h)
 
 
-def _check_decode(q, k, v, seq_lens):
-    _check_tensor(q, "q")
+def _check_decode(q, k, v, seq_lens, sm_scale):
+    """Shared by the kernel and the reference: validated ``q`` (contiguous), int32 contiguous lengths and
+    the softmax scale."""
+    q = _check_tensor(q, "q")
     if q.dim() != 3:
         raise ValueError(f"q must be 3-D [batch, n_heads, head_dim], got shape {tuple(q.shape)}")
     _check_quantized(k, "k", q.device)
@@ -347,22 +441,34 @@ def _check_decode(q, k, v, seq_lens):
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.bits != v.bits or k.bits not in DECODE_BITS:
         raise ValueError(f"decode attention supports bits in {DECODE_BITS} (the same for k and v), got {k.bits}/{v.bits}")
+    if k.group_size != v.group_size:
+        raise ValueError(f"k and v must share group_size, got {k.group_size} and {v.group_size}")
     b, hq, d = q.shape
     kb, hkv, t, kd = k.shape
     if kb != b or kd != d:
         raise ValueError(f"q shape {tuple(q.shape)} does not match the cache shape {tuple(k.shape)} (batch, head_dim)")
-    if hq % hkv:
-        raise ValueError(f"n_heads {hq} must be a multiple of n_kv_heads {hkv}")
+    if hkv == 0 or hq == 0 or hq % hkv:
+        raise ValueError(f"n_heads {hq} must be a positive multiple of n_kv_heads {hkv}")
+    if t == 0:
+        raise ValueError(f"k and v hold no tokens (shape {tuple(k.shape)}); decode attention needs at least one")
+    if sm_scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real) \
+            or not math.isfinite(float(sm_scale)) or float(sm_scale) <= 0:
+        raise ValueError(f"sm_scale must be a finite positive number (or None for 1/sqrt(head_dim)), got {sm_scale!r}")
+    else:
+        scale = float(sm_scale)
     if seq_lens is None:
-        return torch.full((b,), t, dtype=torch.int32, device=q.device)
+        return q, torch.full((b,), t, dtype=torch.int32, device=q.device), scale
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in (torch.int32, torch.int64):
         raise TypeError("seq_lens must be an int32 or int64 tensor")
     if seq_lens.shape != (b,):
         raise ValueError(f"seq_lens must have shape ({b},), got {tuple(seq_lens.shape)}")
     _check_device("seq_lens", seq_lens, q.device)
-    if int(seq_lens.min()) < 1 or int(seq_lens.max()) > t:
+    if b > 0 and (int(seq_lens.min()) < 1 or int(seq_lens.max()) > t):
         raise ValueError(f"seq_lens must lie in [1, {t}] (the cache holds {t} tokens)")
-    return seq_lens.to(torch.int32).contiguous()
+    # .to() returns a strided or expanded view unchanged when the dtype already matches: copy it.
+    return q, seq_lens.to(torch.int32).contiguous(), scale
 
 
 def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor,
@@ -373,35 +479,44 @@ def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTens
     ``q``: ``[B, Hq, D]``; ``k``, ``v``: :class:`~labsrc.kvquant.QuantizedTensor` of shape ``[B, Hkv, T, D]``
     (``"group"`` or ``"token"`` granularity, e.g. from :func:`quantize_pack`, with or without statistics);
     ``seq_lens``: ``[B]`` valid tokens per sequence (default ``T``). ``Hq`` must be a multiple of ``Hkv``
-    (GQA). ``num_splits`` splits each sequence over that many programs (default: enough to fill a GPU).
-    Returns ``[B, Hq, D]`` in ``q``'s dtype, equal to :func:`decode_attention_quant_ref`.
+    (GQA). ``sm_scale``: a finite positive number (default ``1/sqrt(D)``). ``num_splits`` splits each
+    sequence over that many programs (default: enough to fill a GPU; at most 65535, Triton's limit on a grid
+    axis). Returns ``[B, Hq, D]`` in ``q``'s dtype, equal to :func:`decode_attention_quant_ref`. Every field
+    of ``k`` and ``v`` is validated before the launch; tokens past ``seq_lens`` are never read.
     """
-    lens = _check_decode(q, k, v, seq_lens)
+    q, lens, scale = _check_decode(q, k, v, seq_lens, sm_scale)
     b, hq, d = q.shape
     _, hkv, t, _ = k.shape
     pack = 8 // k.bits
     dp = d // pack
     n_groups = k.scale.shape[-2]
-    if k.group_size != v.group_size or v.scale.shape[-2] != n_groups:
-        raise ValueError(f"k and v must share group_size, got {k.group_size} and {v.group_size}")
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     if num_splits is None:
         # Enough programs for ~2 waves on a 132-SM GPU; one split per sequence in the interpreter.
-        num_splits = 1 if not runtime.HAS_CUDA else max(1, min(triton.cdiv(t, 256), triton.cdiv(264, b * hkv)))
+        num_splits = 1 if not runtime.HAS_CUDA else max(1, min(triton.cdiv(t, 256), triton.cdiv(264, max(1, b * hkv))))
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    qpk = hq // hkv
+    block_h = max(16, triton.next_power_of_2(qpk))
+    block_dp = max(16, triton.next_power_of_2(dp))
+    _check_block(f"decode attention with {qpk} query heads per KV head", block_h, block_dp)
+    _check_block(f"decode attention with head_dim {d}", _DECODE_BLOCK_T, block_dp)
+    _check_grid("decode attention's batch (grid axis 0)", b, MAX_GRID_0)
+    _check_grid("decode attention's n_kv_heads (grid axis 1)", hkv, MAX_GRID_12)
+    _check_grid("num_splits (grid axis 2)", num_splits, MAX_GRID_12)
+    _check_row("k", t, d)
+    if b == 0:
+        return torch.zeros(0, hq, d, dtype=q.dtype, device=q.device)
     per_split = triton.cdiv(triton.cdiv(t, num_splits), _DECODE_BLOCK_T) * _DECODE_BLOCK_T
+    (kp, ks, kz), (vp, vs, vz) = _buffers(k), _buffers(v)
     _, kstd = _stats_rows(k.stats, (b, hkv), d, q.device)
     vmean, vstd = _stats_rows(v.stats, (b, hkv), d, q.device)
     o = torch.empty(b, hq, num_splits, d, dtype=torch.float32, device=q.device)
     m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
-    qpk = hq // hkv
     _decode_kernel[(b, hkv, num_splits)](
-        q, k.packed, k.scale, k.zero, kstd, v.packed, v.scale, v.zero, lens, o, m, l_,
+        q, kp, ks, kz, kstd, vp, vs, vz, lens, o, m, l_,
         hq, hkv, t, d, dp, n_groups, scale, per_split, BITS=k.bits, PACK=pack, GROUP=k.group_size, QPK=qpk,
-        BLOCK_H=max(16, triton.next_power_of_2(qpk)), BLOCK_T=_DECODE_BLOCK_T,
-        BLOCK_DP=max(16, triton.next_power_of_2(dp)))
+        BLOCK_H=block_h, BLOCK_T=_DECODE_BLOCK_T, BLOCK_DP=block_dp)
     # Merge the splits (log-sum-exp), normalise, then apply the value statistics sigma_j * (.) + mu_j.
     m_max = m.amax(dim=2, keepdim=True)
     w = torch.exp(m - m_max)  # empty splits have m = -inf and weigh 0
@@ -414,15 +529,19 @@ def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTens
 
 def decode_attention_quant_ref(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor,
                                seq_lens: torch.Tensor | None = None, sm_scale: float | None = None) -> torch.Tensor:
-    """PyTorch reference: dequantise the whole cache, then ordinary masked softmax attention (fp32)."""
-    lens = _check_decode(q, k, v, seq_lens)
+    """PyTorch reference: dequantise the whole cache, then ordinary masked softmax attention (fp32).
+
+    Tokens past ``seq_lens`` are masked out of the scores and zeroed in V, so (as in the kernel) what they
+    hold, NaN included, cannot reach the output.
+    """
+    q, lens, scale = _check_decode(q, k, v, seq_lens, sm_scale)
     b, hq, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     kf = k.dequantize().float().repeat_interleave(hq // hkv, dim=1)
     vf = v.dequantize().float().repeat_interleave(hq // hkv, dim=1)
-    scores = torch.einsum("bhd,bhtd->bht", q.float(), kf) * scale
     valid = torch.arange(t, device=q.device)[None, :] < lens[:, None].long()
+    vf = vf.masked_fill(~valid[:, None, :, None], 0.0)
+    scores = torch.einsum("bhd,bhtd->bht", q.float(), kf) * scale
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     return torch.einsum("bht,bhtd->bhd", scores.softmax(-1), vf).to(q.dtype)
 
@@ -431,13 +550,28 @@ def decode_attention_ref_fp(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             seq_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Unquantized decode attention baseline with ``torch.nn.functional.scaled_dot_product_attention``.
 
-    ``q``: ``[B, Hq, D]``, ``k``, ``v``: ``[B, Hkv, T, D]`` (GQA via ``enable_gqa``).
+    ``q``: ``[B, Hq, D]``, ``k``, ``v``: ``[B, Hkv, T, D]`` (GQA via ``enable_gqa``); ``seq_lens``: ``[B]``
+    integers in ``[1, T]``.
     """
+    for name, x, dims in (("q", q, 3), ("k", k, 4), ("v", v, 4)):
+        _check_tensor(x, name)
+        if x.dim() != dims:
+            raise ValueError(f"{name} must be {dims}-D, got shape {tuple(x.shape)}")
     b, hq, d = q.shape
+    if tuple(k.shape) != tuple(v.shape) or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [B, Hkv, T, D] for q {tuple(q.shape)}")
+    if k.shape[1] == 0 or hq % k.shape[1]:
+        raise ValueError(f"n_heads {hq} must be a positive multiple of n_kv_heads {k.shape[1]}")
     t = k.shape[2]
     mask = None
     if seq_lens is not None:
-        mask = (torch.arange(t, device=q.device)[None, :] < seq_lens[:, None]).view(b, 1, 1, t)
+        if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype not in (torch.int32, torch.int64):
+            raise TypeError("seq_lens must be an int32 or int64 tensor")
+        if seq_lens.shape != (b,):
+            raise ValueError(f"seq_lens must have shape ({b},), got {tuple(seq_lens.shape)}")
+        if b > 0 and (int(seq_lens.min()) < 1 or int(seq_lens.max()) > t):
+            raise ValueError(f"seq_lens must lie in [1, {t}] (the cache holds {t} tokens)")
+        mask = (torch.arange(t, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]).view(b, 1, 1, t)
     out = torch.nn.functional.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, enable_gqa=True)
     return out.squeeze(2)
 
