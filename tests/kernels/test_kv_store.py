@@ -249,7 +249,8 @@ def test_expanded_single_slot_and_caches_that_are_windows_of_a_buffer():
     gen = torch.Generator().manual_seed(6)
     k_new = torch.randn(1, 2, 4, generator=gen)
     v_new = torch.randn(1, 2, 4, generator=gen)
-    slots = torch.tensor([5, 0]).expand(1, 2)[0, :1]     # an expanded/strided view of one slot
+    slots = torch.tensor(5).expand(1)                    # an expanded view of one slot: stride 0
+    assert slots.stride() == (0,)
     _check_against_reference(k_cache, v_cache, k_new, v_new, slots)
     assert torch.isnan(buf_k[:10]).all() and torch.isnan(buf_k[30:]).all()
     assert torch.equal(buf_k[15], k_new[0]) and torch.equal(buf_v[15], v_new[0])
@@ -366,3 +367,16 @@ def test_property_bad_slots_raise(bad_slot, at, slot_dtype):
     for fn in (kv_store, kv_store_ref):
         with pytest.raises(ValueError, match=r"slots must lie in \[0, 20\)"):
             fn(**{k: v.clone() for k, v in args.items()})
+
+
+def test_non_finite_rows_are_copied_bit_for_bit():
+    """NaN and inf in the new rows land in the cache exactly as in the reference (a copy, no arithmetic)."""
+    for dtype in DTYPES:
+        k_cache, v_cache, k_new, v_new, slots = _inputs(17, 5, 2, 9, dtype, seed=12)
+        k_new[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+        v_new[4, 1, -1] = float("inf")
+        k_ref, v_ref = kv_store_ref(k_cache.clone(), v_cache.clone(), k_new, v_new, slots)
+        kv_store(k_cache, v_cache, k_new, v_new, slots)
+        assert torch.equal(k_cache.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                           k_ref.view(torch.int16 if dtype != torch.float32 else torch.int32))
+        assert torch.equal(v_cache.nan_to_num(0.5), v_ref.nan_to_num(0.5))

@@ -470,3 +470,19 @@ def test_property_bad_positions_and_head_dims_raise(bad, at, pos_dtype, odd_half
     for fn in (apply_rope, apply_rope_ref):
         with pytest.raises(ValueError, match="head dim D of q and k must be even"):
             fn(**bad_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_non_finite_inputs_behave_as_in_the_reference(dtype):
+    """inf and NaN in q/k go through the same arithmetic as in the reference (inf * 0 = NaN included)."""
+    gen = torch.Generator().manual_seed(31)
+    q = torch.randn(1, 2, 5, 16, generator=gen).to(DEV, dtype)
+    k = torch.randn(1, 1, 5, 16, generator=gen).to(DEV, dtype)
+    q[0, 0, 1, 3], q[0, 1, 4, 12], k[0, 0, 2, 0] = float("inf"), float("nan"), -float("inf")
+    cos, sin = tables(16, "default")
+    ref_q, ref_k = apply_rope_ref(q, k, cos, sin)
+    got_q, got_k = run_poisoned(q, k, cos, sin, None)
+    rtol, atol = tolerance(dtype)
+    assert torch.isnan(ref_q).any() and torch.isinf(ref_k).any()
+    torch.testing.assert_close(got_q, ref_q, rtol=rtol, atol=atol, equal_nan=True)
+    torch.testing.assert_close(got_k, ref_k, rtol=rtol, atol=atol, equal_nan=True)
