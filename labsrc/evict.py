@@ -49,6 +49,7 @@ import sys
 import time
 import weakref
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 
@@ -77,6 +78,15 @@ def _check_budget(budget, n: int, name: str = "budget") -> int:
     return budget
 
 
+def _check_real(name: str, value, *, minimum: float | None = None) -> float:
+    """A finite real number (not a bool), at least ``minimum`` when given; ValueError naming it otherwise."""
+    if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be {'non-negative' if minimum == 0 else f'>= {minimum:g}'}, got {value!r}")
+    return float(value)
+
+
 def _check_scores(scores) -> torch.Tensor:
     if not isinstance(scores, torch.Tensor):
         raise ValueError(f"scores must be a torch.Tensor, got {type(scores).__name__}")
@@ -97,7 +107,11 @@ def recency(n: int, lam: float = 0.5, device=None) -> torch.Tensor:
     """The recency factor R_i = exp(-lam * (N - i) / N) for i = 0..N-1 (0 = the oldest token).
 
     The oldest token gets exp(-lam) (0.61 for lam = 0.5), the newest exp(-lam / N), close to 1.
+    ``n`` must be a positive int and ``lam`` a finite number >= 0.
     """
+    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        raise ValueError(f"n must be a positive int, got {n!r}")
+    lam = _check_real("lam", lam, minimum=0)
     i = torch.arange(n, dtype=torch.float32, device=device)
     return torch.exp(-lam * (n - i) / n)
 
@@ -131,8 +145,9 @@ def value_aware_scores(attn: torch.Tensor, values: torch.Tensor, alpha: float = 
         raise ValueError(f"attn has N={attn.shape[-1]} keys but values has {values.shape[0]} rows")
     if values.shape[0] == 0:
         raise ValueError("values must hold at least one token")
-    if lam < 0:
-        raise ValueError(f"lam must be non-negative, got {lam}")
+    for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+        _check_real(name, value)
+    _check_real("lam", lam, minimum=0)
     if head_reduce not in ("sum", "max"):
         raise ValueError(f"head_reduce must be 'sum' or 'max', got {head_reduce!r}")
     n = values.shape[0]
@@ -184,18 +199,38 @@ def systematic_indices(p: torch.Tensor, u: float) -> torch.Tensor:
     With sum(p) = K (an integer) and u uniform in [0, 1) this selects exactly K distinct items and item i
     with probability exactly p_i (its interval has length p_i <= 1, so it holds at most one point, and a
     uniformly shifted unit grid hits it with probability p_i). Linear time. Returns the sorted indices.
+
+    ``p`` must be a non-empty 1-D tensor of probabilities (each in [0, 1], none NaN) whose sum is an
+    integer K; a p_i above 1 would hold several points and the count would fall short of K. ``u`` is a
+    number in [0, 1). Raises ValueError naming the argument otherwise.
     """
-    if not isinstance(p, torch.Tensor) or p.dim() != 1:
-        raise ValueError("p must be a 1-D tensor")
-    if not 0.0 <= float(u) < 1.0:
-        raise ValueError(f"u must lie in [0, 1), got {u}")
-    c = torch.cumsum(p.double(), 0)
+    if not isinstance(p, torch.Tensor) or p.dim() != 1 or p.numel() == 0:
+        raise ValueError(f"p must be a 1-D tensor with at least one item, got "
+                         f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
+    if p.is_complex() or p.dtype == torch.bool:
+        raise ValueError(f"p must hold real probabilities, got dtype {p.dtype}")
+    pd = p.double()
+    if not bool(torch.isfinite(pd).all()) or bool((pd < 0).any()) or bool((pd > 1).any()):
+        raise ValueError(f"p must hold probabilities in [0, 1] (no NaN), got values in "
+                         f"[{float(pd.min())}, {float(pd.max())}]")
+    if isinstance(u, torch.Tensor) and u.numel() == 1 and u.dtype != torch.bool:
+        u = float(u)
+    if isinstance(u, bool) or not isinstance(u, Real) or not 0.0 <= float(u) < 1.0:
+        raise ValueError(f"u must lie in [0, 1), got {u!r}")
+    u = float(u)
+    c = torch.cumsum(pd, 0)
     total = float(c[-1])
     k = round(total)
     if abs(total - k) > 1e-6:
         raise ValueError(f"p must sum to an integer, got {total}")
+    if k == 0:
+        return torch.zeros(0, dtype=torch.int64, device=p.device)   # nothing to keep (and no drift to remove)
     c = c * (k / total)                     # remove the float drift so the last edge is exactly K
     upper = torch.floor(c - u)
+    # The K points are u, u + 1, ..., u + K - 1, so no edge counts more than K - 1 of them below it when
+    # u > 0 (K when u = 0). Without the clamp a tiny u (say 1e-300) loses itself in K - u, which rounds to K,
+    # and the last item collects a (K+1)-th point that does not exist: K + 1 items kept instead of K.
+    upper = upper.clamp_(max=k - 1 if u > 0 else k)
     lower = torch.cat([upper.new_full((1,), math.floor(-u)), upper[:-1]])
     return torch.nonzero(upper > lower).flatten()
 
@@ -257,6 +292,10 @@ def retention_frequencies(keep_fn, scores: torch.Tensor, budget: int, draws: int
     with :func:`inclusion_probabilities`: each count is Binomial(draws, P(kept))."""
     if isinstance(draws, bool) or not isinstance(draws, int) or draws <= 0:
         raise ValueError(f"draws must be a positive int, got {draws!r}")
+    if not callable(keep_fn):
+        raise ValueError(f"keep_fn must be callable (e.g. stochastic_keep), got {type(keep_fn).__name__}")
+    _nonneg_int("seed", seed)
+    _check_scores(scores)
     g = torch.Generator().manual_seed(seed)
     counts = torch.zeros(scores.numel(), dtype=torch.float64)
     for _ in range(draws):
@@ -282,7 +321,13 @@ def value_norm_cv(values: torch.Tensor) -> torch.Tensor:
     if not isinstance(values, torch.Tensor) or values.dim() < 2 or values.shape[-2] < 2:
         raise ValueError("values must be a tensor (..., N, d) with N >= 2")
     norms = values.float().norm(dim=-1)
-    return norms.std(dim=-1) / norms.mean(dim=-1)
+    if not bool(torch.isfinite(norms).all()):
+        raise ValueError("values must be finite")
+    mean = norms.mean(dim=-1)
+    if bool((mean == 0).any()):
+        raise ValueError("values must not be all zero over the N tokens: the coefficient of variation "
+                         "std/mean is undefined when the mean norm is 0")
+    return norms.std(dim=-1) / mean
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,7 +352,14 @@ def subset_loss(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep) -> torc
     ``(N, dv)``, ``keep`` a sequence or tensor of indices. Computed in float64.
     """
     _check_qkv(q, k, v)
-    idx = torch.as_tensor(keep, dtype=torch.long)
+    try:
+        idx = torch.as_tensor(keep)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"keep must be a sequence or tensor of indices, got {type(keep).__name__}") from None
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool or idx.dim() > 1:
+        raise ValueError(f"keep must hold integer indices (a 1-D sequence or tensor), got dtype {idx.dtype} "
+                         f"and shape {tuple(idx.shape)}")
+    idx = idx.long().flatten()
     if idx.numel() == 0 or idx.unique().numel() != idx.numel() or idx.min() < 0 or idx.max() >= k.shape[0]:
         raise ValueError("keep must hold distinct indices within [0, N)")
     q, k, v = q.double(), k.double(), v.double()
@@ -325,8 +377,10 @@ def optimal_subset(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, budget: in
     _check_qkv(q, k, v)
     n = k.shape[0]
     _check_budget(budget, n)
-    if not 0 <= protect <= budget:
-        raise ValueError(f"protect must lie in [0, budget={budget}], got {protect}")
+    if isinstance(protect, bool) or not isinstance(protect, int) or not 0 <= protect <= budget:
+        raise ValueError(f"protect must lie in [0, budget={budget}], got {protect!r}")
+    if isinstance(max_subsets, bool) or not isinstance(max_subsets, int) or max_subsets <= 0:
+        raise ValueError(f"max_subsets must be a positive int, got {max_subsets!r}")
     count = math.comb(n - protect, budget - protect)
     if count > max_subsets:
         raise ValueError(f"{count} subsets exceed max_subsets={max_subsets}; use a smaller N")
@@ -494,8 +548,9 @@ class LRU(EvictionPolicy):
     needs_attention = True
 
     def __init__(self, threshold: float | None = None):
-        if threshold is not None and not 0.0 <= threshold < 1.0:
-            raise ValueError(f"threshold must lie in [0, 1) or be None, got {threshold}")
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, Real)
+                                      or not 0.0 <= threshold < 1.0):
+            raise ValueError(f"threshold must lie in [0, 1) or be None, got {threshold!r}")
         self.threshold = threshold
 
     def score(self, stats):
@@ -586,8 +641,11 @@ class ValueAware(EvictionPolicy):
             raise ValueError(f"window must be a positive int, got {window!r}")
         if head_reduce not in ("sum", "max"):
             raise ValueError(f"head_reduce must be 'sum' or 'max', got {head_reduce!r}")
-        if lam < 0:
-            raise ValueError(f"lam must be non-negative, got {lam}")
+        for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+            _check_real(name, value)
+        _check_real("lam", lam, minimum=0)
+        if not isinstance(stochastic, bool):
+            raise ValueError(f"stochastic must be a bool, got {stochastic!r}")
         self.alpha, self.beta, self.gamma, self.lam = alpha, beta, gamma, lam
         self.window, self.stochastic, self.head_reduce = window, stochastic, head_reduce
         self.recent = None if recent is None else _nonneg_int("recent", recent)
@@ -1072,8 +1130,8 @@ def token_nll(model, input_ids: torch.Tensor, cache: Cache | None, prefill: int)
 def budget_for(n_tokens: int, evict_rate: float, protect: int = 0) -> int:
     """The budget that evicts a fraction ``evict_rate`` of ``n_tokens`` (0.5 keeps half), never below
     ``protect + 1``: ``max(protect + 1, round((1 - evict_rate) * n_tokens))``."""
-    if not 0.0 <= evict_rate < 1.0:
-        raise ValueError(f"evict_rate must lie in [0, 1), got {evict_rate}")
+    if isinstance(evict_rate, bool) or not isinstance(evict_rate, Real) or not 0.0 <= evict_rate < 1.0:
+        raise ValueError(f"evict_rate must lie in [0, 1), got {evict_rate!r}")
     if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens <= 0:
         raise ValueError(f"n_tokens must be a positive int, got {n_tokens!r}")
     return max(_nonneg_int("protect", protect) + 1, round((1.0 - evict_rate) * n_tokens))

@@ -29,7 +29,12 @@ ACCELERATORS: dict[str, Accelerator] = {
 
 
 def lookup(device_name: str) -> Accelerator | None:
-    """The accelerator whose name appears in ``device_name`` (e.g. ``torch.cuda.get_device_name()``), or None."""
+    """The accelerator whose name appears in ``device_name`` (e.g. ``torch.cuda.get_device_name()``), or None.
+
+    Raises ``TypeError`` naming ``device_name`` when it is not a string."""
+    if not isinstance(device_name, str):
+        raise TypeError(f"device_name must be a str such as torch.cuda.get_device_name(), got "
+                        f"{type(device_name).__name__}")
     text = device_name.upper().replace(" ", "")
     for key, keywords in (("H200", ("H200",)), ("H100-SXM", ("H100",)), ("A100-80GB", ("A100",))):
         if any(k in text for k in keywords):

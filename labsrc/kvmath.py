@@ -49,6 +49,26 @@ def _positive_number(name: str, value) -> float:
     return value
 
 
+def _nonnegative_number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    if not value >= 0 or not math.isfinite(value):
+        raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+    return value
+
+
+def _nonnegative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 def _exact(value: float) -> int | float:
     """Bytes as an int when the count is whole (it always is for whole-byte dtypes), else a float."""
     return int(value) if float(value).is_integer() else value
@@ -165,17 +185,35 @@ def quantized_kv_cache_bytes(n_layers: int, n_kv_heads: int, head_dim: int, seq_
     and, for asymmetric quantisation (``zero_point=True``), a zero point of the same width.
     ``group_size`` must divide ``head_dim``; ``bits`` is 2, 4 or 8.
     """
-    if bits not in (2, 4, 8):
-        raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
+    bits = _check_bits(bits)
     head_dim = _positive_int("head_dim", head_dim)
-    group_size = _positive_int("group_size", group_size)
+    group_size = _check_group_size(group_size, head_dim, "head_dim")
     scale_bytes = _positive_int("scale_bytes", scale_bytes)
-    if head_dim % group_size:
-        raise ValueError(f"group_size ({group_size}) must divide head_dim ({head_dim})")
+    zero_point = _bool("zero_point", zero_point)
     elements = kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, batch, dtype_bytes=1)
-    groups = elements // group_size
+    return _quantized_bytes(elements, bits, group_size, scale_bytes, zero_point)
+
+
+def _check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or bits not in (2, 4, 8):
+        raise ValueError(f"bits must be 2, 4 or 8 (an int), got {bits!r}")
+    return int(bits)
+
+
+def _check_group_size(group_size, row: int, row_name: str) -> int:
+    """The one rule for quantisation groups, shared by :func:`quantized_kv_cache_bytes` and
+    :func:`calculator`: a positive integer that divides the row the groups run along (``head_dim``, or an
+    MLA latent), so that no group straddles two heads and every group holds ``group_size`` numbers."""
+    group_size = _positive_int("group_size", group_size)
+    if row % group_size:
+        raise ValueError(f"group_size ({group_size}) must divide {row_name} ({row})")
+    return group_size
+
+
+def _quantized_bytes(elements: int, bits: int, group_size: int, scale_bytes: int, zero_point: bool) -> int | float:
+    """``elements`` numbers of ``bits`` bits plus one scale (and zero point) of ``scale_bytes`` per group."""
     per_group_meta = scale_bytes * (2 if zero_point else 1)
-    return _exact(elements * bits / 8 + groups * per_group_meta)
+    return _exact(elements * bits / 8 + elements // group_size * per_group_meta)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,7 +255,8 @@ class ModelPreset:
 
     def weight_bytes(self, dtype_bytes: float = 2, active: bool = False) -> float:
         """Bytes of the weights (all of them, or only those one token reads when ``active``)."""
-        return (self.n_active_params if active else self.n_params) * dtype_bytes
+        dtype_bytes = _positive_number("dtype_bytes", dtype_bytes)
+        return (self.n_active_params if _bool("active", active) else self.n_params) * dtype_bytes
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -254,8 +293,7 @@ def decode_time_floor(weight_bytes: float, kv_bytes: float, hbm_bytes_per_s: flo
     ignored, so a real step is slower. ``kv_bytes`` is the cache of the whole batch.
     """
     weight_bytes = _positive_number("weight_bytes", weight_bytes)
-    if kv_bytes < 0:
-        raise ValueError(f"kv_bytes must be non-negative, got {kv_bytes!r}")
+    kv_bytes = _nonnegative_number("kv_bytes", kv_bytes)
     hbm_bytes_per_s = _positive_number("hbm_bytes_per_s", hbm_bytes_per_s)
     return (weight_bytes + kv_bytes) / hbm_bytes_per_s
 
@@ -269,9 +307,14 @@ def tokens_per_s_ceiling(weight_bytes: float, kv_bytes_per_token: float, context
     """
     batch = _positive_int("batch", batch)
     kv_bytes_per_token = _positive_number("kv_bytes_per_token", kv_bytes_per_token)
-    context = np.asarray(context, dtype=np.float64)
-    if (context < 0).any():
-        raise ValueError("context must be non-negative")
+    if isinstance(context, (bool, np.bool_)) or (isinstance(context, np.ndarray) and context.dtype == bool):
+        raise ValueError(f"context must be a non-negative number or array of them, got {context!r}")
+    try:
+        context = np.asarray(context, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"context must be a non-negative number or array of them, got {context!r}") from None
+    if not np.isfinite(context).all() or (context < 0).any():
+        raise ValueError("context must be non-negative and finite (no NaN or inf)")
     step = (_positive_number("weight_bytes", weight_bytes) + batch * context * kv_bytes_per_token) \
         / _positive_number("hbm_bytes_per_s", hbm_bytes_per_s)
     out = batch / step
@@ -288,8 +331,7 @@ def sequences_that_fit(memory_bytes: float, kv_bytes_per_sequence: float, weight
     """How many whole sequences' caches fit in ``memory_bytes`` after ``weight_bytes`` of weights (0 if none)."""
     memory_bytes = _positive_number("memory_bytes", memory_bytes)
     kv_bytes_per_sequence = _positive_number("kv_bytes_per_sequence", kv_bytes_per_sequence)
-    if weight_bytes < 0:
-        raise ValueError(f"weight_bytes must be non-negative, got {weight_bytes!r}")
+    weight_bytes = _nonnegative_number("weight_bytes", weight_bytes)
     free = memory_bytes - weight_bytes
     return max(0, int(free // kv_bytes_per_sequence))
 
@@ -315,8 +357,8 @@ def forward_flops(n_matmul_params: int, n_layers: int, attn_width: int, n_query:
     attn_width = _positive_int("attn_width", attn_width)
     n_query = _positive_int("n_query", n_query)
     context_end = _positive_int("context_end", context_end)
-    if lm_head_params < 0:
-        raise ValueError(f"lm_head_params must be non-negative, got {lm_head_params!r}")
+    lm_head_params = _nonnegative_int("lm_head_params", lm_head_params)
+    full_square = _bool("full_square", full_square)
     if n_query > context_end:
         raise ValueError(f"n_query ({n_query}) cannot exceed context_end ({context_end})")
     if full_square:
@@ -337,6 +379,7 @@ def generation_flops(n_matmul_params: int, n_layers: int, attn_width: int, promp
     """
     prompt_len = _positive_int("prompt_len", prompt_len)
     n_new = _positive_int("n_new", n_new)
+    use_cache = _bool("use_cache", use_cache)
     kw = dict(lm_head_params=lm_head_params, full_square=full_square)
     total = forward_flops(n_matmul_params, n_layers, attn_width, prompt_len, prompt_len, **kw)
     for step in range(1, n_new):
@@ -358,6 +401,7 @@ def sample_request_lengths(n_requests: int, max_len: int, seed: int = 0, median:
     max_len = _positive_int("max_len", max_len)
     _positive_number("median", median)
     _positive_number("sigma", sigma)
+    seed = _nonnegative_int("seed", seed)
     rng = np.random.default_rng(seed)
     lengths = np.rint(rng.lognormal(math.log(median), sigma, size=n_requests)).astype(np.int64)
     return np.clip(lengths, 1, max_len)
@@ -400,24 +444,38 @@ def calculator(preset: ModelPreset | str, seq_len: int, batch: int = 1, dtype: s
     """Everything the chapter's calculator shows for one setting, as a dict.
 
     ``dtype`` is the cache's: ``"bf16"``, ``"fp8"``, or ``"int8"``/``"int4"`` with an fp16 scale and zero
-    point per ``group_size`` numbers (a KIVI-style asymmetric cache). ``grouping`` overrides the model's
+    point per ``group_size`` numbers (a KIVI-style asymmetric cache; ``group_size`` must divide ``head_dim``,
+    or the latent row of an MLA model, exactly as :func:`quantized_kv_cache_bytes` requires).
+    ``preset`` is a :class:`ModelPreset` or a name in :data:`PRESETS`; ``memories_gb`` positive card sizes.
+    Raises ``ValueError`` naming any bad argument. ``grouping`` overrides the model's
     own K/V sharing (``"mha"``, ``"gqa"``, ``"mqa"``; MLA models keep their latent unless one is given).
     Weights are counted in bf16. ``fit_<N>GB`` is how many sequences fit on an N-GB card next to the
     weights, ``kv_only_fit_<N>GB`` how many would if the card held only the cache (weights sharded away).
     """
-    preset = PRESETS[preset] if isinstance(preset, str) else preset
-    if dtype not in CALCULATOR_DTYPES:
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
+        preset = PRESETS[preset]
+    if not isinstance(preset, ModelPreset):
+        raise ValueError(f"preset must be a ModelPreset or one of the names in PRESETS, got {type(preset).__name__}")
+    if not isinstance(dtype, str) or dtype not in CALCULATOR_DTYPES:
         raise ValueError(f"dtype must be one of {CALCULATOR_DTYPES}, got {dtype!r}")
-    group_size = _positive_int("group_size", group_size)
+    if isinstance(memories_gb, (str, bytes)) or not hasattr(memories_gb, "__iter__"):
+        raise ValueError(f"memories_gb must be a sequence of card sizes in GB, got {memories_gb!r}")
+    memories_gb = [_positive_number("memories_gb", memory) for memory in memories_gb]
     elements = preset.kv_cache_bytes(seq_len, batch, dtype_bytes=1, grouping=grouping)
-    width = preset.kv_bytes_per_token(dtype_bytes=1, grouping=grouping) // preset.n_layers
     if dtype in ("bf16", "fp8"):
-        kv = elements * DTYPE_BYTES[dtype]
+        group_size = _positive_int("group_size", group_size)   # unused, but a bad value is still refused
+        kv = _exact(elements * DTYPE_BYTES[dtype])
     else:
-        if width % group_size:
-            raise ValueError(f"group_size ({group_size}) must divide the cached width per token and layer ({width})")
-        kv = elements * (8 if dtype == "int8" else 4) / 8 + elements // group_size * 4
-    kv = _exact(kv)
+        # The groups run along each head's vector, as in quantized_kv_cache_bytes (the same check and
+        # formula); an MLA cache has one latent row per token and layer instead of heads.
+        if preset.attention == "mla" and grouping in (None, "mla"):
+            row, row_name = preset.kv_lora_rank + preset.qk_rope_head_dim, "the MLA latent row (kv_lora_rank + qk_rope_head_dim)"
+        else:
+            row, row_name = preset.head_dim, "head_dim"
+        group_size = _check_group_size(group_size, row, row_name)
+        kv = _quantized_bytes(elements, 8 if dtype == "int8" else 4, group_size, scale_bytes=2, zero_point=True)
     weights = preset.weight_bytes(2)
     row = dict(model=preset.name, attention=grouping or preset.attention, seq_len=int(seq_len), batch=int(batch),
                dtype=dtype, kv_bytes=kv, kv_gib=kv / GiB, weight_gb=weights / GB)

@@ -42,7 +42,7 @@ __all__ = [
     "METHODS", "rope_frequencies", "default_frequencies", "linear_frequencies", "ntk_frequencies",
     "dynamic_frequencies", "yarn_frequencies", "llama3_frequencies", "ntk_base", "yarn_attention_scaling",
     "yarn_correction_range", "rope_cos_sin", "rotate_half", "apply_rope_ref", "wavelengths", "max_angles",
-    "AngleRange",
+    "AngleRange", "check_rope_inputs",
 ]
 
 
@@ -80,6 +80,30 @@ def _check_factor(method: str, factor) -> float:
     return float(factor)
 
 
+def _check_dim(dim, *, ntk: bool = False) -> int:
+    """The rotary dimension a method function receives: an even positive int (> 2 for the NTK-aware base,
+    whose exponent ``dim / (dim - 2)`` divides by zero at 2)."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
+        raise ValueError(f"dim (the rotary dimension) must be an even int >= 2, got {dim!r}")
+    if ntk and dim <= 2:
+        raise ValueError(f"the NTK-aware base needs a rotary dimension > 2, got {dim}")
+    return dim
+
+
+def _check_base(base) -> float:
+    return _check_number("base", base, minimum=1.0, strict=True)
+
+
+def _check_inv_freq(inv_freq) -> torch.Tensor:
+    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1:
+        raise ValueError("inv_freq must be a 1-D tensor of inverse frequencies")
+    if not inv_freq.is_floating_point():
+        raise ValueError(f"inv_freq must be a floating-point tensor, got {inv_freq.dtype}")
+    if not bool(torch.isfinite(inv_freq).all()) or bool((inv_freq <= 0).any()):
+        raise ValueError("inv_freq must hold finite positive inverse frequencies")
+    return inv_freq
+
+
 def _rotary_dim(head_dim, partial_rotary_factor) -> int:
     """How many coordinates of the head are rotated: ``int(head_dim * partial_rotary_factor)``, even."""
     _check_positive_int("head_dim", head_dim)
@@ -108,7 +132,7 @@ def default_frequencies(dim: int, base: float) -> tuple[torch.Tensor, float]:
     Pair ``i`` completes one turn every ``2 pi / theta_i = 2 pi base**(2i/dim)`` tokens, a geometric ladder of
     wavelengths from ``2 pi`` (pair 0) to almost ``2 pi base`` (the last pair).
     """
-    return _base_inv_freq(base, dim), 1.0
+    return _base_inv_freq(_check_base(base), _check_dim(dim)), 1.0
 
 
 def linear_frequencies(dim: int, base: float, factor: float) -> tuple[torch.Tensor, float]:
@@ -119,6 +143,7 @@ def linear_frequencies(dim: int, base: float, factor: float) -> tuple[torch.Tens
     neighbouring tokens now differ by ``theta_i / s``, so the fast pairs that told adjacent tokens apart are
     blurred ``s`` times, which is why PI needs some fine-tuning.
     """
+    factor = _check_factor("linear", factor)
     inv_freq, _ = default_frequencies(dim, base)
     return inv_freq / factor, 1.0
 
@@ -132,8 +157,8 @@ def ntk_base(base: float, factor: float, dim: int) -> float:
     ``s ** (2i/(dim-2))``, a smooth geometric blend of "extrapolate" at high frequency and "interpolate" at
     low frequency.
     """
-    if dim <= 2:
-        raise ValueError(f"the NTK-aware base needs a rotary dimension > 2, got {dim}")
+    dim = _check_dim(dim, ntk=True)
+    base, factor = _check_base(base), _check_factor("ntk", factor)
     return base * factor ** (dim / (dim - 2))
 
 
@@ -155,6 +180,11 @@ def dynamic_frequencies(dim: int, base: float, factor: float, max_position: int,
     ``seq_len = L`` and grows linearly with the length, so short prompts lose nothing and long ones are
     stretched only as much as they need. (``transformers`` calls ``L`` ``max_position_embeddings``.)
     """
+    dim, base = _check_dim(dim, ntk=True), _check_base(base)
+    factor = _check_factor("dynamic", factor)
+    max_position = _check_positive_int("max_position", max_position)
+    if seq_len is not None:
+        _check_positive_int("seq_len", seq_len)
     seq_len = max_position if seq_len is None else max(seq_len, max_position)
     ratio = factor * seq_len / max_position - (factor - 1)
     # Same order of operations as transformers, so the float64 base agrees to the last bit.
@@ -172,8 +202,16 @@ def yarn_attention_scaling(factor: float, mscale=None, mscale_all_dim=None) -> f
     def mscale_of(scale: float, coef: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * coef * math.log(scale) + 1.0
 
+    factor = _check_number("factor", factor, minimum=0.0, strict=True)
+    for name, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+        if value is not None:
+            _check_number(name, value)
     if mscale and mscale_all_dim:
-        return float(mscale_of(factor, mscale) / mscale_of(factor, mscale_all_dim))
+        denominator = mscale_of(factor, mscale_all_dim)
+        if denominator == 0:
+            raise ValueError(f"mscale_all_dim={mscale_all_dim!r} makes 0.1 * mscale_all_dim * ln(factor) + 1 zero "
+                             f"at factor={factor!r}: the ratio is undefined")
+        return float(mscale_of(factor, mscale) / denominator)
     return mscale_of(factor)
 
 
@@ -187,6 +225,13 @@ def yarn_correction_range(dim: int, base: float, original_max_position: int, bet
     angle was seen and they are kept. ``high = i(beta_slow)``: pairs above it turn less than ``beta_slow``
     times and are interpolated. ``truncate`` rounds the range outwards to whole pairs.
     """
+    dim, base = _check_dim(dim), _check_base(base)
+    original_max_position = _check_positive_int("original_max_position", original_max_position)
+    beta_fast = _check_number("beta_fast", beta_fast, minimum=0, strict=True)
+    beta_slow = _check_number("beta_slow", beta_slow, minimum=0, strict=True)
+    if not isinstance(truncate, bool):
+        raise ValueError(f"truncate must be a bool, got {truncate!r}")
+
     def index_for(rotations: float) -> float:
         return dim * math.log(original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
@@ -211,8 +256,11 @@ def yarn_frequencies(dim: int, base: float, factor: float, original_max_position
 
     ``attention_scaling`` multiplies cos and sin (:func:`yarn_attention_scaling` unless given).
     """
+    dim, base, factor = _check_dim(dim), _check_base(base), _check_factor("yarn", factor)
     if attention_factor is None:
         attention_factor = yarn_attention_scaling(factor, mscale, mscale_all_dim)
+    else:
+        _check_number("attention_factor", attention_factor, minimum=0, strict=True)
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     keep = 1.0 / pos_freqs                 # extrapolation: the trained frequencies
     interpolate = 1.0 / (factor * pos_freqs)
@@ -234,6 +282,12 @@ def llama3_frequencies(dim: int, base: float, factor: float, original_max_positi
     ``theta' = (1 - a) theta / s + a theta`` with ``a = (L / lambda - low_freq_factor) / (high_freq_factor -
     low_freq_factor)`` rising from 0 to 1. The same idea as YaRN's ramp, expressed on wavelengths.
     """
+    factor = _check_factor("llama3", factor)
+    original_max_position = _check_positive_int("original_max_position", original_max_position)
+    low_freq_factor = _check_number("low_freq_factor", low_freq_factor, minimum=0, strict=True)
+    high_freq_factor = _check_number("high_freq_factor", high_freq_factor, minimum=0, strict=True)
+    if high_freq_factor <= low_freq_factor:
+        raise ValueError(f"high_freq_factor ({high_freq_factor:g}) must be > low_freq_factor ({low_freq_factor:g})")
     inv_freq, _ = default_frequencies(dim, base)
     low_freq_wavelen = original_max_position / low_freq_factor
     high_freq_wavelen = original_max_position / high_freq_factor
@@ -367,21 +421,87 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions, attention_scaling: float = 1
     ``i + D/2`` form pair ``i``, multiplied by ``attention_scaling`` and cast to ``dtype`` last, exactly as
     ``LlamaRotaryEmbedding`` does.
     """
-    if not isinstance(inv_freq, torch.Tensor) or inv_freq.dim() != 1:
-        raise ValueError("inv_freq must be a 1-D tensor of inverse frequencies")
+    _check_inv_freq(inv_freq)
     if isinstance(positions, int) and not isinstance(positions, bool):
+        if positions < 0:
+            raise ValueError(f"positions must be a non-negative int (a table of that many rows), got {positions}")
         positions = torch.arange(positions, device=inv_freq.device)
-    if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.dtype == torch.bool:
+    if (not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex()
+            or positions.dtype == torch.bool):
         raise ValueError(f"positions must be an int or an integer tensor, got {positions!r}")
+    attention_scaling = _check_number("attention_scaling", attention_scaling)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
     freqs = positions[..., None].float() * inv_freq.to(device=positions.device, dtype=torch.float32)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * attention_scaling).to(dtype), (emb.sin() * attention_scaling).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dimension: the 90-degree turn of every pair ``(x_i, x_{i+D/2})``."""
+    """``[x1, x2] -> [-x2, x1]`` on the last dimension: the 90-degree turn of every pair ``(x_i, x_{i+D/2})``.
+
+    The last dimension must be even and positive (an odd one has no pairs to turn)."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"x must be a tensor with a last dimension of pairs, got {type(x).__name__}")
+    if x.shape[-1] < 2 or x.shape[-1] % 2:
+        raise ValueError(f"the last dimension of x must be even and >= 2, got {x.shape[-1]}")
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def check_rope_inputs(q, k, cos, sin, positions=None, check_positions: bool = True) -> None:
+    """The checks :func:`apply_rope_ref` and the kernel :func:`labsrc.kernels.rope.apply_rope` share.
+
+    Raises ``TypeError`` for a non-tensor or a wrong dtype and ``ValueError`` for wrong shapes, a head dim
+    ``D`` that is odd or 0, or positions outside the tables (that range check syncs with the device; it is
+    skipped when ``check_positions`` is False). Dtype limits of the kernel and devices are checked there.
+    """
+    for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if positions is not None and not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if not isinstance(check_positions, bool):
+        raise TypeError(f"check_positions must be a bool, got {type(check_positions).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (B, Hq, T, D), got shape {tuple(q.shape)}")
+    if k.dim() != 4:
+        raise ValueError(f"k must be 4-D (B, Hkv, T, D), got shape {tuple(k.shape)}")
+    B, _, T, D = q.shape
+    if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} must share B, T and D with q {tuple(q.shape)} (heads may differ)")
+    if D % 2 or D == 0:
+        raise ValueError(f"the head dim D of q and k must be even and positive (pairs i and i + D/2 rotate "
+                         f"together), got {D}")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}; they must match")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[1] != D:
+            raise ValueError(f"{name} must be a table (max_pos, D={D}), got shape {tuple(table.shape)}")
+        if not table.is_floating_point():
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {table.dtype}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} must have the same shape")
+    if sin.dtype != cos.dtype:
+        raise TypeError(f"sin has dtype {sin.dtype} but cos has {cos.dtype}; they must match")
+    if positions is not None:
+        if positions.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
+        if positions.shape not in ((T,), (B, T)):
+            raise ValueError(f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}), "
+                             f"got {tuple(positions.shape)}")
+        if check_positions and positions.numel():
+            # A host sync, but an out-of-table index would read garbage memory (kernel) or wrap around
+            # to the end of the table (negative indices in PyTorch) silently.
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0 or high >= cos.shape[0]:
+                raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the rows of the cos/sin tables), "
+                                 f"got values in [{low}, {high}]")
+    elif T > cos.shape[0]:
+        raise ValueError(f"the cos/sin tables have {cos.shape[0]} rows but the default positions arange(T) "
+                         f"need T = {T}")
 
 
 def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -391,8 +511,10 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
     ``cos``/``sin`` are tables ``(max_pos, D)`` (from :func:`rope_cos_sin`); row ``positions[b, t]`` (or
     ``positions[t]``; default ``t``) rotates token ``t``, so decoding at an offset just passes the offset
     positions. Computes ``x * cos + rotate_half(x) * sin`` in float32 (float64 for float64 inputs) and
-    returns new tensors in the input dtype.
+    returns new tensors in the input dtype. Refuses what the kernel refuses (:func:`check_rope_inputs`),
+    except that it also takes float64 and any device.
     """
+    check_rope_inputs(q, k, cos, sin, positions)
     if positions is None:
         positions = torch.arange(q.shape[2], device=q.device)
     # rows (T, D) or (B, T, D), broadcast over the head axis
@@ -410,6 +532,7 @@ def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
 
 def wavelengths(inv_freq: torch.Tensor) -> torch.Tensor:
     """Tokens per full turn of each pair: ``2 pi / theta_i``."""
+    _check_inv_freq(inv_freq)
     return 2 * math.pi / inv_freq
 
 
@@ -430,6 +553,7 @@ def max_angles(inv_freq: torch.Tensor, train_length: int, target_length: int) ->
     *high-frequency* pairs. The pairs that run out of range are the slow, *low-frequency* ones, whose angle
     in training stayed below one turn: ``unseen = trained < 2 pi and target > trained``.
     """
+    _check_inv_freq(inv_freq)
     _check_positive_int("train_length", train_length)
     _check_positive_int("target_length", target_length)
     inv_freq = inv_freq.double()

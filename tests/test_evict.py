@@ -545,3 +545,139 @@ def test_value_aware_keeps_pass_key_retrieval_at_half_eviction(lab_target):
     value_aware = ev.answer_accuracy(model, samples, ev.ValueAware(), 0.5)
     assert full >= 0.875, f"the full cache itself retrieves only {full:.2f}: the comparison would be empty"
     assert value_aware >= 0.9 * full, f"value-aware {value_aware:.2f} vs full cache {full:.2f}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation promises: each of these used to return a wrong count, NaN, or raise an error that did
+# not name the argument (ZeroDivisionError, IndexError, RuntimeError, bare TypeError).
+# --------------------------------------------------------------------------------------------------
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("p, u, message", [
+    (torch.tensor([1.5, 0.5]), 0.3, r"p must hold probabilities in \[0, 1\]"),   # used to keep 1 item, not 2
+    (torch.tensor([-0.5, 0.5, 1.0]), 0.3, r"p must hold probabilities in \[0, 1\]"),
+    (torch.tensor([NAN, 0.5, 0.5]), 0.3, r"p must hold probabilities in \[0, 1\] \(no NaN\)"),
+    (torch.tensor([float("inf"), 0.5]), 0.3, r"p must hold probabilities"),
+    (torch.zeros(0), 0.3, "p must be a 1-D tensor with at least one item"),          # IndexError before
+    ([0.5, 0.5], 0.3, "p must be a 1-D tensor"),
+    (torch.tensor([True, False]), 0.3, "p must hold real probabilities"),
+    (torch.tensor([0.5, 0.5]), False, r"u must lie in \[0, 1\)"),                     # RuntimeError before
+    (torch.tensor([0.5, 0.5]), "a", r"u must lie in \[0, 1\)"),
+    (torch.tensor([0.5, 0.5]), NAN, r"u must lie in \[0, 1\)"),
+    (torch.tensor([0.5, 0.5]), -0.1, r"u must lie in \[0, 1\)"),
+])
+def test_systematic_indices_refuses_what_is_not_a_probability(p, u, message):
+    with pytest.raises(ValueError, match=message):
+        ev.systematic_indices(p, u)
+
+
+def test_systematic_indices_with_nothing_to_keep_returns_no_index():
+    """All-zero p (K = 0) used to raise ZeroDivisionError while removing the float drift."""
+    assert ev.systematic_indices(torch.zeros(4), 0.5).tolist() == []
+    assert ev.systematic_indices(torch.zeros(4), torch.tensor(0.25)).tolist() == []
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: ev.recency(4, NAN), "lam must be a finite number"),
+    (lambda: ev.recency(4, -1.0), "lam must be non-negative"),
+    (lambda: ev.recency(-1), "n must be a positive int"),
+    (lambda: ev.recency(2.0), "n must be a positive int"),
+    (lambda: ev.value_aware_scores(torch.rand(1, 2, 3), torch.rand(3, 2), alpha=NAN), "alpha must be a finite"),
+    (lambda: ev.value_aware_scores(torch.rand(1, 2, 3), torch.rand(3, 2), beta=True), "beta must be a finite"),
+    (lambda: ev.value_aware_scores(torch.rand(1, 2, 3), torch.rand(3, 2), gamma="1"), "gamma must be a finite"),
+    (lambda: ev.value_aware_scores(torch.rand(1, 2, 3), torch.rand(3, 2), lam=NAN), "lam must be a finite"),
+    (lambda: ev.ValueAware(lam=NAN), "lam must be a finite number"),
+    (lambda: ev.ValueAware(alpha=float("inf")), "alpha must be a finite number"),
+    (lambda: ev.ValueAware(stochastic="yes"), "stochastic must be a bool"),
+    (lambda: ev.LRU("a"), r"threshold must lie in \[0, 1\) or be None"),
+    (lambda: ev.LRU(True), r"threshold must lie in \[0, 1\) or be None"),
+    (lambda: ev.budget_for(10, "0.5"), r"evict_rate must lie in \[0, 1\)"),
+    (lambda: ev.budget_for(10, False), r"evict_rate must lie in \[0, 1\)"),
+    (lambda: ev.subset_loss(torch.rand(2, 4), torch.rand(5, 4), torch.rand(5, 3), [0.5, 1.7]),
+     "keep must hold integer indices"),                                        # truncated to [0, 1] before
+    (lambda: ev.optimal_subset(torch.rand(2, 4), torch.rand(5, 4), torch.rand(5, 3), 3, 1.5),
+     r"protect must lie in \[0, budget=3\]"),
+    (lambda: ev.optimal_subset(torch.rand(2, 4), torch.rand(5, 4), torch.rand(5, 3), 3, 0, max_subsets=0.5),
+     "max_subsets must be a positive int"),
+    (lambda: ev.value_norm_cv(torch.zeros(3, 4)), "values must not be all zero"),   # NaN before
+    (lambda: ev.value_norm_cv(torch.tensor([[1.0, NAN], [1.0, 2.0]])), "values must be finite"),
+    (lambda: ev.retention_frequencies("stochastic_keep", torch.rand(4), 2), "keep_fn must be callable"),
+    (lambda: ev.retention_frequencies(ev.stochastic_keep, torch.rand(4), 2, seed=-1), "seed must be a non-negative"),
+])
+def test_public_functions_raise_value_error_naming_the_argument(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# --------------------------------------------------------------------------------------------------
+# Property-based tests of the samplers
+# --------------------------------------------------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_SETTINGS = settings(max_examples=30, deadline=None)
+_SCORES = st.lists(st.one_of(st.just(0.0), st.floats(1e-6, 1e6)), min_size=1, max_size=40)
+
+
+@_SETTINGS
+@given(scores=_SCORES, frac=st.floats(0, 1), seed=st.integers(0, 2 ** 31))
+def test_property_stochastic_keep_keeps_exactly_budget_never_a_zero_probability_item(scores, frac, seed):
+    s = torch.tensor(scores, dtype=torch.float64)
+    budget = max(1, round(frac * len(scores)))
+    p = ev.inclusion_probabilities(s, budget)
+    assert float(p.min()) >= 0 and float(p.max()) <= 1
+    assert float(p.sum()) == pytest.approx(budget, abs=1e-9)
+    kept = ev.stochastic_keep(s, budget, torch.Generator().manual_seed(seed))
+    assert kept.numel() == budget and kept.unique().numel() == budget
+    assert torch.equal(kept, torch.sort(kept).values)
+    assert bool((p[kept] > 0).all()), "an item with probability 0 was kept"
+    assert bool(torch.isin(torch.nonzero(p == 1).flatten(), kept).all()), "an item with probability 1 was dropped"
+
+
+@_SETTINGS
+@given(scores=_SCORES, frac=st.floats(0, 1), u=st.floats(0, 1, exclude_max=True))
+def test_property_systematic_indices_keeps_exactly_k(scores, frac, u):
+    s = torch.tensor(scores, dtype=torch.float64)
+    budget = max(1, round(frac * len(scores)))
+    p = ev.inclusion_probabilities(s, budget)
+    idx = ev.systematic_indices(p, u)
+    assert idx.numel() == budget and idx.unique().numel() == budget
+    assert bool((p[idx] > 0).all()) and bool(torch.isin(torch.nonzero(p == 1).flatten(), idx).all())
+
+
+@_SETTINGS
+@given(n=st.integers(1, 20), at=st.integers(0, 19),
+       bad=st.one_of(st.just(NAN), st.just(float("inf")), st.just(-float("inf")), st.floats(-10, -1e-9),
+                     st.floats(1 + 1e-9, 10)))
+def test_property_systematic_indices_refuses_bad_probabilities(n, at, bad):
+    p = torch.full((n,), 0.5)
+    p[at % n] = bad
+    with pytest.raises(ValueError, match=r"p must hold probabilities in \[0, 1\]"):
+        ev.systematic_indices(p, 0.5)
+
+
+@_SETTINGS
+@given(bad=st.one_of(st.just(NAN), st.just(float("inf")), st.floats(-10, -1e-9), st.floats(1, 10), st.booleans(),
+                     st.text(max_size=2), st.none()))
+def test_property_systematic_indices_refuses_bad_u(bad):
+    with pytest.raises(ValueError, match=r"u must lie in \[0, 1\)"):
+        ev.systematic_indices(torch.tensor([0.5, 0.5]), bad)
+
+
+@_SETTINGS
+@given(name=st.sampled_from(["alpha", "beta", "gamma", "lam"]),
+       bad=st.one_of(st.just(NAN), st.just(float("inf")), st.just(-float("inf")), st.booleans(), st.text(max_size=2),
+                     st.none()))
+def test_property_value_aware_refuses_bad_exponents(name, bad):
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        ev.value_aware_scores(torch.rand(2, 3, 5), torch.rand(5, 4), **{name: bad})
+    with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+        ev.ValueAware(**{name: bad})
+
+
+def test_systematic_indices_tiny_u_keeps_exactly_k():
+    """Found by the property test: u = 4e-249 vanished in K - u (rounded to K), so the last item collected
+    a point past the end and K + 1 items were kept."""
+    for u in (4.3678048689438146e-249, 1e-300, 5e-324):
+        assert ev.systematic_indices(torch.tensor([0.5, 0.5]), u).tolist() == [0]
+        assert ev.systematic_indices(torch.tensor([0.25, 1.0, 0.75, 0.0, 1.0]), u).numel() == 3

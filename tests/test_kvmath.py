@@ -259,3 +259,151 @@ def test_calculator():
         kvmath.calculator("Llama-3-8B", 10, dtype="fp4")
     with pytest.raises(ValueError, match="group_size"):
         kvmath.calculator("DeepSeek-V2", 10, dtype="int4", group_size=100)
+
+
+# --- validation promises kept: every public function names a bad argument -----------------------------------
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("call,match", [
+    # used to raise KeyError
+    (lambda: kvmath.calculator("Llama-9-1T", 10), r"unknown preset 'Llama-9-1T'; known presets: source-70B-MHA"),
+    (lambda: kvmath.calculator(3, 10), "preset must be a ModelPreset"),
+    (lambda: kvmath.calculator("Llama-3-8B", 10, memories_gb=(80, NAN)), "memories_gb must be a positive number"),
+    (lambda: kvmath.calculator("Llama-3-8B", 10, memories_gb=80), "memories_gb must be a sequence"),
+    (lambda: kvmath.calculator("Llama-3-8B", NAN), "seq_len must be a positive integer"),
+    (lambda: kvmath.calculator("Llama-3-8B", 10, batch=True), "batch must be a positive integer"),
+    (lambda: kvmath.calculator("Llama-3-8B", 10, group_size=1.5), "group_size must be a positive integer"),
+    # used to return NaN
+    (lambda: kvmath.decode_time_floor(1e9, NAN, 1e9), "kv_bytes must be a non-negative number"),
+    (lambda: kvmath.tokens_per_s_ceiling(1e9, 1e5, [1.0, NAN], 1e12), "context must be non-negative and finite"),
+    (lambda: kvmath.tokens_per_s_ceiling(1e9, 1e5, INF, 1e12), "context must be non-negative and finite"),
+    (lambda: PRESETS["Llama-3-8B"].weight_bytes(NAN), "dtype_bytes must be a positive number"),
+    # used to raise a ValueError/TypeError that named nothing, or a bare TypeError from a comparison
+    (lambda: kvmath.tokens_per_s_ceiling(1e9, 1e5, "long", 1e12), "context must be a non-negative number"),
+    (lambda: kvmath.decode_time_floor(1e9, "x", 1e9), "kv_bytes must be a non-negative number"),
+    (lambda: kvmath.sequences_that_fit(80e9, 1e9, NAN), "weight_bytes must be a non-negative number"),
+    (lambda: kvmath.sequences_that_fit(80e9, 1e9, "w"), "weight_bytes must be a non-negative number"),
+    (lambda: kvmath.sample_request_lengths(4, 100, seed=-1), "seed must be a non-negative integer"),
+    (lambda: kvmath.sample_request_lengths(4, 100, seed=1.5), "seed must be a non-negative integer"),
+    # float-where-int and non-bool flags used to be accepted
+    (lambda: kvmath.forward_flops(10, 1, 4, 2, 4, lm_head_params=2.5), "lm_head_params must be a non-negative integer"),
+    (lambda: kvmath.forward_flops(10, 1, 4, 2, 4, lm_head_params=NAN), "lm_head_params must be a non-negative integer"),
+    (lambda: kvmath.forward_flops(10, 1, 4, 2, 4, full_square="no"), "full_square must be a bool"),
+    (lambda: kvmath.generation_flops(10, 1, 4, 2, 3, use_cache="no"), "use_cache must be a bool"),
+    (lambda: kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, bits=8.0), r"bits must be 2, 4 or 8 \(an int\)"),
+    (lambda: kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, bits=True), "bits must be 2, 4 or 8"),
+    (lambda: kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, zero_point="no"), "zero_point must be a bool"),
+    (lambda: PRESETS["Llama-3-8B"].weight_bytes(2, active="yes"), "active must be a bool"),
+])
+def test_public_functions_raise_value_error_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_hardware_lookup_refuses_a_non_string():
+    with pytest.raises(TypeError, match="device_name must be a str"):   # AttributeError before
+        hardware.lookup(None)
+    assert hardware.lookup("NVIDIA H200").name == "H200"
+
+
+@pytest.mark.parametrize("preset", ["Llama-3-8B", "Llama-3-70B", "source-70B-MHA"])
+@pytest.mark.parametrize("group_size", [1, 3, 16, 32, 48, 64, 128, 256, 512, 1024, 2048])
+@pytest.mark.parametrize("dtype,bits", [("int8", 8), ("int4", 4)])
+def test_calculator_and_byte_formula_accept_the_same_group_sizes(preset, group_size, dtype, bits):
+    """The calculator used to accept any group dividing 2 * n_kv_heads * head_dim (e.g. 256 for Llama-3-8B)
+    that quantized_kv_cache_bytes rejects; both now use one check and one formula."""
+    p = PRESETS[preset]
+
+    def formula():
+        return kvmath.quantized_kv_cache_bytes(p.n_layers, p.n_kv_heads, p.head_dim, 1000, 2, bits=bits,
+                                               group_size=group_size)
+
+    def calc():
+        return kvmath.calculator(preset, 1000, 2, dtype=dtype, group_size=group_size)["kv_bytes"]
+
+    if p.head_dim % group_size:
+        for fn in (formula, calc):
+            with pytest.raises(ValueError, match=rf"group_size \({group_size}\) must divide head_dim \(128\)"):
+                fn()
+    else:
+        assert calc() == formula()
+
+
+def test_calculator_mla_groups_run_along_the_latent():
+    with pytest.raises(ValueError, match=r"group_size \(128\) must divide the MLA latent row .* \(576\)"):
+        kvmath.calculator("DeepSeek-V2", 10, dtype="int4", group_size=128)
+    assert kvmath.calculator("DeepSeek-V2", 10, dtype="int4", group_size=64)["kv_bytes"] == 60 * 576 * 10 // 2 + 60 * 576 * 10 // 64 * 4
+
+
+# --- property-based ---------------------------------------------------------------------------------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_SETTINGS = settings(max_examples=30, deadline=None)
+_POS = st.integers(1, 512)
+
+
+@_SETTINGS
+@given(n_layers=_POS, n_kv_heads=st.integers(1, 64), head_dim=_POS, seq_len=st.integers(1, 10 ** 6),
+       batch=st.integers(1, 64), dtype_bytes=st.sampled_from(sorted(set(kvmath.DTYPE_BYTES.values()))),
+       k=st.integers(1, 9))
+def test_property_kv_cache_bytes_is_linear_in_seq_len_and_batch(n_layers, n_kv_heads, head_dim, seq_len, batch,
+                                                                dtype_bytes, k):
+    base = kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
+    assert kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, k * seq_len, batch, dtype_bytes) == k * base
+    assert kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, k * batch, dtype_bytes) == k * base
+    per_token = kvmath.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype_bytes)
+    assert base == per_token * seq_len * batch
+    assert kvmath.mlkv_cache_bytes(n_layers, 1, n_kv_heads, head_dim, seq_len, batch, dtype_bytes) == base
+
+
+@_SETTINGS
+@given(n_layers=st.integers(1, 100), n_kv_heads=st.integers(1, 16), groups_per_head=st.integers(1, 8),
+       group_size=st.sampled_from([8, 16, 32, 64]), seq_len=st.integers(1, 4096), bits=st.sampled_from([2, 4, 8]),
+       zero_point=st.booleans())
+def test_property_quantized_bytes_are_data_plus_metadata(n_layers, n_kv_heads, groups_per_head, group_size, seq_len,
+                                                         bits, zero_point):
+    head_dim = group_size * groups_per_head
+    elements = kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, dtype_bytes=1)
+    q = kvmath.quantized_kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, bits=bits, group_size=group_size,
+                                        zero_point=zero_point)
+    assert q == elements * bits / 8 + elements // group_size * 2 * (2 if zero_point else 1)
+    assert q < elements * 2                      # always smaller than the fp16 cache
+
+
+_BAD_INT = st.one_of(st.just(NAN), st.just(INF), st.just(-INF), st.integers(-100, 0), st.booleans(),
+                     st.floats(0.1, 100).filter(lambda x: not x.is_integer()), st.text(max_size=2), st.none())
+
+
+@_SETTINGS
+@given(name=st.sampled_from(["n_layers", "n_kv_heads", "head_dim", "seq_len", "batch"]), bad=_BAD_INT)
+def test_property_bad_sizes_are_refused_naming_them(name, bad):
+    args = dict(n_layers=2, n_kv_heads=2, head_dim=4, seq_len=5, batch=1)
+    args[name] = bad
+    with pytest.raises(ValueError, match=name):
+        kvmath.kv_cache_bytes(**args)
+    with pytest.raises(ValueError, match=name):
+        kvmath.quantized_kv_cache_bytes(**args, group_size=2)
+
+
+_BAD_NUMBER = st.one_of(st.just(NAN), st.just(INF), st.just(-INF), st.floats(-1e12, 0.0), st.booleans(),
+                        st.text(max_size=2), st.none())
+
+
+@_SETTINGS
+@given(which=st.sampled_from(["weight_bytes", "kv_bytes_per_token", "hbm_bytes_per_s"]), bad=_BAD_NUMBER)
+def test_property_bad_numbers_are_refused_naming_them(which, bad):
+    args = dict(weight_bytes=16e9, kv_bytes_per_token=131072, hbm_bytes_per_s=3.35e12)
+    args[which] = bad
+    with pytest.raises(ValueError, match=which):
+        kvmath.tokens_per_s_ceiling(args["weight_bytes"], args["kv_bytes_per_token"], 1024, args["hbm_bytes_per_s"])
+    if which != "hbm_bytes_per_s":
+        with pytest.raises(ValueError, match=which):
+            kvmath.kv_equals_weights_context(args["weight_bytes"], args["kv_bytes_per_token"])
+
+
+@_SETTINGS
+@given(name=st.text(min_size=1, max_size=12).filter(lambda s: s not in PRESETS))
+def test_property_unknown_presets_are_a_value_error(name):
+    with pytest.raises(ValueError, match="unknown preset"):
+        kvmath.calculator(name, 10)

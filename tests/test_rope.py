@@ -375,3 +375,101 @@ def test_exercise_checks_never_print_the_answer(monkeypatch, capsys):
     gen = torch.Generator().manual_seed(23)
     base, factor, head_dim = ex._ntk_inputs(gen)
     assert repr(ntk_right(base, factor, head_dim)) not in out and f"{ntk_right(base, factor, head_dim):.4g}" not in out
+
+
+# ------------------------------------------------------------------ every public function checks its inputs
+# Each of these used to raise ZeroDivisionError/RuntimeError/AttributeError, or return NaN, inf or a
+# silently wrong table. Now: ValueError naming the argument.
+NAN, INF = float("nan"), float("inf")
+BAD_CALLS = [
+    (lambda: rope.rope_frequencies(2, method="dynamic", factor=2.0, max_position=8), "rotary dimension > 2"),
+    (lambda: rope.dynamic_frequencies(2, 1e4, 2.0, 8, None), "rotary dimension > 2"),
+    (lambda: rope.default_frequencies(0, 1e4), r"dim \(the rotary dimension\) must be an even int >= 2"),
+    (lambda: rope.default_frequencies(7, 1e4), r"dim \(the rotary dimension\) must be an even int >= 2"),
+    (lambda: rope.default_frequencies(8, NAN), "base must be a finite number"),
+    (lambda: rope.linear_frequencies(8, 1e4, 0), "factor must be >= 1"),
+    (lambda: rope.ntk_base(1e4, NAN, 8), "factor must be a finite number"),
+    (lambda: rope.yarn_attention_scaling(NAN), "factor must be a finite number"),
+    (lambda: rope.yarn_attention_scaling(4.0, NAN, 1.0), "mscale must be a finite number"),
+    (lambda: rope.yarn_attention_scaling(math.e, 1.0, -10.0), "mscale_all_dim=-10.0 makes .* zero"),
+    (lambda: rope.yarn_correction_range(8, 1.0, 64, 32, 1), "base must be > 1"),
+    (lambda: rope.yarn_correction_range(8, 1e4, 64, 0, 1), "beta_fast must be > 0"),
+    (lambda: rope.yarn_correction_range(8, 1e4, 64, 32, 1, truncate="yes"), "truncate must be a bool"),
+    (lambda: rope.yarn_frequencies(8, 1e4, 4.0, 64, attention_factor=INF), "attention_factor must be a finite"),
+    (lambda: rope.llama3_frequencies(8, 1e4, 8.0, 64, 2.0, 2.0), r"high_freq_factor \(2\) must be > low_freq"),
+    (lambda: rope.rope_cos_sin(torch.ones(4), -3), "positions must be a non-negative int"),
+    (lambda: rope.rope_cos_sin(torch.ones(4), 3, NAN), "attention_scaling must be a finite number"),
+    (lambda: rope.rope_cos_sin(torch.ones(4), 3, 1.0, torch.int32), "dtype must be a floating-point"),
+    (lambda: rope.rope_cos_sin(torch.tensor([1.0, NAN]), 3), "inv_freq must hold finite positive"),
+    (lambda: rope.rope_cos_sin(torch.ones(4, dtype=torch.int64), 3), "inv_freq must be a floating-point"),
+    (lambda: rope.rotate_half(torch.arange(5.0)), "last dimension of x must be even"),
+    (lambda: rope.rotate_half([1.0, 2.0]), "x must be a tensor"),
+    (lambda: rope.wavelengths(torch.zeros(2)), "inv_freq must hold finite positive"),
+    (lambda: rope.wavelengths([1.0]), "inv_freq must be a 1-D tensor"),
+    (lambda: rope.max_angles([1.0], 4, 8), "inv_freq must be a 1-D tensor"),
+]
+
+
+@pytest.mark.parametrize("call,match", BAD_CALLS, ids=[m[:40] for _, m in BAD_CALLS])
+def test_public_functions_raise_value_error_naming_the_argument(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_reference_rejects_negative_positions_and_zero_head_dim():
+    """``cos[positions]`` used to wrap -1 to the last row of the table, and D = 0 passed silently."""
+    q, k = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 3, 8)
+    cos, sin = torch.randn(6, 8), torch.randn(6, 8)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 6\) .* got values in \[-1, 1\]"):
+        rope.apply_rope_ref(q, k, cos, sin, torch.tensor([-1, 0, 1]))
+    with pytest.raises(ValueError, match="head dim D of q and k must be even and positive"):
+        rope.apply_rope_ref(q[..., :0], k[..., :0], cos[:, :0], sin[:, :0])
+
+
+# ------------------------------------------------------------------ property-based
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_SETTINGS = settings(max_examples=25, deadline=None)
+_BAD_NUMBERS = st.one_of(st.just(NAN), st.just(INF), st.just(-INF), st.floats(-1e6, 1.0), st.booleans(),
+                         st.text(max_size=2), st.none())
+
+
+@_SETTINGS
+@given(half=st.integers(1, 64), base=st.floats(1.5, 1e6), factor=st.floats(1.0, 64.0))
+def test_property_method_identities(half, base, factor):
+    dim = 2 * half
+    default, scale = rope.default_frequencies(dim, base)
+    assert scale == 1.0 and default.shape == (half,) and torch.isfinite(default).all()
+    assert bool((default[1:] < default[:-1]).all()) or half == 1 or base < 2     # a ladder of slower pairs
+    linear, _ = rope.linear_frequencies(dim, base, factor)
+    torch.testing.assert_close(linear, default / factor)
+    if dim > 2:
+        ntk, _ = rope.ntk_frequencies(dim, base, factor)
+        assert ntk[0] == default[0]                                            # pair 0 is never slowed
+        torch.testing.assert_close(ntk[-1], default[-1] / factor, rtol=1e-4, atol=0)
+
+
+@_SETTINGS
+@given(name=st.sampled_from(["dim", "base", "factor"]), bad=_BAD_NUMBERS)
+def test_property_bad_numbers_are_refused(name, bad):
+    args = dict(dim=16, base=1e4, factor=2.0)
+    args[name] = bad
+    if name == "base" and isinstance(bad, float) and bad > 1:
+        return  # a valid base
+    if name == "factor" and isinstance(bad, float) and bad >= 1:
+        return
+    with pytest.raises(ValueError, match=f"{name}"):
+        rope.linear_frequencies(args["dim"], args["base"], args["factor"])
+    with pytest.raises(ValueError, match=f"{name}"):
+        rope.ntk_frequencies(args["dim"], args["base"], args["factor"])
+
+
+@_SETTINGS
+@given(bad=_BAD_NUMBERS, which=st.sampled_from(["beta_fast", "beta_slow", "original_max_position"]))
+def test_property_yarn_range_refuses_bad_arguments(bad, which):
+    args = dict(dim=16, base=1e4, original_max_position=64, beta_fast=32, beta_slow=1)
+    args[which] = bad
+    if which != "original_max_position" and isinstance(bad, float) and bad > 0 and math.isfinite(bad):
+        return
+    with pytest.raises(ValueError, match=which):
+        rope.yarn_correction_range(**args)

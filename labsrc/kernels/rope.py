@@ -27,7 +27,7 @@ import torch
 
 import labsrc  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 from labsrc import runtime
-from labsrc.rope import apply_rope_ref
+from labsrc.rope import apply_rope_ref, check_rope_inputs
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -75,56 +75,50 @@ def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
         tl.store(o_ptrs + HALF, y2.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_tensor(name: str, x) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
+# Triton's launch limits: one program per token on grid axis 0 (at most 2^31 - 1 programs), and a tile of
+# BLOCK_D = next_power_of_2(D / 2) columns, which may not exceed Triton's largest tensor (2^20 elements).
+_MAX_GRID_AXIS_0 = 2 ** 31 - 1
+_MAX_BLOCK = tl.TRITON_MAX_TENSOR_NUMEL
 
 
 def _check_args(q, k, cos, sin, positions, out_q, out_k, check_positions):
-    for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        _check_tensor(name, x)
-    if q.dim() != 4:
-        raise ValueError(f"q must be 4-D (B, Hq, T, D), got shape {tuple(q.shape)}")
-    if k.dim() != 4:
-        raise ValueError(f"k must be 4-D (B, Hkv, T, D), got shape {tuple(k.shape)}")
+    """What the kernel needs beyond the reference's checks (:func:`labsrc.rope.check_rope_inputs`): its
+    dtypes, launchable sizes, one device, and output buffers it can write."""
+    check_rope_inputs(q, k, cos, sin, positions, check_positions)
     B, _, T, D = q.shape
-    if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
-        raise ValueError(f"k {tuple(k.shape)} must share B, T and D with q {tuple(q.shape)} (heads may differ)")
-    if D % 2:
-        raise ValueError(f"the head dim D of q and k must be even (pairs i and i + D/2 rotate together), got {D}")
     if q.dtype not in _DTYPES:
         raise TypeError(f"q must be float32, float16 or bfloat16, got {q.dtype}")
-    if k.dtype != q.dtype:
-        raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}; they must match")
     for name, table in (("cos", cos), ("sin", sin)):
-        if table.dim() != 2 or table.shape[1] != D:
-            raise ValueError(f"{name} must be a table (max_pos, D={D}), got shape {tuple(table.shape)}")
         if table.dtype not in _DTYPES:
             raise TypeError(f"{name} must be float32, float16 or bfloat16, got {table.dtype}")
-        if table.stride(1) != 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {table.stride()}")
-    if sin.shape != cos.shape:
-        raise ValueError(f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} must have the same shape")
-    if sin.dtype != cos.dtype:
-        raise TypeError(f"sin has dtype {sin.dtype} but cos has {cos.dtype}; they must match")
-    for name, x in (("q", q), ("k", k)):
-        if x.stride(3) != 1 and x.shape[3] > 1:
-            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
+    if B * T > _MAX_GRID_AXIS_0:
+        raise ValueError(f"q has B * T = {B * T} tokens but one launch handles at most {_MAX_GRID_AXIS_0} "
+                         f"(one program per token on Triton's grid axis 0); rotate in chunks")
+    if triton.next_power_of_2(D // 2) > _MAX_BLOCK:
+        raise ValueError(f"the head dim D = {D} of q and k is too large for the kernel: a tile of "
+                         f"next_power_of_2(D/2) = {triton.next_power_of_2(D // 2)} columns exceeds Triton's "
+                         f"limit of {_MAX_BLOCK} elements")
 
     device = q.device
     tensors = [("k", k), ("cos", cos), ("sin", sin)]
     if positions is not None:
-        tensors.append(("positions", _check_tensor("positions", positions)))
+        tensors.append(("positions", positions))
     for name, expected, out in (("out_q", q, out_q), ("out_k", k, out_k)):
         if out is None:
             continue
-        _check_tensor(name, out)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
         if out.shape != expected.shape or out.dtype != expected.dtype:
             raise ValueError(f"{name} must have the shape {tuple(expected.shape)} and dtype {expected.dtype} of "
                              f"{name[4:]}, got {tuple(out.shape)} {out.dtype}")
+        # An output is written in place, so it cannot be copied into a better layout: refuse what the kernel
+        # cannot write, a last dimension with a stride (it addresses columns as base + d) or elements that
+        # share memory (an expand()-ed view: two programs would race on one address).
         if out.stride(3) != 1 and out.shape[3] > 1:
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {out.stride()}")
+        if out.numel() and any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
+            raise ValueError(f"{name} must not be an expanded view (a stride of 0 makes elements share memory), "
+                             f"got strides {out.stride()} for shape {tuple(out.shape)}")
         tensors.append((name, out))
     for name, x in tensors:
         if x.device != device:
@@ -133,21 +127,12 @@ def _check_args(q, k, cos, sin, positions, out_q, out_k, check_positions):
         raise ValueError(f"tensors are on {device}; compiled Triton kernels need CUDA tensors "
                          f"(without a GPU, import labsrc first so that the interpreter is used)")
 
-    if positions is not None:
-        if positions.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
-        if positions.shape not in ((T,), (B, T)):
-            raise ValueError(f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}), "
-                             f"got {tuple(positions.shape)}")
-        if check_positions and positions.numel():
-            # A host sync, but an out-of-table index would read garbage memory silently.
-            low, high = int(positions.min()), int(positions.max())
-            if low < 0 or high >= cos.shape[0]:
-                raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the rows of the cos/sin tables), "
-                                 f"got values in [{low}, {high}]")
-    elif T > cos.shape[0]:
-        raise ValueError(f"the cos/sin tables have {cos.shape[0]} rows but the default positions arange(T) "
-                         f"need T = {T}")
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself when its last dimension is dense (the kernel reads columns at base + d and takes every
+    other stride as an argument), else a contiguous copy: a sliced, transposed or expanded last dimension
+    would otherwise be read as if it were dense, i.e. the wrong elements."""
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
 
 
 def _launch(x, out, positions, cos, sin):
@@ -155,6 +140,9 @@ def _launch(x, out, positions, cos, sin):
     half = D // 2
     block_d = triton.next_power_of_2(half)
     block_h = max(1, min(triton.next_power_of_2(H), _TILE_ELEMENTS // block_d))
+    # positions are read through their strides (a stride of 0 for the batch axis of a (T,) tensor), so a
+    # sliced, transposed or expand()-ed positions tensor needs no copy; its int32/int64 values are widened
+    # to int64 in the kernel.
     stride_pb, stride_pt = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
     _rope_kernel[(B * T,)](
         x, out, positions, cos, sin, T, H,
@@ -171,14 +159,17 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     """Rotate queries and keys by their positions (Triton); equal to :func:`apply_rope_ref`.
 
     Args:
-        q: queries ``(B, Hq, T, D)``, float32/float16/bfloat16, last dimension contiguous (other strides are
-            free, so a ``(B, T, H, D)`` tensor transposed to ``(B, H, T, D)`` works without a copy).
+        q: queries ``(B, Hq, T, D)``, float32/float16/bfloat16, ``D`` even and positive. Any strides: a
+            ``(B, T, H, D)`` tensor transposed to ``(B, H, T, D)`` is read without a copy; a last dimension
+            that is not dense (sliced, transposed, expanded) is copied first.
         k: keys ``(B, Hkv, T, D)``, same dtype, ``B``, ``T``, ``D`` as ``q``; ``Hkv`` may differ (GQA).
-        cos, sin: tables ``(max_pos, D)`` from :func:`labsrc.rope.rope_cos_sin` (any float dtype).
+        cos, sin: tables ``(max_pos, D)`` from :func:`labsrc.rope.rope_cos_sin` (float32/float16/bfloat16);
+            any strides (a table whose rows are not dense is copied first).
         positions: int32/int64 ``(T,)`` or ``(B, T)``: the table row of each token; ``arange(T)`` by default.
             Checked to lie inside the table unless ``check_positions=False``.
         out_q, out_k: optional output buffers of the shape and dtype of ``q``/``k``; ``out_q=q`` rotates in
-            place. By default new tensors are returned and the inputs are left untouched.
+            place. By default new tensors are returned and the inputs are left untouched. Written in place,
+            so they need a dense last dimension and no expanded (stride 0) axis.
         check_positions: check that every position indexes a row of the tables. The check costs a
             device-to-host sync per call; an engine that computes positions itself may switch it off (an
             out-of-range position then reads memory outside the table).
@@ -187,8 +178,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         ``(q_rotated, k_rotated)`` in the dtype of ``q``, computed in float32: new contiguous tensors, or
         ``out_q``/``out_k`` when given.
 
-    Raises ``TypeError`` for wrong types or dtypes and ``ValueError`` for wrong shapes, devices, strides or
-    positions outside the table, naming the argument.
+    Raises ``TypeError`` for wrong types or dtypes and ``ValueError`` for wrong shapes (an odd or zero
+    ``D`` included), devices, output strides, positions outside the table, or sizes Triton cannot launch
+    (more than 2^31 - 1 tokens, a ``D/2`` tile above 2^20 elements), naming the argument.
     """
     _check_args(q, k, cos, sin, positions, out_q, out_k, check_positions)
     B, _, T, _ = q.shape
@@ -198,6 +190,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     out_k = torch.empty_like(k, memory_format=torch.contiguous_format) if out_k is None else out_k
     if B * T == 0:
         return out_q, out_k
+    # Inputs are only read, so a view the kernel cannot address is copied (q and k keep any other strides).
+    # A copy made here also keeps an in-place call (out_q=q) correct: the kernel reads the copy, writes q.
+    q, k, cos, sin = (_unit_last_stride(x) for x in (q, k, cos, sin))
     for x, out in ((q, out_q), (k, out_k)):
         if x.shape[1]:
             _launch(x, out, positions, cos, sin)
