@@ -442,12 +442,24 @@ class TokenStats:
         over N keys; ``values`` ``(N, d)``. Useful to run the policies offline on recorded attention.
         ``threshold`` is LRU's: None means "above uniform" (1 / number of keys the query could see).
         """
+        for name, x in (("attn", attn), ("values", values)):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if attn.dim() != 3 or values.dim() != 2 or attn.shape[-1] != values.shape[0]:
             raise ValueError(f"attn must be (G, T, N) and values (N, d) with the same N, got "
                              f"{tuple(attn.shape)} and {tuple(values.shape)}")
         g, t, n = attn.shape
+        if t == 0 or n == 0:
+            raise ValueError(f"attn must hold at least one query and one key, got shape {tuple(attn.shape)}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be None or a positive int, got {window!r}")
+        if threshold is not None:
+            threshold = _check_real("threshold", threshold, minimum=0)
         if positions is None:
             positions = torch.arange(n)
+        elif not isinstance(positions, torch.Tensor) or positions.shape != (n,) or positions.is_floating_point():
+            raise ValueError(f"positions must be an integer tensor of shape ({n},), got "
+                             f"{getattr(positions, 'shape', type(positions).__name__)}")
         qpos = positions[-1] - t + 1 + torch.arange(t)
         a = attn.float()
         acc = a.sum((0, 1))
@@ -753,6 +765,8 @@ class PagedEvictionPool:
 
     def page_scores(self, seq_id, token_scores: torch.Tensor) -> torch.Tensor:
         """Mean token score of each page; ``token_scores`` is indexed by position (length = tokens appended)."""
+        if not isinstance(token_scores, torch.Tensor):
+            raise ValueError(f"token_scores must be a torch.Tensor, got {type(token_scores).__name__}")
         if token_scores.dim() != 1 or token_scores.numel() != self.lengths.get(seq_id, 0):
             raise ValueError(f"token_scores must be 1-D with one score per appended token "
                              f"({self.lengths.get(seq_id, 0)}), got shape {tuple(token_scores.shape)}")

@@ -681,3 +681,29 @@ def test_systematic_indices_tiny_u_keeps_exactly_k():
     for u in (4.3678048689438146e-249, 1e-300, 5e-324):
         assert ev.systematic_indices(torch.tensor([0.5, 0.5]), u).tolist() == [0]
         assert ev.systematic_indices(torch.tensor([0.25, 1.0, 0.75, 0.0, 1.0]), u).numel() == 3
+
+
+def test_page_scores_refuses_a_non_tensor():
+    pool = ev.PagedEvictionPool(num_pages=4, page_size=4)
+    pool.append("a", 5)
+    with pytest.raises(ValueError, match="token_scores must be a torch.Tensor"):
+        pool.page_scores("a", [0.0] * 5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(window=0), "window must be None or a positive int"),
+    (dict(window=2.5), "window must be None or a positive int"),
+    (dict(window=True), "window must be None or a positive int"),
+    (dict(threshold=float("nan")), "threshold must be a finite number"),
+    (dict(threshold=-0.1), "threshold must be non-negative"),
+    (dict(positions=torch.arange(3.0)), r"positions must be an integer tensor of shape \(4,\)"),
+    (dict(positions=torch.arange(5)), r"positions must be an integer tensor of shape \(4,\)"),
+])
+def test_token_stats_from_attention_checks_its_arguments(kwargs, message):
+    attn = torch.softmax(torch.randn(2, 3, 4, generator=gen(0)), -1)
+    with pytest.raises(ValueError, match=message):
+        ev.TokenStats.from_attention(attn, torch.ones(4, 2), **kwargs)
+    with pytest.raises(ValueError, match="attn must be a torch.Tensor"):
+        ev.TokenStats.from_attention(attn.tolist(), torch.ones(4, 2))
+    with pytest.raises(ValueError, match="at least one query and one key"):
+        ev.TokenStats.from_attention(torch.ones(2, 0, 4), torch.ones(4, 2))
