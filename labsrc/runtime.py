@@ -13,6 +13,7 @@ Every size a notebook uses comes from :func:`sizes`, never from constants scatte
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import random
@@ -29,7 +30,18 @@ if not HAS_CUDA and "triton" not in sys.modules:
     # Must happen before the first `import triton`; a user who sets it to 0 on purpose keeps 0.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def _triton_installed() -> bool:
+    """Whether ``import triton`` can work here, without importing it (that is the kernel modules' job)."""
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a broken install, or ``sys.modules["triton"] = None``
+        return False
+
+
+HAS_TRITON: bool = _triton_installed()
+"""False where Triton is not installed (it has Linux wheels only): every kernel then runs its PyTorch reference."""
+
+INTERPRETED: bool = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 """True when Triton kernels run in the interpreter (on the CPU) rather than compiled for a GPU."""
 
 DEVICE: torch.device = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -169,12 +181,18 @@ def device_name() -> str:
     return f"CPU ({platform.machine()}, {os.cpu_count()} cores)"
 
 
+KERNEL_MODE: str = ("PyTorch references (Triton unavailable)" if not HAS_TRITON else
+                    "Triton, interpreted on the CPU (TRITON_INTERPRET=1)" if INTERPRETED else
+                    "Triton, compiled for the GPU")
+"""How the lab's kernels run here, in words: the runtime stamp's ``kernels`` line."""
+
+
 def stamp(file=None) -> dict:
     """Print (and return) what produced a notebook's numbers: device, profile, kernel mode, versions."""
     info = {
         "device": device_name(),
         "profile": PROFILE,
-        "triton kernels": "interpreted on the CPU (TRITON_INTERPRET=1)" if INTERPRETED else "compiled for the GPU",
+        "kernels": KERNEL_MODE,
         "torch threads": torch.get_num_threads(),
         "python": platform.python_version(),
         "torch": torch.__version__,

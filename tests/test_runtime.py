@@ -60,10 +60,10 @@ def test_seed_everything_makes_runs_repeat():
 def test_stamp_names_device_profile_kernels_and_versions(capsys):
     info = labsrc.stamp()
     printed = capsys.readouterr().out
-    for key in ("device", "profile", "triton kernels", "torch threads", "torch", "triton", "transformers"):
+    for key in ("device", "profile", "kernels", "torch threads", "torch", "triton", "transformers"):
         assert key in info and key in printed
     assert info["torch"] == torch.__version__
-    assert ("interpreted" in info["triton kernels"]) == runtime.INTERPRETED
+    assert ("interpreted" in info["kernels"]) == runtime.INTERPRETED
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the thread setting is for the CPU profile")

@@ -13,12 +13,10 @@ interpreter too).
 """
 from __future__ import annotations
 
-import labsrc  # noqa: F401  (must come before triton: sets TRITON_INTERPRET on CPU-only machines)
-from labsrc import runtime
-
 import torch
-import triton
-import triton.language as tl
+
+from labsrc import runtime
+from labsrc.kernels._triton import HAS_TRITON, tl, triton
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SLOT_DTYPES = (torch.int32, torch.int64)
@@ -114,7 +112,7 @@ def _check_placement(k_cache, v_cache, k_new, v_new, slots) -> None:
     for name, t in named.items():
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but k_cache is on {device}; put all tensors on one device")
-    if device.type != "cuda" and not runtime.INTERPRETED:
+    if HAS_TRITON and device.type != "cuda" and not runtime.INTERPRETED:
         raise ValueError(f"tensors are on {device}; compiled Triton kernels need CUDA tensors "
                          "(or run with TRITON_INTERPRET=1)")
     for name in ("k_cache", "v_cache"):
@@ -154,6 +152,8 @@ def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
     k_new, v_new, slots = k_new.contiguous(), v_new.contiguous(), slots.contiguous()
     if validate_slots:
         _check_slots(slots, k_cache.shape[0])
+    if not HAS_TRITON:  # no Triton on this machine (it has Linux wheels only): the reference does the copy
+        return kv_store_ref(k_cache, v_cache, k_new, v_new, slots)
     if n_rows == 0:
         return k_cache, v_cache
     block = _BLOCK_INTERPRETER if runtime.INTERPRETED else _BLOCK_GPU

@@ -46,14 +46,12 @@ from __future__ import annotations
 import math
 import numbers
 
-import labsrc  # noqa: F401  (must come before triton: sets TRITON_INTERPRET on CPU-only machines)
 from labsrc import runtime
+from labsrc.kernels._triton import HAS_TRITON, tl, triton
 from labsrc.kvquant import (SUPPORTED_BITS, ChannelStats, QuantizedTensor, _check_bits, _check_group_size,
                             quantize)
 
 import torch
-import triton
-import triton.language as tl
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DECODE_BITS = (4, 8)
@@ -216,6 +214,8 @@ def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
     _check_grid(f"x of shape {tuple(x.shape)} with group_size {group_size} (rows x groups)", n * n_groups,
                 MAX_GRID_0)
     _check_row("x", t, d)
+    if not HAS_TRITON:  # no Triton on this machine (it has Linux wheels only): the reference quantizes
+        return quantize_pack_ref(x, bits, group_size, stats)
     mean, std = _stats_rows(stats, lead, d, x.device)
     if stats is not None:
         # Use exactly the fp16-rounded statistics that are stored (ChannelStats keeps them in fp16).
@@ -313,6 +313,8 @@ def dequantize_unpack(qt: QuantizedTensor, out_dtype: torch.dtype | None = None)
     n_blocks = triton.cdiv(t, block_t)
     _check_grid(f"qt of shape {tuple(qt.shape)} (rows x token blocks)", n * n_blocks, MAX_GRID_0)
     _check_row("qt", t, d)
+    if not HAS_TRITON:  # no Triton on this machine: the reference dequantizes
+        return dequantize_unpack_ref(qt, out_dtype)
     mean, std = _stats_rows(qt.stats, lead, d, device)
     packed, scale, zero = _buffers(qt)
     out = torch.empty(*lead, t, d, dtype=out_dtype, device=device)
@@ -506,6 +508,8 @@ def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTens
     _check_row("k", t, d)
     if b == 0:
         return torch.zeros(0, hq, d, dtype=q.dtype, device=q.device)
+    if not HAS_TRITON:  # no Triton on this machine: the reference attends over the dequantized cache
+        return decode_attention_quant_ref(q, k, v, lens, sm_scale)
     per_split = triton.cdiv(triton.cdiv(t, num_splits), _DECODE_BLOCK_T) * _DECODE_BLOCK_T
     (kp, ks, kz), (vp, vs, vz) = _buffers(k), _buffers(v)
     _, kstd = _stats_rows(k.stats, (b, hkv), d, q.device)

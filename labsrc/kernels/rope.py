@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import torch
 
-import labsrc  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 from labsrc import runtime
+from labsrc.kernels._triton import HAS_TRITON, tl, triton
 from labsrc.rope import apply_rope_ref, check_rope_inputs
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 __all__ = ["apply_rope", "apply_rope_ref"]
 
@@ -123,7 +120,7 @@ def _check_args(q, k, cos, sin, positions, out_q, out_k, check_positions):
     for name, x in tensors:
         if x.device != device:
             raise ValueError(f"{name} is on {x.device} but q is on {device}; put all tensors on one device")
-    if device.type != "cuda" and not runtime.INTERPRETED:
+    if HAS_TRITON and device.type != "cuda" and not runtime.INTERPRETED:
         raise ValueError(f"tensors are on {device}; compiled Triton kernels need CUDA tensors "
                          f"(without a GPU, import labsrc first so that the interpreter is used)")
 
@@ -188,6 +185,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         positions = torch.arange(T, device=q.device)
     out_q = torch.empty_like(q, memory_format=torch.contiguous_format) if out_q is None else out_q
     out_k = torch.empty_like(k, memory_format=torch.contiguous_format) if out_k is None else out_k
+    if not HAS_TRITON:  # no Triton on this machine (it has Linux wheels only): the reference rotates
+        ref_q, ref_k = apply_rope_ref(q, k, cos, sin, positions)
+        return out_q.copy_(ref_q), out_k.copy_(ref_k)
     if B * T == 0:
         return out_q, out_k
     # Inputs are only read, so a view the kernel cannot address is copied (q and k keep any other strides).

@@ -1,0 +1,74 @@
+"""Without Triton (macOS, Windows), the lab runs: every kernel wrapper validates and calls its reference."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHECKS = r'''
+import torch
+import labsrc
+from labsrc import runtime
+assert not runtime.HAS_TRITON and not runtime.INTERPRETED
+info = labsrc.stamp()
+assert info["kernels"] == "PyTorch references (Triton unavailable)", info
+
+from labsrc.kernels import kv_store as ks, rope as rk, kvquant as kq
+from labsrc import rope, kvquant
+g = torch.Generator().manual_seed(0)
+
+# kv_store: the cache is written in place, as by the kernel
+kc, vc = torch.zeros(9, 2, 6), torch.zeros(9, 2, 6)
+kn, vn = torch.randn(3, 2, 6, generator=g), torch.randn(3, 2, 6, generator=g)
+slots = torch.tensor([4, 0, 7])
+ks.kv_store(kc, vc, kn, vn, slots)
+assert torch.equal(kc[slots], kn) and torch.equal(vc[slots], vn) and kc[1].abs().sum() == 0
+try:
+    ks.kv_store(kc, vc, kn, vn, torch.tensor([4, 4, 7]))
+    raise AssertionError("repeated slots must still be refused")
+except ValueError as e:
+    assert "slots" in str(e)
+
+# apply_rope, with and without output buffers
+cos, sin = rope.rope_cos_sin(rope.default_frequencies(8, 10000.0)[0], torch.arange(64))
+q, k = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 5, 8, generator=g)
+got, want = rk.apply_rope(q, k, cos, sin), rope.apply_rope_ref(q, k, cos, sin)
+assert all(torch.equal(a, b) for a, b in zip(got, want))
+oq, ok = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
+rk.apply_rope(q, k, cos, sin, out_q=oq, out_k=ok)
+assert torch.equal(oq, want[0]) and torch.equal(ok, want[1])
+
+# the KV-quant kernels
+x = torch.randn(2, 3, 40, 16, generator=g)
+qt = kq.quantize_pack(x, bits=4, group_size=16)
+ref = kq.quantize_pack_ref(x, bits=4, group_size=16)
+assert torch.equal(qt.packed, ref.packed) and torch.equal(qt.scale, ref.scale)
+assert torch.equal(kq.dequantize_unpack(qt), kq.dequantize_unpack_ref(qt))
+qd = torch.randn(2, 6, 16, generator=g)
+lens = torch.tensor([40, 17])
+assert torch.equal(kq.decode_attention_quant(qd, qt, qt, lens), kq.decode_attention_quant_ref(qd, qt, qt, lens))
+print("no-triton checks passed")
+'''
+
+
+def test_every_kernel_falls_back_to_its_reference_without_triton():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "no_triton.py"), "-c", CHECKS], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "no-triton checks passed" in out.stdout
+    assert "Triton unavailable" in out.stdout, "the runtime stamp says how the kernels run"
+
+
+def test_the_stamp_names_the_kernel_mode():
+    import labsrc
+    from labsrc import runtime
+
+    info = labsrc.stamp(file=open(os.devnull, "w"))
+    assert info["kernels"] == runtime.KERNEL_MODE
+    assert info["kernels"].startswith("Triton, ") if runtime.HAS_TRITON else "unavailable" in info["kernels"]
