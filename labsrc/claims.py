@@ -141,7 +141,7 @@ class Estimate:
     def __str__(self) -> str:
         if self.n is None:
             return f"{self.value:.4g} (exact)"
-        return f"{self.value:.3g} (95% CI {self.lo:.3g}-{self.hi:.3g}, n = {self.n})"
+        return f"{self.value:.3g} (95% CI {self.lo:.3g} to {self.hi:.3g}, n = {self.n})"
 
 
 def compare(a: Estimate, b: Estimate) -> int:
@@ -201,6 +201,9 @@ def _validate(row: dict, where: str) -> dict:
             _text(name, row[name])
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
+    if not re.fullmatch(r"\d\d_[a-z0-9_]+", row["notebook"]):
+        raise ValueError(f"{where}: notebook must be the chapter's stem like '01_kv_cache' (the page links "
+                         f"/chapters/<stem>), got {row['notebook']!r}")
     if row["basis"] == "measured":
         n, interval = row.get("n"), row.get("interval")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -294,7 +297,7 @@ def _evidence(r: dict) -> str:
     if r["basis"] == "reading":
         return "reading of " + ", ".join(f"{{cite:p}}`{k}`" for k in r["cite"])
     lo, hi = r["interval"]
-    return f"measured, {r['profile']} profile, n = {r['n']}, 95% CI {lo:.3g}-{hi:.3g}"
+    return f"measured, {r['profile']} profile, n = {r['n']}, 95% CI {lo:.3g} to {hi:.3g}"
 
 
 def render_markdown(rows: list[dict]) -> str:

@@ -39,7 +39,7 @@ def test_record_load_and_render(ledger):
         assert f"### {{doc}}`/chapters/{chapter}`" in table, "rows are grouped under their chapter"
     assert "x \\| y" in table and "**wrong in the text**" in table
     assert "{ref}`10.1.2 <rope-probe>`" in table, "a row with an anchor links to the chapter's section"
-    assert "n = 20, 95% CI 0.0524-0.36" in table and "{cite:p}`liu2024kivi`" in table
+    assert "n = 20, 95% CI 0.0524 to 0.36" in table and "{cite:p}`liu2024kivi`" in table
 
 
 def test_empty_ledger_says_so(ledger):
@@ -59,10 +59,12 @@ def test_empty_ledger_says_so(ledger):
     (dict(basis="reading"), "cite"),
     (dict(verdict="misattributed"), "basis must be 'reading'"),
     (dict(anchor="Not A Label"), "anchor"),
+    (dict(notebook="chapters/01_kv_cache.ipynb"), "notebook must be the chapter's stem"),
     (dict(estimate=Estimate.exact(1.0), n=3), "either estimate"),
 ])
 def test_record_rejects_bad_rows(ledger, kwargs, message):
-    good = dict(claim_id="ok", claim="c", section="10.1", measured="m", verdict="reproduced", notebook="n", **EXACT)
+    good = dict(claim_id="ok", claim="c", section="10.1", measured="m", verdict="reproduced", notebook="01_kv",
+                **EXACT)
     good.update(kwargs)
     claim_id = good.pop("claim_id")
     with pytest.raises(ValueError, match=message):
@@ -72,12 +74,12 @@ def test_record_rejects_bad_rows(ledger, kwargs, message):
 
 def test_record_rejects_a_non_estimate(ledger):
     with pytest.raises(TypeError, match="estimate"):
-        claims.record("ok", claim="c", section="1", measured="m", verdict="reproduced", notebook="n",
+        claims.record("ok", claim="c", section="1", measured="m", verdict="reproduced", notebook="01_kv",
                       basis="measured", rule="r", estimate=(0.5, 0.1, 0.9))
 
 
 def test_load_names_the_file_of_a_bad_row(ledger):
-    claims.record("ok", claim="c", section="10.1", measured="m", verdict="reproduced", notebook="n", **EXACT)
+    claims.record("ok", claim="c", section="10.1", measured="m", verdict="reproduced", notebook="01_kv", **EXACT)
     (ledger / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"broken\.json: not a JSON claim row"):
         claims.load()
@@ -145,7 +147,7 @@ def test_estimate_mean_uses_student_t():
 
 
 def test_estimate_checks_itself_and_prints_its_evidence():
-    assert str(Estimate.accuracy(19, 20)) == "0.95 (95% CI 0.764-0.991, n = 20)"
+    assert str(Estimate.accuracy(19, 20)) == "0.95 (95% CI 0.764 to 0.991, n = 20)"
     assert str(Estimate.exact(320)) == "320 (exact)"
     with pytest.raises(ValueError, match="lo <= value <= hi"):
         Estimate(0.5, 0.6, 0.9, 10, "x")
