@@ -200,8 +200,9 @@ def try_playwright(root: Path, run: Run, which: Which, log: Callable[[str], None
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"`playwright install chromium` did not finish: {exc}"
     if done.returncode != 0:
-        tail = " ".join((done.stderr or done.stdout or "").split())[-300:]
-        return f"`playwright install chromium` failed (exit {done.returncode}): {tail}"
+        lines = [line.strip() for line in (done.stderr or done.stdout or "").splitlines() if line.strip()]
+        first = next((line for line in lines if line.startswith("Error")), lines[-1] if lines else "no output")
+        return f"`playwright install chromium` failed (exit {done.returncode}): {first[:300]}"
     return Browser("playwright")
 
 
