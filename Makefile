@@ -94,9 +94,12 @@ book: $(EXECUTED)
 	rm -rf $(HTML) && cp -r _build/jb/_build/html $(HTML)
 	@echo "The book is in $(HTML)/index.html"
 
+# The browser: Playwright's Chromium in the user's cache, else one already on the machine, else Debian's chromium
+# unpacked into _build/browser (no root, nothing installed; tools/browser_setup.py says which, and caches it).
+# The checks are pytest-playwright tests, one per page of the book (tools/browser_check.py).
 test-browser: setup
-	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
-	$(PY) tools/browser_check.py $(HTML)
+	$(PY) tools/browser_setup.py
+	BOOK_HTML=$(HTML) $(PYTEST) -q -p no:cacheprovider tools/browser_check.py
 
 # --- working with the notebooks ----------------------------------------------------------------------------
 lab: setup

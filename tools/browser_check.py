@@ -1,54 +1,56 @@
-"""Open the built book in a headless browser and check what a reader would see.
+"""Open the built book in a headless browser and check what a reader would see (pytest-playwright tests).
 
 Run by ``make test-browser`` after ``make book``::
 
-    python tools/browser_check.py _build/html [--screens _build/screens]
+    pytest -p no:cacheprovider tools/browser_check.py      # BOOK_HTML=_build/html BOOK_SCREENS=_build/screens
 
-It serves the HTML folder on 127.0.0.1 (a local ``http.server`` in a thread), drives Debian's Chromium through
-Playwright with no network, and checks every page of the book:
+The browser comes from ``tools/browser_setup.py`` (Playwright's Chromium, one on the machine, or Debian's
+unpacked into ``_build/browser``, without root); pytest-playwright launches it and hands each test a fresh
+``page``. The built HTML folder is served on 127.0.0.1 by a local ``http.server``; every request to any other
+host is refused (the book must work offline) and counts as a failure. Each page of the book is one test:
 
-* no JavaScript exception and no console error, except the environmental ones listed in
-  :func:`environmental` (each with its reason);
+* no JavaScript exception and no console error;
+* no request to a host other than the local server (a CDN script, font or stylesheet);
 * no failed or 4xx/5xx request to the local server: every asset the book links must be in the build;
 * on pages with maths, MathJax (served from the book itself) typeset it: ``mjx-container`` elements exist,
   and none holds a TeX error (``mjx-merror``);
+* no blank output: every cell output area shows text or a loaded image, and every widget view either
+  rendered or is not there (the book loads no widget JavaScript, so a widget output without a static
+  fallback, see ``tools/widget_cells.py``, stays an empty box and fails here);
 * on chapter 1, the figures in the code-cell outputs loaded (``naturalWidth > 0``), are more than a few KB
   and are not blank (more than a handful of distinct colours);
 
-and saves a full-page screenshot of each page to the screens folder. It exits non-zero, listing every problem,
-when a check fails.
+and a full-page screenshot of each page is saved in the screens folder (``_build/screens``).
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import http.server
-import shutil
+import os
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
-from playwright.sync_api import sync_playwright
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",  # the check runs as root in CI containers, where Chromium's sandbox cannot start
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+import browser_setup
+
+ROOT = browser_setup.ROOT
+HTML = Path(os.environ.get("BOOK_HTML", ROOT / "_build" / "html")).resolve()
+SCREENS = Path(os.environ.get("BOOK_SCREENS", HTML.parent / "screens")).resolve()
 # Pages that must exist; the figure checks apply to FIGURE_PAGE.
 REQUIRED_PAGES = ("book/preface.html", "chapters/01_kv_cache.html")
 FIGURE_PAGE = "chapters/01_kv_cache.html"
 MIN_FIGURE_BYTES = 3_000      # a real matplotlib PNG is tens of KB; an empty canvas compresses to ~1-2 KB
 MIN_FIGURE_COLOURS = 8        # a blank or single-colour image has 1-2 distinct colours
 TIMEOUT_MS = 30_000
+# The one console error not counted: pydata-sphinx-theme (under sphinx-book-theme) logs it on a reader's first
+# visit, when localStorage has no colour mode yet and the template's `default_mode` is empty; the page then
+# uses "auto", as intended. Each test opens a fresh browser context, so every page is a first visit. Setting
+# `html_context: {default_mode: auto}` in _config.yml's sphinx.config makes the theme stop logging it.
+THEME_FIRST_VISIT = ("Got invalid theme mode: . Resetting to auto.", "/_static/scripts/pydata-sphinx-theme.js")
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -66,32 +68,9 @@ class QuietServer(http.server.ThreadingHTTPServer):
             super().handle_error(request, client_address)
 
 
-def serve(folder: Path) -> tuple[http.server.ThreadingHTTPServer, str]:
-    """Start a static server for ``folder`` on a free port of 127.0.0.1; return it and its base URL."""
-    handler = functools.partial(QuietHandler, directory=str(folder))
-    server = QuietServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server, f"http://127.0.0.1:{server.server_address[1]}/"
-
-
 def is_local(url: str, base: str) -> bool:
-    """True for URLs the local server answers; data: and blob: URLs never touch the network."""
+    """True for URLs the local server answers; data:, blob: and about: URLs never touch the network."""
     return url.startswith(base) or urlsplit(url).scheme in ("data", "blob", "about")
-
-
-def environmental(message, base: str) -> str | None:
-    """Why a console error comes from the offline test environment rather than from the book, or None.
-
-    The only console errors we accept are the browser reporting a resource it could not load from *outside*
-    the local server: the check blocks every external request (the book must work offline), so a page that
-    references, e.g., a CDN font or the thebe/Binder runtime gets ``net::ERR_FAILED`` for it. Those resources
-    are optional in the book (nothing renders from them), and reporting them as book errors would make the
-    test depend on the network. Every other console error, including any failure of a local URL, counts.
-    """
-    url = (message.location or {}).get("url", "")
-    if message.text.startswith("Failed to load resource") and url and not is_local(url, base):
-        return f"external resource blocked by the offline test: {url}"
-    return None
 
 
 def find_pages(html: Path) -> list[str]:
@@ -103,6 +82,81 @@ def find_pages(html: Path) -> list[str]:
             if rel not in pages:
                 pages.append(rel)
     return pages
+
+
+# --- fixtures: pytest-playwright's, given the provisioned browser and an offline context --------------------
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args):
+    """Launch the browser ``browser_setup.provision`` found (cached by ``make test-browser``'s set-up step);
+    when there is none, every test fails with the reason of each way tried."""
+    try:
+        found = browser_setup.provision(ROOT)
+    except browser_setup.ProvisionError as exc:
+        pytest.fail(f"browser set-up failed: {exc}", pytrace=False)
+    return {**browser_type_launch_args, **found.launch_args()}
+
+
+@pytest.fixture(scope="session")
+def browser_context_args(browser_context_args):
+    return {**browser_context_args, "viewport": {"width": 1280, "height": 900}, "service_workers": "block"}
+
+
+@pytest.fixture(scope="session")
+def base_url():
+    """Serve the built book on a free port of 127.0.0.1 for the whole session; its URL ends with a slash."""
+    missing = [p for p in REQUIRED_PAGES if not (HTML / p).is_file()]
+    if missing:
+        pytest.fail(f"{HTML} lacks {missing}; build the book first (make book)", pytrace=False)
+    handler = functools.partial(QuietHandler, directory=str(HTML))
+    server = QuietServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+
+
+class Watch:
+    """What one page did: exceptions, console errors, failed local requests, and external requests (refused
+    by the route, never fetched)."""
+
+    def __init__(self, page, base: str):
+        self.base = base
+        self.problems: list[str] = []
+        self.external: list[str] = []
+        page.on("pageerror", lambda e: self.problems.append(f"JavaScript exception: {e}"))
+        page.on("console", self.console)
+        page.on("requestfailed", lambda r: self.problems.append(f"local request failed: {r.url} ({r.failure})")
+                if is_local(r.url, base) else None)
+        page.on("response", lambda r: self.problems.append(f"local request failed: {r.url} (HTTP {r.status})")
+                if r.status >= 400 and is_local(r.url, base) else None)
+        page.route("**/*", self.route)
+
+    def route(self, route):
+        if is_local(route.request.url, self.base):
+            route.continue_()
+        else:
+            self.external.append(route.request.url)
+            route.abort()
+
+    def console(self, message):
+        if message.type != "error":
+            return
+        url = (message.location or {}).get("url", "")
+        if message.text.startswith("Failed to load resource") and url and not is_local(url, self.base):
+            return  # the refused external request, reported once below as such
+        if message.text == THEME_FIRST_VISIT[0] and url.split("?")[0].endswith(THEME_FIRST_VISIT[1]):
+            return  # see THEME_FIRST_VISIT
+        self.problems.append(f"console error: {message.text} [{url}]")
+
+    def report(self) -> list[str]:
+        return self.problems + [f"request to a host other than the local server (the page needs the network): {u}"
+                                for u in dict.fromkeys(self.external)]
+
+
+def open_page(page, base: str, page_path: str) -> Watch:
+    watch = Watch(page, base)
+    page.goto(base + page_path, wait_until="load", timeout=TIMEOUT_MS)
+    page.wait_for_load_state("networkidle", timeout=TIMEOUT_MS)
+    return watch
 
 
 FIGURE_JS = """
@@ -140,25 +194,56 @@ async () => {
 }
 """
 
+# Blank outputs. A widget view is a <script type=...widget-view+json> that widget JavaScript would replace by
+# a rendered box (class jupyter-widgets); the book loads none, so an unrendered one is a blank area. Any other
+# output area must show something: text, or an image/canvas/svg/video with a size.
+BLANK_JS = """
+() => {
+  const visible = el => { const r = el.getBoundingClientRect(); return r.width > 0 && r.height > 0; };
+  const cellOf = el => {
+    const cell = el.closest('.cell');
+    const src = cell && cell.querySelector('.cell_input');
+    return src ? src.innerText.trim().split("\\n")[0].slice(0, 100) : '(no input shown)';
+  };
+  const out = [];
+  for (const s of document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]')) {
+    const view = s.parentElement.querySelector('.jupyter-widgets, .widget-subarea');
+    if (!view || !visible(view)) out.push({kind: 'widget view not rendered', cell: cellOf(s)});
+  }
+  for (const area of document.querySelectorAll('.cell_output')) {
+    if (area.querySelector('script[type="application/vnd.jupyter.widget-view+json"]')) continue;  // above
+    const media = Array.from(area.querySelectorAll('img, canvas, svg, video, iframe')).some(visible);
+    if (!visible(area) || !(area.innerText.trim() || media)) out.push({kind: 'blank output', cell: cellOf(area)});
+  }
+  return out;
+}
+"""
 
-def check_page(context, base: str, page_path: str, screens: Path, problems: list[str], notes: list[str]) -> None:
-    """Open one page, run the checks that apply to it, save its screenshot; append failures to ``problems``."""
-    page = context.new_page()
-    console_errors, local_failures = [], []
-    page.on("console", lambda m: console_errors.append(m) if m.type == "error" else None)
-    page.on("pageerror", lambda e: problems.append(f"{page_path}: JavaScript exception: {e}"))
-    page.on("requestfailed", lambda r: local_failures.append(f"{r.url} ({r.failure})") if is_local(r.url, base) else None)
-    page.on("response", lambda r: local_failures.append(f"{r.url} (HTTP {r.status})")
-            if r.status >= 400 and is_local(r.url, base) else None)
 
-    page.goto(base + page_path, wait_until="load", timeout=TIMEOUT_MS)
-    page.wait_for_load_state("networkidle", timeout=TIMEOUT_MS)
+def pytest_generate_tests(metafunc):
+    if "page_path" in metafunc.fixturenames:
+        metafunc.parametrize("page_path", find_pages(HTML))
+
+
+# --- the tests ----------------------------------------------------------------------------------------------
+def test_index_redirects_to_the_preface(page, base_url):
+    """A broken redirect would leave the reader on an empty page."""
+    watch = open_page(page, base_url, "index.html")
+    page.wait_for_url("**/book/preface.html", timeout=TIMEOUT_MS)
+    assert not watch.report(), "\n".join(watch.report())
+
+
+def test_page(page, base_url, page_path):
+    """Everything a reader of one page sees works offline; see the module docstring for the list."""
+    assert (HTML / page_path).is_file(), f"{HTML / page_path} is not in the build"
+    watch = open_page(page, base_url, page_path)
+    problems, notes = watch.problems, []
+
     title = page.title()
     if "Long-Context Inference Lab" not in title:
-        problems.append(f"{page_path}: page title {title!r} does not name the book")
+        problems.append(f"page title {title!r} does not name the book")
 
-    has_math = page.locator(".math").count() > 0
-    if has_math:
+    if page.locator(".math").count() > 0:
         try:
             page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise",
                                    timeout=TIMEOUT_MS)
@@ -166,105 +251,34 @@ def check_page(context, base: str, page_path: str, screens: Path, problems: list
         except PlaywrightTimeout:
             math = None  # reported just below, with the failed request for MathJax's script if there was one
         if not math or math["containers"] == 0:
-            problems.append(f"{page_path}: has maths but MathJax did not typeset it (no mjx-container after "
+            problems.append(f"has maths but MathJax did not typeset it (no mjx-container after "
                             f"{TIMEOUT_MS // 1000} s; is _static/mathjax/ in the build?)")
         else:
-            notes.append(f"{page_path}: MathJax typeset {math['containers']} expressions")
-            for err in math["errors"]:
-                problems.append(f"{page_path}: MathJax reports a TeX error: {err!r}")
+            notes.append(f"MathJax typeset {math['containers']} expressions")
+            problems += [f"MathJax reports a TeX error: {err!r}" for err in math["errors"]]
     elif page_path == FIGURE_PAGE:
-        problems.append(f"{page_path}: expected maths on this chapter, found no .math element")
+        problems.append("expected maths on this chapter, found no .math element")
+
+    for blank in page.evaluate(BLANK_JS):
+        problems.append(f"{blank['kind']} (cell starting {blank['cell']!r})")
 
     if page_path == FIGURE_PAGE:
         figures = page.evaluate(FIGURE_JS, MIN_FIGURE_COLOURS)
         if not figures:
-            problems.append(f"{page_path}: no figure in any cell output")
+            problems.append("no figure in any cell output")
         for fig in figures:
             if fig["width"] <= 0:
-                problems.append(f"{page_path}: figure {fig['src']} did not load (naturalWidth 0)")
+                problems.append(f"figure {fig['src']} did not load (naturalWidth 0)")
             elif fig["bytes"] < MIN_FIGURE_BYTES:
-                problems.append(f"{page_path}: figure {fig['src']} is only {fig['bytes']} bytes")
+                problems.append(f"figure {fig['src']} is only {fig['bytes']} bytes")
             elif fig["colours"] < MIN_FIGURE_COLOURS:
-                problems.append(f"{page_path}: figure {fig['src']} looks blank ({fig['colours']} colours)")
-        notes.append(f"{page_path}: {len(figures)} figure(s): "
+                problems.append(f"figure {fig['src']} looks blank ({fig['colours']} colours)")
+        notes.append(f"{len(figures)} figure(s): "
                      + ", ".join(f"{f['width']}x{f['height']} {f['bytes'] // 1024} KB" for f in figures))
 
-    page.screenshot(path=str(screens / (page_path.replace("/", "__").removesuffix(".html") + ".png")),
+    SCREENS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENS / (page_path.replace("/", "__").removesuffix(".html") + ".png")),
                     full_page=True)
-    for message in console_errors:
-        reason = environmental(message, base)
-        if reason:
-            notes.append(f"{page_path}: ignored console error ({reason})")
-        else:
-            where = (message.location or {}).get("url", "")
-            problems.append(f"{page_path}: console error: {message.text} [{where}]")
-    for failure in local_failures:
-        problems.append(f"{page_path}: local request failed: {failure}")
-    page.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("html", type=Path, nargs="?", default=Path("_build/html"), help="the built HTML folder")
-    parser.add_argument("--screens", type=Path, default=None,
-                        help="where to save screenshots (default: screens/ beside the HTML folder)")
-    args = parser.parse_args(argv)
-
-    html = args.html.resolve()
-    missing = [p for p in REQUIRED_PAGES if not (html / p).is_file()]
-    if missing:
-        print(f"browser check FAILED: {html} lacks {missing}; build the book first (make book)", file=sys.stderr)
-        return 1
-    chromium = CHROMIUM if Path(CHROMIUM).exists() else shutil.which("chromium")
-    if not chromium:
-        print("browser check FAILED: no chromium; install it with `apt-get install -y chromium`", file=sys.stderr)
-        return 1
-    screens = (args.screens or html.parent / "screens").resolve()
-    screens.mkdir(parents=True, exist_ok=True)
-
-    server, base = serve(html)
-    problems: list[str] = []
-    notes: list[str] = []
-    blocked: set[str] = set()
-
-    def route(r):
-        # Offline by construction: anything not served by the local server is refused, never fetched.
-        if is_local(r.request.url, base):
-            r.continue_()
-        else:
-            blocked.add(r.request.url)
-            r.abort()
-
-    try:
-        with tempfile.TemporaryDirectory(prefix="book-browser-") as profile, sync_playwright() as pw:
-            context = pw.chromium.launch_persistent_context(
-                profile, executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
-                viewport={"width": 1280, "height": 900}, service_workers="block")
-            context.route("**/*", route)
-            # The index redirects to the preface; a broken redirect leaves the reader on an empty page.
-            page = context.new_page()
-            page.goto(base + "index.html", wait_until="load", timeout=TIMEOUT_MS)
-            page.wait_for_url("**/book/preface.html", timeout=TIMEOUT_MS)
-            page.close()
-            pages = find_pages(html)
-            for page_path in pages:
-                check_page(context, base, page_path, screens, problems, notes)
-            context.close()
-    finally:
-        server.shutdown()
-
-    for note in notes:
-        print(f"  {note}")
-    for url in sorted(blocked):
-        print(f"  blocked external request (offline test): {url}")
-    if problems:
-        print(f"browser check FAILED ({len(problems)} problem(s)):", file=sys.stderr)
-        for problem in problems:
-            print(f"  - {problem}", file=sys.stderr)
-        return 1
-    print(f"browser check passed: {len(pages)} pages, screenshots in {screens}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(f"{page_path}: " + "; ".join(notes))  # shown with pytest -s or -rA
+    problems = watch.report()
+    assert not problems, f"{page_path}: {len(problems)} problem(s):\n  - " + "\n  - ".join(problems)
