@@ -440,6 +440,11 @@ def _check_out(name, out, shape, like):
     if out.device != like.device:
         raise ValueError(f"{name} must be on the same device as q ({like.device}), got {out.device}")
     _check_last_dim_contiguous(name, out)
+    # The kernels write through out's strides. An expanded view (stride 0 over a dimension of size > 1) maps
+    # several output elements to one memory location: the writes would overwrite each other.
+    if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
+        raise ValueError(f"{name} must not be an expanded view (its elements overlap in memory), got strides "
+                         f"{out.stride()} for shape {tuple(out.shape)}")
 
 
 def _check_attention_args(q, k, v, causal, sm_scale, out, lse_out, need_kernel_device=True, allow_float64=False):
@@ -519,6 +524,18 @@ def _check_decode_args(q, k_cache, v_cache, seq_lens, sm_scale, num_splits, out,
     _check_out("out", out, q.shape, q)
     if out is not None and out.dtype != q.dtype:
         raise TypeError(f"out must have the same dtype as q ({q.dtype}), got {out.dtype}")
+
+
+def _kernel_operand(t, dtype):
+    """``t`` as the kernels read it: in ``dtype`` and packed (contiguous), copying only if it is not already.
+
+    The kernels receive a raw pointer; an index or length tensor is read at ``ptr + i``, so it must be packed.
+    ``t.to(dtype)`` is not enough: when the dtype already matches it returns ``t`` itself, and a sliced
+    (``x[::2]``) or expanded (``x.expand(n)``, stride 0) view would then be read as the wrong elements.
+    Float operands (q, k, v) do not go through here: the kernels take their strides, so views are read as
+    they are, without a copy (only the head dimension must be contiguous; see ``_check_last_dim_contiguous``).
+    """
+    return t.to(dtype).contiguous()
 
 
 def _launch_flags(dtype):
@@ -617,7 +634,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, sm_scale=None, num_splits=No
         out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
     mid_o = torch.empty((B, Hq, splits, D), device=q.device, dtype=torch.float32)
     mid_lse = torch.empty((B, Hq, splits), device=q.device, dtype=torch.float32)
-    lens = seq_lens.to(torch.int32)
+    # `.to(torch.int32)` alone returns the tensor itself when it is already int32, strided or expanded view
+    # included, and the kernel reads `SEQ_LENS + b` as if it were packed: make it packed.
+    lens = _kernel_operand(seq_lens, torch.int32)
     upcast, precision = _launch_flags(q.dtype)
     block_d = max(16, triton.next_power_of_2(D))
     _decode_split_kernel[(B * Hkv, splits)](

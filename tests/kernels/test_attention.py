@@ -308,6 +308,68 @@ def test_decode_strided_cache_and_default_splits():
     _check_decode(q, k_cache, v_cache, torch.tensor([190, 100], device=DEV), num_splits=None)
 
 
+# --- memory layout: every tensor the kernels read, index tensors included ---------------------------------------
+def _int32_views(values):
+    """The same int32 lengths as four different memory layouts: packed, sliced, a column of a matrix, expanded."""
+    n = len(values)
+    packed = torch.tensor(values, dtype=torch.int32, device=DEV)
+    sliced = torch.stack([packed, torch.full_like(packed, 10**6)], dim=1).flatten()[::2]  # stride 2
+    column = torch.stack([packed, packed + 10**6]).t()[:, 0]  # a transposed matrix's column: stride 2
+    views = dict(packed=packed, sliced=sliced, column=column)
+    if len(set(values)) == 1:  # one length for every sequence, written once and expanded: stride 0
+        views["expanded"] = torch.tensor([values[0]], dtype=torch.int32, device=DEV).expand(n)
+    for name, view in views.items():
+        assert view.tolist() == list(values), name
+    return views
+
+
+@pytest.mark.parametrize("layout", ["packed", "sliced", "column", "expanded"])
+def test_decode_reads_seq_lens_by_value_whatever_its_layout(layout):
+    # Before the fix an int32 view went to the kernel as it was (`.to(int32)` keeps it): a sliced view was read
+    # as [3, 1e6, ...] and an expanded one past its single element.
+    gen = torch.Generator().manual_seed(15)
+    values = [37, 37, 37] if layout == "expanded" else [37, 5, 64]
+    seq_lens = _int32_views(values)[layout]
+    q = _rand(gen, 3, 4, 48, dtype=torch.float32)
+    k_cache, v_cache = (_rand(gen, 3, 2, 64, 48, dtype=torch.float32) for _ in range(2))
+    _check_decode(q, k_cache, v_cache, seq_lens, num_splits=3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_with_expanded_and_sliced_inputs(dtype):
+    # One prompt's cache shared by a batch (expand over batch and K/V heads: stride 0), queries sliced out of a
+    # wider tensor, lengths from a transposed matrix: all read by value, compared with the reference.
+    gen = torch.Generator().manual_seed(16)
+    k_one, v_one = (_rand(gen, 1, 1, 70, 32, dtype=dtype) for _ in range(2))
+    k_cache, v_cache = k_one.expand(3, 2, 70, 32), v_one.expand(3, 2, 70, 32)
+    q = _rand(gen, 3, 8, 32, dtype=dtype)[:, ::2]  # (3, 4, 32), head stride 2 * D
+    seq_lens = _int32_views([70, 9, 41])["column"]
+    out = torch.full((3, 4, 32), float("nan"), dtype=dtype, device=DEV)
+    decode_attention(q, k_cache, v_cache, seq_lens, num_splits=4, out=out)
+    ref = decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), seq_lens)
+    _assert_close(out, ref.to(dtype), dtype, "decode with expanded/sliced inputs vs reference")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flash_attention_with_expanded_and_sliced_inputs(dtype):
+    gen = torch.Generator().manual_seed(17)
+    q = _rand(gen, 2, 4, 2 * 45, 48, dtype=dtype)[:, :, ::2]  # every other position: stride 2 * D
+    k = _rand(gen, 1, 1, 33, 48, dtype=dtype).expand(2, 2, 33, 48)  # one K shared by batch and heads
+    v = _rand(gen, 2, 33, 2, 48, dtype=dtype).transpose(1, 2)
+    _check_flash(q, k, v, causal=True)
+    _check_flash(q, k, v, causal=False, sm_scale=0.3)
+
+
+def test_expanded_outputs_are_refused():
+    # Writing through a stride-0 view would make several outputs share one memory location.
+    with pytest.raises(ValueError, match="out must not be an expanded view"):
+        flash_attention(**_flash_args(out=torch.zeros(1, 4, 5, 32).expand(2, 4, 5, 32)))
+    with pytest.raises(ValueError, match="lse_out must not be an expanded view"):
+        flash_attention(**_flash_args(lse_out=torch.zeros(1, 4, 5).expand(2, 4, 5)), return_lse=True)
+    with pytest.raises(ValueError, match="out must not be an expanded view"):
+        decode_attention(**_decode_args(out=torch.zeros(2, 1, 32).expand(2, 4, 32)))
+
+
 # --- every error message -------------------------------------------------------------------------------------
 def _flash_args(**change):
     gen = torch.Generator().manual_seed(11)
