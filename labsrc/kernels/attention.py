@@ -24,6 +24,10 @@ Conventions shared by the kernels and their references:
   ``scaled_dot_product_attention(is_causal=True)`` aligns top-left instead; the two agree when ``Tq == Tk``.)
 * A causal query row that sees **no** key (``i < Tq - Tk``, only possible when ``Tq > Tk``) has output
   **0** and log-sum-exp **-inf**: the softmax over an empty set is defined as contributing nothing.
+* One rule for every online-softmax update and merge (the forward's key blocks, decode's splits and their
+  merge, the backward's recomputed probabilities): a set of scores that are all -inf -- an empty split, a
+  fully masked block, keys whose scores are -inf -- contributes nothing; a row with no finite score at all
+  has output 0 and log-sum-exp -inf, exactly as the references compute it. See ``_online_softmax_step``.
 * Inputs are fp32, fp16 or bf16; scores, softmax statistics and the output accumulator are fp32; the
   output has the input dtype and the log-sum-exp (natural log) is fp32.
 * Head dims from 16 to 128, including non-powers of two (48, 80, 96): tiles are padded to the next power
@@ -152,6 +156,40 @@ def _bucket(n: int) -> int:
 # The FlashAttention forward kernel.
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _online_softmax_step(m_i, l_i, s):
+    """One step of the online softmax: fold a tile of scores ``s`` (log2 units) into the row state ``(m, l)``.
+
+    Returns ``(m_new, l_new, alpha, p)``: the new row maximum and row sum, the factor ``alpha`` that rescales
+    whatever was accumulated under the old maximum, and ``p = exp2(s - m_new)``.
+
+    The one rule shared by every online-softmax update and merge in this module: **a set of scores that are
+    all -inf (an empty split, a fully masked block, keys whose scores are -inf) contributes nothing**. While a
+    row has seen only -inf, ``m`` stays -inf; subtracting 0 instead of -inf avoids ``(-inf) - (-inf) = nan``,
+    so ``p`` and ``alpha`` come out as ``exp2(-inf) = 0`` and the state stays ``acc = 0, l = 0``.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_safe)
+    p = tl.math.exp2(s - m_safe[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_new, alpha, p
+
+
+@triton.jit
+def _softmax_finish(acc, l_i, m_i):
+    """Normalise the accumulated ``acc`` by the row sum and form the row's log-sum-exp (log2 units).
+
+    A row that saw no key (``l = 0``) gets output 0 and log-sum-exp -inf: dividing by 1 instead of 0 keeps
+    ``acc = 0``, and -inf is what makes the row weigh nothing in a later merge (``exp2(-inf) = 0``).
+    """
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse2 = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
+    return out, lse2
+
+
+@triton.jit
 def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n0, d_mask,
                    lo, hi, Tk, diag, qk_scale,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
@@ -181,14 +219,9 @@ def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
             s = tl.where(visible, s, float("-inf"))
-        # Online softmax: a new, larger maximum rescales everything accumulated so far by exp2(m_old - m_new).
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead of -inf avoids
-        # (-inf) - (-inf) = nan, and its p and alpha come out as exp2(-inf) = 0, leaving acc = 0 and l = 0.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_safe)
-        p = tl.math.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # Online softmax: a new, larger maximum rescales everything accumulated so far by exp2(m_old - m_new);
+        # a row that has seen only -inf so far stays at acc = 0, l = 0 (see _online_softmax_step).
+        m_new, l_i, alpha, p = _online_softmax_step(m_i, l_i, s)
         # P goes to the tensor cores in the input precision (as in FlashAttention); the sum stays fp32.
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -257,16 +290,13 @@ def _flash_attention_kernel(
                                    BLOCK_N, True, CAUSAL, UPCAST, PRECISION)
 
     # Normalise once at the end (FlashAttention-2), not after every block. A row that saw no key has
-    # l = 0 and acc = 0: dividing by 1 instead gives the defined output 0.
-    has_keys = l_i > 0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    out = acc / l_safe[:, None]
+    # l = 0 and acc = 0: the defined output 0 and log-sum-exp -inf.
+    out, lse2 = _softmax_finish(acc, l_i, m_i)
     o_ptrs = O + b * stride_ob + hq * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < Tq) & d_mask[None, :])
     if WRITE_LSE:
         # log(sum exp(s)) = (m + log2(l)) * ln 2, with s in natural units; -inf for an empty row.
-        lse = tl.where(has_keys, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        tl.store(LSE + b * stride_lb + hq * stride_lh + offs_m, lse, mask=offs_m < Tq)
+        tl.store(LSE + b * stride_lb + hq * stride_lh + offs_m, lse2 * 0.6931471805599453, mask=offs_m < Tq)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -328,20 +358,15 @@ def _decode_split_kernel(
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N), log2 units
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every block inside the loop holds at least one real key, so m_new is finite: no -inf guard needed.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        # Every block inside the loop holds at least one real key, but its scores may still all be -inf (keys
+        # of -inf, or an overflow in fp32): the same guarded step as flash_attention, never a bare exp2(m - m).
+        m_new, l_i, alpha, p = _online_softmax_step(m_i, l_i, s)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    # Store the split's *normalised* output and its log-sum-exp (log2 units); an empty split stores 0 and
-    # -inf, which the merge weighs by exp2(-inf) = 0.
-    has_keys = l_i > 0
-    l_safe = tl.where(has_keys, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
+    # Store the split's *normalised* output and its log-sum-exp (log2 units); an empty split (no key, or only
+    # -inf scores) stores 0 and -inf, which the merge weighs by exp2(-inf) = 0.
+    out, lse = _softmax_finish(acc, l_i, m_i)
     mo_ptrs = MID_O + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
     tl.store(mo_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(MID_LSE + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
@@ -359,6 +384,8 @@ def _decode_merge_kernel(
     # One program per (batch, query head). Split s holds o_s = softmax-weighted mean over its keys and
     # lse_s = log2 sum exp2(scores); the full softmax weighs each split by its share of the total mass:
     #   o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s (for stability).
+    # The same rule as every online-softmax step here: a split with lse -inf (no key, or only -inf scores)
+    # weighs exp2(-inf) = 0; if every split is empty the row has no key at all and its output is 0.
     pid = tl.program_id(0)
     b = pid // Hq
     h = pid % Hq
@@ -367,11 +394,13 @@ def _decode_merge_kernel(
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < D
     lse = tl.load(MID_LSE + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)  # finite: split 0 always holds at least one key because seq_len >= 1
-    w = tl.math.exp2(lse - m)
+    m = tl.max(lse, 0)  # -inf when every split is empty (e.g. all of a sequence's scores are -inf)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse - m_safe)
     o = tl.load(MID_O + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
                 mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
 
 

@@ -308,6 +308,70 @@ def test_decode_strided_cache_and_default_splits():
     _check_decode(q, k_cache, v_cache, torch.tensor([190, 100], device=DEV), num_splits=None)
 
 
+# --- one rule for every online-softmax merge: scores that are all -inf contribute nothing ---------------------
+# Padded rows (query heads past the group, queries past Tq) load q = 0, and 0 * -inf = nan there; those rows are
+# never stored, but the interpreter's NumPy matmul and max over them warn.
+def _PADDED_ROWS_NAN(test):
+    test = pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")(test)
+    return pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")(test)
+
+
+def _minus_inf_keys(gen, dtype, B, hq, hkv, t, d, blocked):
+    """q with positive entries and K whose keys in ``blocked[b]`` are -inf: those keys score exactly -inf."""
+    q = _rand(gen, B, hq, d, dtype=dtype).abs() + 0.1
+    k_cache = _rand(gen, B, hkv, t, d, dtype=dtype)
+    v_cache = _rand(gen, B, hkv, t, d, dtype=dtype)
+    for b, keys in enumerate(blocked):
+        k_cache[b, :, keys] = float("-inf")
+    return q, k_cache, v_cache
+
+
+@_PADDED_ROWS_NAN
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_split_whose_scores_are_all_minus_inf_contributes_nothing(dtype):
+    # Sequence 0: 64 keys in 4 splits of 16; keys 16..31 (exactly split 1) and 40..47 (the start of split 2)
+    # score -inf. Before the fix the split kernel formed exp2(-inf - -inf) = nan and the whole row was NaN.
+    # Sequence 1: every key scores -inf, so the row has no key at all: output 0, as in the reference.
+    # Sequence 2: 3 keys and 4 splits (one split empty), the middle key -inf.
+    gen = torch.Generator().manual_seed(18)
+    blocked = [list(range(16, 32)) + list(range(40, 48)), list(range(64)), [1]]
+    q, k_cache, v_cache = _minus_inf_keys(gen, dtype, 3, 4, 2, 64, 32, blocked)
+    seq_lens = torch.tensor([64, 64, 3], device=DEV)
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k_cache, v_cache, seq_lens, num_splits=4, out=out)
+    ref = decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), seq_lens)
+    assert not out.isnan().any(), "a split of -inf scores turned the output into NaN"
+    assert torch.equal(out[1], torch.zeros_like(out[1])), "a row with no finite score must give output 0"
+    _assert_close(out, ref.to(dtype), dtype, "decode with -inf scores vs reference")
+
+
+@pytest.mark.parametrize("tmax, lens", [(40, [1, 2, 3, 39]), (9, [1, 9])])
+def test_decode_many_more_splits_than_keys(tmax, lens):
+    # num_splits = Tmax: short sequences leave most splits empty (lse -inf), which must weigh nothing.
+    gen = torch.Generator().manual_seed(19)
+    B = len(lens)
+    q = _rand(gen, B, 4, 16, dtype=torch.float32)
+    k_cache, v_cache = (_rand(gen, B, 4, tmax, 16, dtype=torch.float32) for _ in range(2))
+    _check_decode(q, k_cache, v_cache, torch.tensor(lens, device=DEV), num_splits=tmax)
+
+
+@_PADDED_ROWS_NAN
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_flash_attention_minus_inf_scores_follow_the_same_rule(dtype):
+    # The prefill kernel under the same rule: a key block of -inf scores adds nothing, a row whose every
+    # score is -inf gives output 0 and log-sum-exp -inf (as the reference, and as a causal row with no key).
+    gen = torch.Generator().manual_seed(20)
+    q = _rand(gen, 2, 4, 70, 48, dtype=dtype).abs() + 0.1
+    k, v = (_rand(gen, 2, 2, 150, 48, dtype=dtype) for _ in range(2))
+    k[0, :, 64:128] = float("-inf")  # one whole key block (BLOCK_N = 64 under the interpreter)
+    k[1] = float("-inf")  # batch row 1: no finite score at all
+    out, lse = _run_flash(q, k, v, causal=False)
+    ref_out, ref_lse = flash_attention_ref(q.double(), k.double(), v.double(), return_lse=True)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and bool((lse[1] == float("-inf")).all())
+    _assert_close(out, ref_out.to(dtype), dtype, "flash with -inf scores vs reference")
+    _assert_close(lse, ref_lse, torch.float32, "flash lse with -inf scores vs reference")
+
+
 # --- memory layout: every tensor the kernels read, index tensors included ---------------------------------------
 def _int32_views(values):
     """The same int32 lengths as four different memory layouts: packed, sliced, a column of a matrix, expanded."""
