@@ -55,6 +55,18 @@ __all__ = ["flash_attention", "flash_attention_ref", "decode_attention", "decode
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): log(x) == log2(x) * LN2
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 128
+# Launch limits, checked before any launch (see _check_launch_limits). CUDA allows at most 65535 programs on
+# grid axes 1 and 2; axis 0 goes to 2^31 - 1. The kernels put (batch x heads) on axis 1, so a larger batch is
+# launched in chunks of the batch (the wrappers loop), and more heads than that are refused.
+GRID_AXIS_LIMIT = 65535
+# The merge kernel holds all the splits of one row in one (BLOCK_S, BLOCK_D) fp32 tile: 256 x 128 values is
+# 128 KiB per program, already past what registers hold (Triton refuses any tile over 2^20 elements).
+MAX_NUM_SPLITS = 256
+# The decode kernel holds the queries of one K/V head's group in one (BLOCK_G, BLOCK_D) tile that feeds
+# tl.dot; beyond 128 rows the operand tiles no longer fit in shared memory on current GPUs.
+MAX_DECODE_GROUP = 128
+# Offsets inside one (batch, head) slice are 32-bit in the kernels (batch and head offsets are 64-bit).
+MAX_INT32_OFFSET = 2**31 - 1
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -249,8 +261,9 @@ def _flash_attention_kernel(
     # that programs launched together share the same K/V head and hit the same lines in L2.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // Hq
-    hq = pid_bh % Hq
+    # Batch and head offsets in 64 bits: b * stride_qb passes 2^31 elements for a few GiB of K/V cache.
+    b = (pid_bh // Hq).to(tl.int64)
+    hq = (pid_bh % Hq).to(tl.int64)
     hkv = hq // GROUP  # grouped-query attention: pick the shared K/V head, never copy it
 
     start_m = pid_m * BLOCK_M
@@ -321,8 +334,8 @@ def _decode_split_kernel(
     # traffic per query head by GROUP -- the whole point of GQA at inference time.
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
-    b = pid_bh // Hkv
-    hkv = pid_bh % Hkv
+    b = (pid_bh // Hkv).to(tl.int64)  # 64-bit batch/head offsets, as in the flash kernel
+    hkv = (pid_bh % Hkv).to(tl.int64)
 
     # Each sequence splits its own length evenly, so ragged batches give every program similar work.
     seq_len = tl.load(SEQ_LENS + b)
@@ -387,8 +400,8 @@ def _decode_merge_kernel(
     # The same rule as every online-softmax step here: a split with lse -inf (no key, or only -inf scores)
     # weighs exp2(-inf) = 0; if every split is empty the row has no key at all and its output is 0.
     pid = tl.program_id(0)
-    b = pid // Hq
-    h = pid % Hq
+    b = (pid // Hq).to(tl.int64)
+    h = (pid % Hq).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
@@ -453,6 +466,37 @@ def _check_scale(sm_scale):
         raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}")
     if not (math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a finite positive number, got {sm_scale}")
+    # The kernels receive sm_scale * log2(e) as a float32 argument: a scale that overflows to inf or
+    # underflows to 0 (or a subnormal) there would silently give NaN or uniform attention.
+    fp32 = torch.finfo(torch.float32)
+    if not fp32.tiny <= float(sm_scale) * LOG2E <= fp32.max:
+        raise ValueError(f"sm_scale must be a finite positive number whose product with log2(e) is a normal "
+                         f"float32 (between {fp32.tiny / LOG2E:.3g} and {fp32.max / LOG2E:.3g}), got {sm_scale}")
+
+
+def _check_offsets(name, t, inner_dims):
+    # Positions and head-dim lanes inside one (batch, head) slice are indexed with 32-bit offsets.
+    span = sum((n - 1) * st for n, st in zip(t.shape[-inner_dims:], t.stride()[-inner_dims:]))
+    if span > MAX_INT32_OFFSET:
+        raise ValueError(f"{name} spans {span} elements inside one (batch, head) slice (shape {tuple(t.shape)}, "
+                         f"strides {t.stride()}); the kernels index it with 32-bit offsets, at most "
+                         f"{MAX_INT32_OFFSET}")
+
+
+def _check_heads_on_grid(name, heads):
+    if heads > GRID_AXIS_LIMIT:
+        raise ValueError(f"{name}={heads} heads exceed the launch limit of {GRID_AXIS_LIMIT} programs on grid "
+                         f"axis 1, which holds batch x heads (the batch is launched in chunks, the heads cannot be)")
+
+
+def _batch_chunks(batch, heads):
+    """Batch ranges ``[b0, b1)`` small enough that ``(b1 - b0) * heads`` programs fit on grid axis 1.
+
+    CUDA refuses a grid with more than 65535 programs on axis 1, where the kernels put (batch x heads): a
+    larger batch is launched as several grids over slices of the batch (views: no copy).
+    """
+    step = max(1, GRID_AXIS_LIMIT // heads)
+    return [(b0, min(batch, b0 + step)) for b0 in range(0, batch, step)]
 
 
 def _default_scale(d, sm_scale):
@@ -469,6 +513,7 @@ def _check_out(name, out, shape, like):
     if out.device != like.device:
         raise ValueError(f"{name} must be on the same device as q ({like.device}), got {out.device}")
     _check_last_dim_contiguous(name, out)
+    _check_offsets(name, out, out.dim() - 2)  # (Tq, D), (Tq,) or (D,) inside one (batch, head)
     # The kernels write through out's strides. An expanded view (stride 0 over a dimension of size > 1) maps
     # several output elements to one memory location: the writes would overwrite each other.
     if any(st == 0 and n > 1 for st, n in zip(out.stride(), out.shape)):
@@ -503,6 +548,10 @@ def _check_attention_args(q, k, v, causal, sm_scale, out, lse_out, need_kernel_d
     _check_head_dim(D)
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_last_dim_contiguous(name, t)
+    if need_kernel_device:  # launch limits: only the kernels have them, not the references
+        _check_heads_on_grid("Hq", Hq)
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            _check_offsets(name, t, 2)
     _check_out("out", out, q.shape, q)
     if out is not None and out.dtype != q.dtype:
         raise TypeError(f"out must have the same dtype as q ({q.dtype}), got {out.dtype}")
@@ -538,8 +587,14 @@ def _check_decode_args(q, k_cache, v_cache, seq_lens, sm_scale, num_splits, out,
     if Hq % Hkv != 0:
         raise ValueError(f"q's heads Hq={Hq} must be a multiple of k_cache's heads Hkv={Hkv} (grouped-query attention)")
     _check_head_dim(D)
+    if need_kernel_device and Hq // Hkv > MAX_DECODE_GROUP:
+        raise ValueError(f"decode_attention handles at most {MAX_DECODE_GROUP} query heads per K/V head "
+                         f"(Hq // Hkv), got Hq={Hq}, Hkv={Hkv}: one program holds a whole group in one tile")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _check_last_dim_contiguous(name, t)
+    if need_kernel_device:
+        _check_offsets("k_cache", k_cache, 2)
+        _check_offsets("v_cache", v_cache, 2)
     if seq_lens.shape[0] != B:
         raise ValueError(f"seq_lens must have one length per sequence, shape ({B},), got {tuple(seq_lens.shape)}")
     lo, hi = int(seq_lens.min()), int(seq_lens.max())  # one host sync; cheap next to a decode step
@@ -550,6 +605,9 @@ def _check_decode_args(q, k_cache, v_cache, seq_lens, sm_scale, num_splits, out,
             raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
         if not 1 <= num_splits <= Tmax:
             raise ValueError(f"num_splits must lie in [1, Tmax={Tmax}], got {num_splits}")
+        if num_splits > MAX_NUM_SPLITS:
+            raise ValueError(f"num_splits={num_splits} exceeds the merge kernel's limit of {MAX_NUM_SPLITS} "
+                             f"splits (it holds all the splits of a row in one tile)")
     _check_out("out", out, q.shape, q)
     if out is not None and out.dtype != q.dtype:
         raise TypeError(f"out must have the same dtype as q ({q.dtype}), got {out.dtype}")
@@ -582,12 +640,15 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, return_lse=False, out=
     """FlashAttention forward: ``softmax(q k^T * sm_scale) v`` without building the score matrix.
 
     Args:
-        q: queries ``(B, Hq, Tq, D)``, float32/float16/bfloat16, 16 <= D <= 128.
+        q: queries ``(B, Hq, Tq, D)``, float32/float16/bfloat16, 16 <= D <= 128, at most 65535 heads
+            (``GRID_AXIS_LIMIT``; a batch with more than 65535 (batch x head) programs is launched in chunks).
         k, v: keys and values ``(B, Hkv, Tk, D)`` of q's dtype; ``Hq`` must be a multiple of ``Hkv`` (GQA).
-            Any strides are accepted as long as the last (head) dimension is contiguous.
+            Any strides are accepted (expanded views included) as long as the last (head) dimension is
+            contiguous and one (batch, head) slice spans fewer than 2^31 elements.
         causal: query ``i`` sees keys ``j <= i + (Tk - Tq)`` (bottom-right aligned, see the module docstring).
             A row that sees no key (``Tq > Tk``) gives output 0 and log-sum-exp ``-inf``.
-        sm_scale: factor on the scores, ``1/sqrt(D)`` by default.
+        sm_scale: factor on the scores, ``1/sqrt(D)`` by default; a finite positive number whose product with
+            log2(e) is a normal float32 (the kernels receive it as one).
         return_lse: also return the natural-log log-sum-exp of each row, ``(B, Hq, Tq)`` float32.
         out, lse_out: optional tensors to write into (same shapes; ``out`` in q's dtype). Tests pass
             NaN-filled buffers here to prove the kernel writes every element.
@@ -609,21 +670,22 @@ def flash_attention(q, k, v, causal=False, sm_scale=None, return_lse=False, out=
     upcast, precision = _launch_flags(q.dtype)
     qk_scale = _default_scale(D, sm_scale) * LOG2E  # fold log2(e) in once, so the kernel uses exp2 only
 
-    def grid(meta):
-        return (triton.cdiv(Tq, meta["BLOCK_M"]), B * Hq)
+    for b0, b1 in _batch_chunks(B, Hq):  # one launch unless B * Hq > 65535 (grid axis 1)
+        def grid(meta, nb=b1 - b0):
+            return (triton.cdiv(Tq, meta["BLOCK_M"]), nb * Hq)
 
-    _flash_attention_kernel[grid](
-        q, k, v, out, lse_arg,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse_out.stride(0) if write_lse else 0, lse_out.stride(1) if write_lse else 0,
-        Hq, Tq, Tk, D, Hq // Hkv, qk_scale,
-        _bucket(Tq), _bucket(Tk),
-        CAUSAL=causal, WRITE_LSE=write_lse, UPCAST=upcast, PRECISION=precision,
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
-    )
+        _flash_attention_kernel[grid](
+            q[b0:b1], k[b0:b1], v[b0:b1], out[b0:b1], lse_arg[b0:b1],
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse_out.stride(0) if write_lse else 0, lse_out.stride(1) if write_lse else 0,
+            Hq, Tq, Tk, D, Hq // Hkv, qk_scale,
+            _bucket(Tq), _bucket(Tk),
+            CAUSAL=causal, WRITE_LSE=write_lse, UPCAST=upcast, PRECISION=precision,
+            BLOCK_D=max(16, triton.next_power_of_2(D)),
+        )
     return (out, lse_out) if return_lse else out
 
 
@@ -645,10 +707,16 @@ def decode_attention(q, k_cache, v_cache, seq_lens, sm_scale=None, num_splits=No
 
     Args:
         q: ``(B, Hq, D)`` queries, float32/float16/bfloat16, 16 <= D <= 128.
-        k_cache, v_cache: ``(B, Hkv, Tmax, D)`` of q's dtype, last dimension contiguous; ``Hq % Hkv == 0``.
-        seq_lens: ``(B,)`` int32/int64 valid lengths in ``[1, Tmax]``; positions past them are ignored.
-        sm_scale: factor on the scores, ``1/sqrt(D)`` by default.
-        num_splits: chunks per sequence in ``[1, Tmax]``; by default enough to fill the device.
+        k_cache, v_cache: ``(B, Hkv, Tmax, D)`` of q's dtype, last dimension contiguous; ``Hq % Hkv == 0``
+            with at most 128 query heads per K/V head (``MAX_DECODE_GROUP``). Any other strides, expanded
+            views included, are read as they are.
+        seq_lens: ``(B,)`` int32/int64 valid lengths in ``[1, Tmax]``; positions past them are ignored. Any
+            layout (a slice, an expanded view): it is packed into int32 before the kernel reads it.
+        sm_scale: factor on the scores, ``1/sqrt(D)`` by default; a finite positive number whose product with
+            log2(e) is a normal float32 (the kernels receive it as one).
+        num_splits: chunks per sequence in ``[1, min(Tmax, 256)]`` (256 = ``MAX_NUM_SPLITS``, the most the
+            merge kernel holds in one tile); by default enough to fill the device. Splits longer than a
+            sequence's length are empty and weigh nothing in the merge.
         out: optional ``(B, Hq, D)`` tensor of q's dtype to write into.
 
     Returns:

@@ -139,7 +139,9 @@ def test_causal_chunked_prefill_is_bottom_right_aligned(dtype):
     # Equivalent to running the full 129-token causal prefill and keeping its last 40 rows.
     q_full = torch.cat([_rand(gen, 1, 4, 89, 96, dtype=dtype), q], dim=2)
     full = flash_attention(q_full, k, v, causal=True)
-    torch.testing.assert_close(flash_attention(q, k, v, causal=True), full[:, :, 89:], rtol=0, atol=0)
+    # Not bit-equal: a row sits at a different position of a different query tile in the two runs, and the
+    # tile matmul (NumPy's BLAS under the interpreter, the tensor cores on a GPU) may sum in another order.
+    _assert_close(flash_attention(q, k, v, causal=True), full[:, :, 89:], dtype, "chunk vs full prefill")
 
 
 def test_square_causal_matches_sdpa_is_causal():
@@ -524,6 +526,77 @@ DECODE_ERRORS = [
 def test_decode_attention_error_messages(change, error, message):
     with pytest.raises(error, match=message):
         decode_attention(**_decode_args(**change))
+
+
+# --- launch limits: refused up front with the limit in the message, or handled by looping -----------------------
+import numpy as np  # noqa: E402
+
+import labsrc.kernels.attention as attention_module  # noqa: E402
+
+
+@pytest.mark.parametrize("sm_scale, error, message", [
+    (float("nan"), ValueError, "sm_scale must be a finite positive number"),
+    (np.float32("nan"), ValueError, "sm_scale must be a finite positive number"),
+    (-0.0, ValueError, "sm_scale must be a finite positive number"),
+    (1e39, ValueError, "product with log2\\(e\\) is a normal float32"),  # inf once it is a float32
+    (1e-40, ValueError, "product with log2\\(e\\) is a normal float32"),  # a float32 subnormal
+    (True, TypeError, "sm_scale must be a real number or None, got bool"),
+    (torch.tensor(0.5), TypeError, "sm_scale must be a real number or None, got Tensor"),
+])
+def test_sm_scale_must_be_a_finite_positive_float32(sm_scale, error, message):
+    with pytest.raises(error, match=message):
+        flash_attention(**_flash_args(sm_scale=sm_scale))
+    with pytest.raises(error, match=message):
+        decode_attention(**_decode_args(sm_scale=sm_scale))
+
+
+def test_sm_scale_at_the_edges_of_float32_is_accepted():
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (_rand(gen, 1, 2, 9, 16, dtype=torch.float32) for _ in range(3))
+    for scale in (np.float64(0.25), 1e-30, 1e30 / 64):  # numpy numbers count as real numbers
+        _check_flash(q, k * 1e-30 if scale > 1 else k, v, causal=True, sm_scale=float(scale))
+
+
+def test_num_splits_beyond_the_merge_kernels_tile_is_refused():
+    args = _decode_args(k_cache=torch.zeros(2, 2, 300, 32), v_cache=torch.zeros(2, 2, 300, 32))
+    with pytest.raises(ValueError, match=r"num_splits=257 exceeds the merge kernel's limit of 256 splits"):
+        decode_attention(**args, num_splits=257)
+
+
+def test_decode_group_beyond_one_tile_is_refused():
+    args = _decode_args(q=torch.zeros(2, 258, 32))  # 129 query heads per K/V head
+    with pytest.raises(ValueError, match=r"at most 128 query heads per K/V head \(Hq // Hkv\), got Hq=258"):
+        decode_attention(**args)
+    decode_attention_ref(**args)  # a launch limit of the kernel, not a rule of attention
+
+
+def test_heads_beyond_the_grid_axis_limit_are_refused(monkeypatch):
+    # The real limit is 65535 programs on grid axis 1; lower it so that the check runs at a testable size.
+    monkeypatch.setattr(attention_module, "GRID_AXIS_LIMIT", 3)
+    with pytest.raises(ValueError, match="Hq=4 heads exceed the launch limit of 3 programs on grid axis 1"):
+        flash_attention(**_flash_args())
+    flash_attention_ref(**_flash_args())
+
+
+@pytest.mark.parametrize("limit", [4, 9])
+def test_batch_beyond_the_grid_axis_limit_is_launched_in_chunks(monkeypatch, limit):
+    # B * Hq = 5 * 4 = 20 programs on axis 1 against a limit of 4 (one sequence per launch) or 9 (two, then a
+    # ragged last chunk): every chunk must land in its own slice of out and lse.
+    monkeypatch.setattr(attention_module, "GRID_AXIS_LIMIT", limit)
+    gen = torch.Generator().manual_seed(22)
+    q = _rand(gen, 5, 4, 19, 32, dtype=torch.float32)
+    k, v = (_rand(gen, 5, 2, 23, 32, dtype=torch.float32) for _ in range(2))
+    _check_flash(q, k, v, causal=True)
+
+
+def test_tensors_beyond_32_bit_offsets_are_refused(monkeypatch):
+    # Offsets inside one (batch, head) slice are 32-bit in the kernels; a real case needs > 8 GB of memory,
+    # so lower the limit to test the check.
+    monkeypatch.setattr(attention_module, "MAX_INT32_OFFSET", 200)  # q spans 159, k 223
+    with pytest.raises(ValueError, match=r"k spans 223 elements inside one \(batch, head\) slice .* at most 200"):
+        flash_attention(**_flash_args())
+    with pytest.raises(ValueError, match=r"k_cache spans 319 elements .* at most 200"):
+        decode_attention(**_decode_args())
 
 
 def test_compiled_kernels_refuse_cpu_tensors(monkeypatch):
