@@ -16,15 +16,19 @@ loads, stores and the rest of the kernel, but not bf16 tensor-core dots; those r
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import Phase, example, given, settings
+from hypothesis import strategies as st
 
 import labsrc
+import labsrc.kernels.attention as attention_module
 from labsrc import runtime
 from labsrc.exercises import tolerance
 from labsrc.kernels.attention import (decode_attention, decode_attention_ref, flash_attention,
-                                      flash_attention_ref)
+                                      flash_attention_backward, flash_attention_backward_ref, flash_attention_ref)
 
 DEV = runtime.DEVICE
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -436,6 +440,292 @@ def test_expanded_outputs_are_refused():
         decode_attention(**_decode_args(out=torch.zeros(2, 1, 32).expand(2, 4, 32)))
 
 
+# --- the backward pass -----------------------------------------------------------------------------------------
+@pytest.fixture
+def poisoned_buffers(monkeypatch):
+    """Make every torch.empty_like in the kernel module return NaN, so a gradient element (or a delta) the
+    backward kernels forget to write fails the comparison instead of passing with leftover memory."""
+    real = torch.empty_like
+
+    def nan_like(t, *args, **kwargs):
+        buf = real(t, *args, **kwargs)
+        return buf.fill_(float("nan")) if buf.is_floating_point() else buf
+
+    monkeypatch.setattr(attention_module.torch, "empty_like", nan_like)
+
+
+def _grad_bounds(dout, q, k, v, causal, sm_scale=None):
+    """The size of what each gradient element sums, in float64: the scale its rounding error is relative to.
+
+    A gradient element is a long sum of terms that cancel (dS = P * (dP - delta) cancels by construction:
+    with one key dq is exactly 0). Rounding error is relative to the sum of the terms' magnitudes, not to the
+    result, so the gradients are compared with the lab's (rtol, atol) for the dtype applied to that bound:
+    ``|got - truth| <= atol + rtol * bound`` with ``bound(dq) = scale * (P (|dO| |V|^T + delta')) |K|``,
+    ``bound(dk) = scale * (P (|dO| |V|^T + delta'))^T |Q|`` and ``bound(dv) = P^T |dO|`` (summed over GQA
+    groups), where ``delta'_i = sum_d |dO_id| |O_id|`` bounds the error of delta (itself a cancelling sum, and
+    computed from O rounded to the dtype, as FlashAttention does).
+    """
+    B, Hq, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    scale = 1 / math.sqrt(D) if sm_scale is None else sm_scale
+    qd, dod = q.double(), dout.double()
+    kd, vd = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = qd @ kd.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(~_bottom_right_mask(Tq, Tk), float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # rows without keys: 0
+    dp_bound = dod.abs() @ vd.abs().transpose(-1, -2)
+    delta_bound = (dod.abs() * (probs @ vd).abs()).sum(-1, keepdim=True)
+    mag = probs * (dp_bound + delta_bound)
+    dq = scale * mag @ kd.abs()
+    dk = (scale * mag.transpose(-1, -2) @ qd.abs()).view(B, Hkv, group, Tk, D).sum(2)
+    dv = (probs.transpose(-1, -2) @ dod.abs()).view(B, Hkv, group, Tk, D).sum(2)
+    return dq, dk, dv
+
+
+def _assert_grad_close(got, truth, bound, dtype, what):
+    rtol, atol = tolerance(dtype)
+    err = (got.double() - truth.to(dtype).double()).abs()
+    allowed = atol + rtol * (bound + truth.abs())
+    worst = int((err - allowed).argmax())
+    assert bool((err <= allowed).all()), (
+        f"{what}: {int((err > allowed).sum())} of {err.numel()} elements off; worst error "
+        f"{err.flatten()[worst]:.3g} where {allowed.flatten()[worst]:.3g} is allowed (rtol={rtol}, atol={atol})")
+
+
+def _kernel_grads(q, k, v, dout, causal, sm_scale=None):
+    """Gradients through flash_attention's autograd path, on leaf copies that keep q/k/v's strides."""
+    leaves = [t.detach().clone().requires_grad_() if t.is_contiguous() else
+              t.detach().transpose(1, 2).clone().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, causal=causal, sm_scale=sm_scale)
+    assert out.requires_grad and out.grad_fn is not None, "flash_attention returned a tensor without a graph"
+    out.backward(dout)
+    return [t.grad for t in leaves]
+
+
+def _sdpa_grads(q, k, v, dout, causal, sm_scale):
+    """SDPA's gradients in float64 (GQA via enable_gqa). Its is_causal is top-left aligned, so it is used for
+    Tq == Tk; Tq < Tk uses an explicit bottom-right mask. Causal Tq > Tk has rows with no key, which SDPA turns
+    into NaN: None there (the reference covers it)."""
+    tq, tk = q.shape[2], k.shape[2]
+    if causal and tq > tk:
+        return None
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    if causal and tq == tk:
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True, scale=sm_scale, enable_gqa=True)
+    else:
+        mask = _bottom_right_mask(tq, tk) if causal else None
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask, scale=sm_scale, enable_gqa=True)
+    out.backward(dout.double())
+    return [t.grad for t in leaves]
+
+
+def _check_grads(q, k, v, causal, sm_scale=None, dout=None, seed=0):
+    dtype = q.dtype
+    if dout is None:
+        dout = _rand(torch.Generator().manual_seed(seed), *q.shape, dtype=dtype)
+    got = _kernel_grads(q, k, v, dout, causal, sm_scale)
+    truth = flash_attention_backward_ref(dout.double(), q.double(), k.double(), v.double(), causal=causal,
+                                         sm_scale=sm_scale)
+    sdpa = _sdpa_grads(q, k, v, dout, causal, sm_scale)
+    bounds = _grad_bounds(dout, q, k, v, causal, sm_scale)
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert got[i].shape == (q, k, v)[i].shape and got[i].dtype == dtype
+        assert not got[i].isnan().any(), f"{name} has NaN (an element left unwritten?)"
+        _assert_grad_close(got[i], truth[i], bounds[i], dtype, f"{name} vs reference")
+        if sdpa is not None:
+            _assert_grad_close(got[i], sdpa[i], bounds[i], dtype, f"{name} vs SDPA")
+    return got
+
+
+BWD_DIMS = dict(
+    batch=[1, 2, 3],
+    heads=[(1, 1), (4, 1), (6, 2), (8, 2)],
+    tq=[1, 17, 63, 129],
+    tk=[1, 17, 63, 129],
+    d=[16, 32, 48, 64, 80, 96, 128],
+    causal=[False, True],
+    dtype=DTYPES,
+)
+BWD_CASES = _cover(BWD_DIMS, n=14, seed=2025)
+
+
+@pytest.mark.parametrize("index", range(len(BWD_CASES)), ids=[_case_id(c) for c in BWD_CASES])
+def test_flash_attention_gradients_match_reference_and_sdpa(index, poisoned_buffers):
+    case = BWD_CASES[index]
+    gen = torch.Generator().manual_seed(3000 + index)
+    (hq, hkv), dtype = case["heads"], case["dtype"]
+    q = _rand(gen, case["batch"], hq, case["tq"], case["d"], dtype=dtype)
+    k = _rand(gen, case["batch"], hkv, case["tk"], case["d"], dtype=dtype)
+    v = _rand(gen, case["batch"], hkv, case["tk"], case["d"], dtype=dtype)
+    _check_grads(q, k, v, case["causal"], seed=index)
+
+
+def test_backward_grid_covers_every_listed_value():
+    for name, values in BWD_DIMS.items():
+        assert {repr(c[name]) for c in BWD_CASES} == {repr(v) for v in values}, name
+    assert any(c["causal"] and c["tq"] < c["tk"] for c in BWD_CASES), "no causal case with Tq < Tk"
+    assert any(c["causal"] and c["tq"] > c["tk"] for c in BWD_CASES), "no causal case with empty rows"
+
+
+def test_backward_reference_equals_autograd_of_the_forward_reference():
+    # The hand-written formulas against autograd through flash_attention_ref, in float64, GQA and causal with
+    # empty rows; and gradcheck (finite differences) on the reference itself.
+    gen = torch.Generator().manual_seed(23)
+    q = _rand(gen, 2, 4, 9, 16, dtype=torch.float64).requires_grad_()
+    k, v = (_rand(gen, 2, 2, 6, 16, dtype=torch.float64).requires_grad_() for _ in range(2))
+    dout = _rand(gen, 2, 4, 9, 16, dtype=torch.float64)
+    for causal in (False, True):
+        flash_attention_ref(q, k, v, causal=causal, sm_scale=0.3).backward(dout)
+        by_hand = flash_attention_backward_ref(dout, q.detach(), k.detach(), v.detach(), causal=causal, sm_scale=0.3)
+        for mine, auto in zip(by_hand, (q.grad, k.grad, v.grad)):
+            torch.testing.assert_close(mine, auto, rtol=1e-12, atol=1e-12)
+        q.grad = k.grad = v.grad = None
+    small = [t.detach()[:1, :, :4].clone().requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda a, b, c: flash_attention_ref(a, b, c, causal=True), small)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_rows_without_keys_get_zero_gradient(dtype, poisoned_buffers):
+    # Causal, Tq > Tk: the first Tq - Tk rows see no key, so they neither receive nor pass on any gradient.
+    gen = torch.Generator().manual_seed(24)
+    q = _rand(gen, 1, 4, 90, 48, dtype=dtype)
+    k, v = (_rand(gen, 1, 2, 20, 48, dtype=dtype) for _ in range(2))
+    dq, dk, dv = _check_grads(q, k, v, causal=True, seed=24)
+    assert torch.equal(dq[:, :, :70], torch.zeros_like(dq[:, :, :70]))
+    # Those rows' dO must not leak into dK/dV: poisoning it with huge values changes nothing.
+    dout = _rand(torch.Generator().manual_seed(24), 1, 4, 90, 48, dtype=dtype)
+    loud = dout.clone()
+    loud[:, :, :70] = 1e4
+    _, dk2, dv2 = _kernel_grads(q, k, v, loud, causal=True)
+    assert torch.equal(dk, dk2) and torch.equal(dv, dv2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backward_with_strided_expanded_inputs_and_custom_scale(dtype):
+    # HF-style transpose(1, 2) views for q and v, one K expanded over the batch (its gradient is summed back
+    # through the expand by autograd), a custom scale, bottom-right causal with Tq < Tk.
+    gen = torch.Generator().manual_seed(25)
+    q = _rand(gen, 2, 33, 6, 80, dtype=dtype).transpose(1, 2).requires_grad_()
+    k_one = _rand(gen, 1, 3, 50, 80, dtype=dtype).requires_grad_()
+    v = _rand(gen, 2, 50, 3, 80, dtype=dtype).transpose(1, 2).requires_grad_()
+    k = k_one.expand(2, 3, 50, 80)
+    dout = _rand(gen, 2, 6, 33, 80, dtype=dtype)
+    flash_attention(q, k, v, causal=True, sm_scale=0.2).backward(dout)
+    dq, dk, dv = flash_attention_backward_ref(dout.double(), q.double(), k.double(), v.double(), causal=True,
+                                              sm_scale=0.2)
+    bq, bk, bv = _grad_bounds(dout, q, k, v, causal=True, sm_scale=0.2)
+    _assert_grad_close(q.grad, dq, bq, dtype, "dq")
+    _assert_grad_close(k_one.grad, dk.sum(0, keepdim=True), bk.sum(0, keepdim=True), dtype, "dk through expand")
+    _assert_grad_close(v.grad, dv, bv, dtype, "dv")
+
+
+def test_backward_reads_an_expanded_incoming_gradient():
+    # out.sum() hands the backward a stride-0 (expanded) dO: it must be read by value, not as packed memory.
+    gen = torch.Generator().manual_seed(26)
+    q = _rand(gen, 2, 4, 21, 32, dtype=torch.float32).requires_grad_()
+    k, v = (_rand(gen, 2, 2, 30, 32, dtype=torch.float32).requires_grad_() for _ in range(2))
+    flash_attention(q, k, v, causal=True).sum().backward()
+    ones = torch.ones(2, 4, 21, 32, dtype=torch.float64)
+    truth = flash_attention_backward_ref(ones, q.double(), k.double(), v.double(), causal=True)
+    bounds = _grad_bounds(ones, q, k, v, causal=True)
+    for got, want, bound, name in zip((q.grad, k.grad, v.grad), truth, bounds, "qkv"):
+        _assert_grad_close(got, want, bound, torch.float32, f"d{name} of out.sum()")
+
+
+def test_backward_only_for_inputs_that_require_grad():
+    gen = torch.Generator().manual_seed(27)
+    q = _rand(gen, 1, 2, 12, 32, dtype=torch.float32).requires_grad_()
+    k, v = (_rand(gen, 1, 2, 12, 32, dtype=torch.float32) for _ in range(2))
+    flash_attention(q, k, v).sum().backward()
+    assert q.grad is not None and k.grad is None and v.grad is None
+    ones = torch.ones(1, 2, 12, 32)
+    _assert_grad_close(q.grad, flash_attention_backward_ref(ones.double(), q.double(), k.double(), v.double())[0],
+                       _grad_bounds(ones, q, k, v, causal=False)[0], torch.float32, "dq")
+    # No input requires grad, or grad mode is off: the plain forward, no graph.
+    assert flash_attention(q.detach(), k, v).grad_fn is None
+    with torch.no_grad():
+        assert flash_attention(q, k, v).grad_fn is None
+    out, lse = flash_attention(q, k, v, return_lse=True)
+    assert out.grad_fn is not None and not lse.requires_grad  # lse carries no gradient
+
+
+def test_flash_attention_backward_called_directly_equals_autograd():
+    gen = torch.Generator().manual_seed(28)
+    q = _rand(gen, 2, 4, 19, 48, dtype=torch.float16)
+    k, v = (_rand(gen, 2, 1, 40, 48, dtype=torch.float16) for _ in range(2))
+    dout = _rand(gen, 2, 4, 19, 48, dtype=torch.float16)
+    out, lse = flash_attention(q, k, v, causal=True, return_lse=True)
+    direct = flash_attention_backward(dout, q, k, v, out, lse, causal=True)
+    for a, b in zip(direct, _kernel_grads(q, k, v, dout, causal=True)):
+        assert torch.equal(a, b)
+
+
+def test_autograd_refusals():
+    args = _flash_args()
+    args["q"].requires_grad_()
+    with pytest.raises(ValueError, match="out and lse_out cannot be used when q, k or v require grad"):
+        flash_attention(**args, out=torch.empty(2, 4, 5, 32))
+    dargs = _decode_args()
+    dargs["k_cache"].requires_grad_()
+    with pytest.raises(ValueError, match="decode_attention is inference-only"):
+        decode_attention(**dargs)
+    with torch.no_grad():  # inference under no_grad is fine: no graph is being recorded
+        decode_attention(**dargs)
+
+
+BWD_ERRORS = [
+    (dict(dout=torch.zeros(2, 4, 5)), ValueError, r"dout must have 4 dimensions \(B, Hq, Tq, D\)"),
+    (dict(dout=torch.zeros(2, 4, 6, 32)), ValueError, r"dout must have the shape of q \(2, 4, 5, 32\)"),
+    (dict(dout=torch.zeros(2, 4, 5, 32, dtype=torch.float16)), TypeError, "dout must have the same dtype as q"),
+    (dict(dout=torch.zeros(2, 4, 5, 32, device="meta")), ValueError, "dout must be on the same device as q"),
+    (dict(out=torch.zeros(2, 4, 5, 16)), ValueError, r"out must have shape \(2, 4, 5, 32\)"),
+    (dict(lse=torch.zeros(2, 4, 6)), ValueError, r"lse must be float32 of shape \(2, 4, 5\)"),
+    (dict(lse=torch.zeros(2, 4, 5, dtype=torch.float64)), ValueError, "lse must be float32"),
+    (dict(sm_scale=-2.0), ValueError, "sm_scale must be a finite positive number"),
+]
+
+
+@pytest.mark.parametrize("change, error, message", BWD_ERRORS, ids=[m for _, _, m in BWD_ERRORS])
+def test_flash_attention_backward_error_messages(change, error, message):
+    args = _flash_args()
+    args.update(dout=torch.zeros(2, 4, 5, 32), out=torch.zeros(2, 4, 5, 32), lse=torch.zeros(2, 4, 5))
+    args.update(change)
+    with pytest.raises(error, match=message):
+        flash_attention_backward(**args)
+
+
+
+
+# No shrinking phase: under the interpreter shrinking a failure can take many minutes; the failing example
+# is printed as it was generated.
+@settings(max_examples=15, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(batch=st.integers(1, 2), group=st.sampled_from([1, 2, 3]), hkv=st.integers(1, 2), tq=st.integers(1, 80),
+       tk=st.integers(1, 80), d=st.sampled_from([16, 24, 48, 80, 96, 128]), causal=st.booleans(),
+       dtype=st.sampled_from(DTYPES), scale=st.one_of(st.none(), st.floats(0.05, 2.0)),
+       transposed=st.booleans(), seed=st.integers(0, 2**16))
+# A large scale in fp16 (scores of std ~17): once failed a bound that ignored the cancellation inside delta.
+@example(batch=1, group=2, hkv=2, tq=39, tk=74, d=96, causal=False, dtype=torch.float16, scale=1.7155596532073203,
+         transposed=False, seed=170)
+def test_property_gradients_match_reference(batch, group, hkv, tq, tk, d, causal, dtype, scale, transposed, seed):
+    gen = torch.Generator().manual_seed(seed)
+    shape_q, shape_kv = (batch, hkv * group, tq, d), (batch, hkv, tk, d)
+    if transposed:  # (B, T, H, D) storage viewed as (B, H, T, D), as Hugging Face models pass them
+        q = _rand(gen, batch, tq, hkv * group, d, dtype=dtype).transpose(1, 2)
+        k, v = (_rand(gen, batch, tk, hkv, d, dtype=dtype).transpose(1, 2) for _ in range(2))
+    else:
+        q = _rand(gen, *shape_q, dtype=dtype)
+        k, v = (_rand(gen, *shape_kv, dtype=dtype) for _ in range(2))
+    dout = _rand(gen, *shape_q, dtype=dtype)
+    got = _kernel_grads(q, k, v, dout, causal, scale)
+    truth = flash_attention_backward_ref(dout.double(), q.double(), k.double(), v.double(), causal=causal,
+                                         sm_scale=scale)
+    bounds = _grad_bounds(dout, q, k, v, causal, scale)
+    for g, t, bound, name in zip(got, truth, bounds, ("dq", "dk", "dv")):
+        _assert_grad_close(g, t, bound, dtype, name)
+
+
 # --- every error message -------------------------------------------------------------------------------------
 def _flash_args(**change):
     gen = torch.Generator().manual_seed(11)
@@ -529,9 +819,6 @@ def test_decode_attention_error_messages(change, error, message):
 
 
 # --- launch limits: refused up front with the limit in the message, or handled by looping -----------------------
-import numpy as np  # noqa: E402
-
-import labsrc.kernels.attention as attention_module  # noqa: E402
 
 
 @pytest.mark.parametrize("sm_scale, error, message", [
