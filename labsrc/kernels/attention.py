@@ -111,7 +111,7 @@ def flash_attention_ref(q, k, v, causal=False, sm_scale=None, return_lse=False):
     return (out, lse) if return_lse else out
 
 
-def flash_attention_backward_ref(dout, q, k, v, causal=False, sm_scale=None):
+def flash_attention_backward_ref(dout, q, k, v, causal=False, sm_scale=None, return_bounds=False):
     """The gradients of attention written out by hand: the formulas the backward kernels implement.
 
     With ``S = q k^T * scale``, ``P = softmax(S)`` (masked keys and rows that see no key give ``P = 0``),
@@ -129,9 +129,17 @@ def flash_attention_backward_ref(dout, q, k, v, causal=False, sm_scale=None):
     Args:
         dout: the gradient of the output ``(B, Hq, Tq, D)``.
         q, k, v, causal, sm_scale: as for :func:`flash_attention_ref`.
+        return_bounds: also return, for each gradient, the sum of the magnitudes of the terms it adds up
+            (same shapes, in the compute dtype). Each gradient is a long sum whose terms cancel (with a single
+            key dq is exactly 0), so its rounding error is relative to this bound, not to the result: tests
+            and the bench compare gradients as ``|got - truth| <= atol + rtol * (bound + |truth|)``. The
+            bounds are ``scale * (P (|dO| |V|^T + delta')) |K|`` for dq, the transposed form with ``|Q|`` for
+            dk, and ``P^T |dO|`` for dv, where ``delta'_i = sum_d |dO_id O_id|`` bounds delta's own error
+            (a cancelling sum, computed from O rounded to the input dtype, as FlashAttention does).
 
     Returns:
-        ``(dq, dk, dv)`` in the dtypes of ``q, k, v``, computed in fp32 (fp64 for fp64 inputs).
+        ``(dq, dk, dv)`` in the dtypes of ``q, k, v``, computed in fp32 (fp64 for fp64 inputs); with
+        ``return_bounds``, ``((dq, dk, dv), (bound_dq, bound_dk, bound_dv))``.
     """
     _check_attention_args(q, k, v, causal, sm_scale, None, None, need_kernel_device=False, allow_float64=True)
     _check_grad_out(dout, q)
@@ -161,7 +169,14 @@ def flash_attention_backward_ref(dout, q, k, v, causal=False, sm_scale=None):
     # Grouped-query attention: sum the per-query-head terms of each K/V head.
     dk = dk.view(B, Hkv, group, Tk, D).sum(2)
     dv = dv.view(B, Hkv, group, Tk, D).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if not return_bounds:
+        return grads
+    terms = probs * (dof.abs() @ vf.abs().transpose(-1, -2) + (dof * out).abs().sum(-1, keepdim=True))
+    bounds = ((terms @ kf.abs()) * scale,
+              ((terms.transpose(-1, -2) @ qf.abs()) * scale).view(B, Hkv, group, Tk, D).sum(2),
+              (probs.transpose(-1, -2) @ dof.abs()).view(B, Hkv, group, Tk, D).sum(2))
+    return grads, bounds
 
 
 def decode_attention_ref(q, k_cache, v_cache, seq_lens, sm_scale=None):

@@ -455,33 +455,10 @@ def poisoned_buffers(monkeypatch):
 
 
 def _grad_bounds(dout, q, k, v, causal, sm_scale=None):
-    """The size of what each gradient element sums, in float64: the scale its rounding error is relative to.
-
-    A gradient element is a long sum of terms that cancel (dS = P * (dP - delta) cancels by construction:
-    with one key dq is exactly 0). Rounding error is relative to the sum of the terms' magnitudes, not to the
-    result, so the gradients are compared with the lab's (rtol, atol) for the dtype applied to that bound:
-    ``|got - truth| <= atol + rtol * bound`` with ``bound(dq) = scale * (P (|dO| |V|^T + delta')) |K|``,
-    ``bound(dk) = scale * (P (|dO| |V|^T + delta'))^T |Q|`` and ``bound(dv) = P^T |dO|`` (summed over GQA
-    groups), where ``delta'_i = sum_d |dO_id| |O_id|`` bounds the error of delta (itself a cancelling sum, and
-    computed from O rounded to the dtype, as FlashAttention does).
-    """
-    B, Hq, Tq, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    group = Hq // Hkv
-    scale = 1 / math.sqrt(D) if sm_scale is None else sm_scale
-    qd, dod = q.double(), dout.double()
-    kd, vd = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
-    scores = qd @ kd.transpose(-1, -2) * scale
-    if causal:
-        scores = scores.masked_fill(~_bottom_right_mask(Tq, Tk), float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)  # rows without keys: 0
-    dp_bound = dod.abs() @ vd.abs().transpose(-1, -2)
-    delta_bound = (dod.abs() * (probs @ vd).abs()).sum(-1, keepdim=True)
-    mag = probs * (dp_bound + delta_bound)
-    dq = scale * mag @ kd.abs()
-    dk = (scale * mag.transpose(-1, -2) @ qd.abs()).view(B, Hkv, group, Tk, D).sum(2)
-    dv = (probs.transpose(-1, -2) @ dod.abs()).view(B, Hkv, group, Tk, D).sum(2)
-    return dq, dk, dv
+    """The size of what each gradient element sums (float64; see flash_attention_backward_ref's
+    return_bounds): the scale its rounding error is relative to, since the sums cancel."""
+    return flash_attention_backward_ref(dout.double(), q.double(), k.double(), v.double(), causal=causal,
+                                        sm_scale=sm_scale, return_bounds=True)[1]
 
 
 def _assert_grad_close(got, truth, bound, dtype, what):
@@ -914,8 +891,8 @@ import labsrc.kernels.attention as A
 
 def build(kernel, pointers, constexprs, cap):
     fn = kernel.fn if isinstance(kernel, triton.runtime.Autotuner) else kernel
-    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "fp32" if n == "qk_scale" else "i32")
-                 for n in fn.arg_names}
+    signature = {n: "constexpr" if n in constexprs else
+                 pointers.get(n, "fp32" if n in ("qk_scale", "sm_scale") else "i32") for n in fn.arg_names}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(src, target=GPUTarget("cuda", cap, 32), options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
@@ -928,6 +905,14 @@ ptx = build(A._decode_split_kernel, {**io, "SEQ_LENS": "*i32", "MID_O": "*fp32",
             dict(UPCAST=False, PRECISION="tf32", BLOCK_G=16, BLOCK_D=128, BLOCK_N=64), 80)
 assert "mma.sync" in ptx, "Ampere decode kernel: expected mma.sync tensor-core ops"
 build(A._decode_merge_kernel, {"MID_O": "*fp32", "MID_LSE": "*fp32", "O": "*bf16"}, dict(BLOCK_S=4, BLOCK_D=128), 80)
+# The backward: delta, dK/dV and dQ, for Hopper and Ampere (tl.dot on transposed tiles, fp32 accumulators).
+grads = {"DO": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "DK": "*bf16", "DV": "*bf16", "DQ": "*bf16"}
+build(A._bwd_preprocess_kernel, {"O": "*bf16", "DO": "*bf16", "DELTA": "*fp32"}, dict(BLOCK_M=64, BLOCK_D=128), 80)
+for cap in (90, 80):
+    for kernel in (A._bwd_dkdv_kernel, A._bwd_dq_kernel):
+        ptx = build(kernel, {**io, **grads}, dict(CAUSAL=True, UPCAST=False, PRECISION="tf32", BLOCK_D=128,
+                                                BLOCK_M=64, BLOCK_N=64), cap)
+        assert "mma" in ptx, f"backward kernel for sm_{cap}: expected tensor-core ops"
 print("compiled")
 '''
 
