@@ -507,11 +507,10 @@ def _bwd_dkdv_kernel(
             ds = p * (dp - delta[:, None])
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
     dk = dk * sm_scale  # S = q k^T * scale, so dK carries the scale once, applied at the end
-    out_mask = kv_mask
     tl.store(DK + b * stride_dkb + hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=out_mask)
+             dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + b * stride_dvb + hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=out_mask)
+             dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.autotune(configs=_bwd_configs(), key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"])
