@@ -11,6 +11,11 @@ Two kernels for the two phases of inference:
   query gives too little work to fill a GPU if a program must walk the whole cache, so the cache is split
   into ``num_splits`` chunks that run in parallel, each writing a partial output and its log-sum-exp; a
   second kernel merges them (flash-decoding {cite}`dao2023flashdecoding`).
+* :func:`flash_attention_backward` is the *training* half: FlashAttention-2's backward, which recomputes the
+  probabilities tile by tile from the saved log-sum-exp instead of storing them (``O(T)`` memory, not
+  ``O(T^2)``). :func:`flash_attention` calls it through autograd whenever q, k or v requires grad, so a model
+  fine-tuned on these kernels trains its attention projections. ``decode_attention`` is inference-only and
+  refuses inputs that require grad while a graph is being recorded.
 
 Both handle grouped-query attention (GQA, {cite}`ainslie2023gqa`): ``Hq`` query heads share ``Hkv`` key/value
 heads, ``Hq % Hkv == 0``, and query head ``h`` reads key/value head ``h // (Hq // Hkv)``. The repeated K/V
@@ -32,6 +37,12 @@ Conventions shared by the kernels and their references:
   output has the input dtype and the log-sum-exp (natural log) is fp32.
 * Head dims from 16 to 128, including non-powers of two (48, 80, 96): tiles are padded to the next power
   of two and the padded lanes are masked to zero, which leaves every dot product unchanged.
+
+Every tensor a kernel reads is either taken through its strides (q, k, v, out: any batch/head/position strides,
+expanded views included, with a contiguous head dimension) or packed into the dtype the kernel expects first
+(index and length tensors such as ``seq_lens``, the saved log-sum-exp). Arguments beyond what Triton can launch
+(grid axis limits, tile sizes, 32-bit offsets, a scale that is not a normal float32) are refused up front with the
+limit in the message, or, for a batch too large for one grid, launched in chunks.
 
 Under the Triton interpreter (no GPU) ``tl.dot`` on bf16 operands returns garbage, so when interpreted the
 kernels upcast bf16 tiles to fp32 right after loading them (the ``UPCAST`` constexpr). Compiled on a GPU the
