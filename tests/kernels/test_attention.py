@@ -863,6 +863,27 @@ def test_tensors_beyond_32_bit_offsets_are_refused(monkeypatch):
         decode_attention(**_decode_args())
 
 
+@settings(max_examples=25, deadline=None)
+@given(sm_scale=st.one_of(st.floats(allow_nan=True, allow_infinity=True),
+                          st.sampled_from([1e-39, 1e-38, 2e38, 3e38])),  # around float32's limits
+       num_splits=st.integers(-3, 300))
+def test_property_bad_scalar_arguments_raise_the_documented_error(sm_scale, num_splits):
+    # Random sm_scale and num_splits: each is accepted exactly when the documented rule says so, and refused
+    # with the documented message otherwise (checked without launching: the checks run before any kernel).
+    fp32 = torch.finfo(torch.float32)
+    scale_ok = (math.isfinite(sm_scale) and sm_scale > 0
+                and fp32.tiny <= sm_scale * attention_module.LOG2E <= fp32.max)
+    splits_ok = 1 <= num_splits <= min(260, attention_module.MAX_NUM_SPLITS)
+    args = _decode_args(k_cache=torch.zeros(2, 2, 260, 32), v_cache=torch.zeros(2, 2, 260, 32))
+    call = lambda: attention_module._check_decode_args(**args, sm_scale=sm_scale, num_splits=num_splits, out=None)
+    if scale_ok and splits_ok:
+        call()
+    else:
+        message = "num_splits" if scale_ok else "sm_scale must be a finite positive number"
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 def test_compiled_kernels_refuse_cpu_tensors(monkeypatch):
     # Only reachable on a GPU box; pretend the kernels are compiled to test the message on the CPU too.
     monkeypatch.setattr(runtime, "INTERPRETED", False)
