@@ -103,7 +103,7 @@ def lab_triton_attention_forward(module, query, key, value, attention_mask, drop
             sinks or a position bias.
     """
     if dropout:
-        raise ValueError(f"lab_triton has no attention dropout; got dropout={dropout} (set the config's "
+        raise ValueError(f"lab_triton has no dropout; got dropout={dropout} (set the config's "
                          "attention_dropout to 0, or call model.eval())")
     if sliding_window is not None:
         raise ValueError(f"lab_triton does not support sliding-window attention; got sliding_window={sliding_window}")
