@@ -18,6 +18,12 @@ What runs where:
 * one new token (``Tq == 1``, every decode step) goes to :func:`labsrc.kernels.attention.decode_attention`
   over the whole cache.
 
+Training: ``flash_attention`` is differentiable (a Triton backward recomputes the probabilities from the saved
+log-sum-exp), so fine-tuning a model with ``"lab_triton"`` trains its q/k/v projections as ``"sdpa"`` does.
+``decode_attention`` is inference-only: a one-token forward that records a graph goes to ``flash_attention``
+instead (one query sees all keys), and a one-token step with a "first n keys" mask that records a graph is
+refused by ``decode_attention`` rather than silently cut off from the graph.
+
 What it refuses, loudly: the kernels know three masks only: "causal", "nothing masked" and, for one query,
 "the first n keys" (a decode step into a preallocated cache). A padding mask
 (a batch of prompts of different lengths), a sliding window, a sink/bias term, soft-capping or dropout cannot be
@@ -97,7 +103,8 @@ def lab_triton_attention_forward(module, query, key, value, attention_mask, drop
             sinks or a position bias.
     """
     if dropout:
-        raise ValueError(f"lab_triton is forward-only and has no dropout; got dropout={dropout} (call model.eval())")
+        raise ValueError(f"lab_triton has no dropout; got dropout={dropout} (set the config's "
+                         "attention_dropout to 0, or call model.eval())")
     if sliding_window is not None:
         raise ValueError(f"lab_triton does not support sliding-window attention; got sliding_window={sliding_window}")
     if softcap is not None:
@@ -133,6 +140,12 @@ def lab_triton_attention_forward(module, query, key, value, attention_mask, drop
         key, value = key[:, :, :tq], value[:, :, :tq]
         tk = tq
 
+    records_graph = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    if tq == 1 and records_graph and seq_lens is None:
+        # A one-token forward that is being differentiated: decode_attention has no backward, flash_attention
+        # has one, and with one query "causal" means every key.
+        out = flash_attention(query, key, value, causal=False, sm_scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
     if tq == 1:
         # One new token sees every (valid) key, causal or not: flash-decoding over the cache.
         if seq_lens is None:
