@@ -52,6 +52,23 @@ assert torch.equal(kq.dequantize_unpack(qt), kq.dequantize_unpack_ref(qt))
 qd = torch.randn(2, 6, 16, generator=g)
 lens = torch.tensor([40, 17])
 assert torch.equal(kq.decode_attention_quant(qd, qt, qt, lens), kq.decode_attention_quant_ref(qd, qt, qt, lens))
+# attention: forward with its log-sum-exp, the backward through autograd, decode
+from labsrc.kernels import attention as ka
+q = torch.randn(2, 4, 9, 16, generator=g, requires_grad=True)
+k = torch.randn(2, 2, 11, 16, generator=g, requires_grad=True)
+v = torch.randn(2, 2, 11, 16, generator=g, requires_grad=True)
+out, lse = ka.flash_attention(q, k, v, causal=True, return_lse=True)
+ref, ref_lse = ka.flash_attention_ref(q, k, v, causal=True, return_lse=True)
+assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+dout = torch.randn_like(out)
+out.backward(dout)
+want = ka.flash_attention_backward_ref(dout, q.detach(), k.detach(), v.detach(), causal=True)
+assert all(torch.equal(a, b) for a, b in zip((q.grad, k.grad, v.grad), want)), "the graph reaches q, k, v"
+with torch.no_grad():
+    qd, kc, vc = torch.randn(2, 4, 16, generator=g), torch.randn(2, 2, 13, 16, generator=g), torch.randn(2, 2, 13, 16, generator=g)
+    lens = torch.tensor([13, 5])
+    assert torch.equal(ka.decode_attention(qd, kc, vc, lens), ka.decode_attention_ref(qd, kc, vc, lens))
+from labsrc import attention  # the transformers integration imports and runs too
 print("no-triton checks passed")
 '''
 

@@ -55,11 +55,8 @@ import numbers
 
 import torch
 
-import labsrc  # noqa: F401  (sets TRITON_INTERPRET before triton is imported)
 from labsrc import runtime
-
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+from labsrc.kernels._triton import HAS_TRITON, tl, triton
 
 __all__ = ["flash_attention", "flash_attention_ref", "flash_attention_backward", "flash_attention_backward_ref",
            "decode_attention", "decode_attention_ref"]
@@ -722,7 +719,7 @@ def _check_device(name, t, q, need_kernel_device):
     if need_kernel_device and name == "q":
         if t.device.type == "meta":
             raise ValueError("q must hold data; got a tensor on the meta device")
-        if not runtime.INTERPRETED and t.device.type != "cuda":
+        if HAS_TRITON and not runtime.INTERPRETED and t.device.type != "cuda":
             raise ValueError(f"q must be on a CUDA device for the compiled Triton kernels, got {t.device}")
 
 
@@ -974,6 +971,12 @@ def _flash_forward(q, k, v, causal, sm_scale, out, lse_out, write_lse):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if write_lse and lse_out is None:
         lse_out = torch.empty((B, Hq, Tq), device=q.device, dtype=torch.float32)
+    if not HAS_TRITON:  # no Triton on this machine (it has Linux wheels only): the reference computes
+        ref, lse = flash_attention_ref(q, k, v, causal, sm_scale, return_lse=True)
+        out.copy_(ref)
+        if write_lse:
+            lse_out.copy_(lse)
+        return out, lse_out
     lse_arg = lse_out if write_lse else out  # a placeholder pointer: the kernel never touches it then
     upcast, precision = _launch_flags(q.dtype)
     qk_scale = _default_scale(D, sm_scale) * LOG2E  # fold log2(e) in once, so the kernel uses exp2 only
@@ -1038,6 +1041,8 @@ def _flash_backward(dout, q, k, v, out, lse, causal, sm_scale, need_dq, need_dkd
     B, Hq, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     group = Hq // Hkv
+    if not HAS_TRITON:  # no Triton on this machine: the hand-written backward reference computes
+        return flash_attention_backward_ref(dout, q, k, v, causal, sm_scale)
     # The kernels read the head dimension as one contiguous run. The incoming gradient is whatever autograd
     # hands over: the gradient of out.sum() is an expanded scalar (all strides 0), so copy such a dout.
     if dout.stride(-1) != 1:
@@ -1170,6 +1175,9 @@ def decode_attention(q, k_cache, v_cache, seq_lens, sm_scale=None, num_splits=No
     B, Hq, D = q.shape
     Hkv, Tmax = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
+    if not HAS_TRITON:  # no Triton on this machine: the reference attends
+        ref = decode_attention_ref(q, k_cache, v_cache, seq_lens, sm_scale)
+        return ref if out is None else out.copy_(ref)
     splits = int(num_splits) if num_splits is not None else _default_num_splits(B * Hkv, Tmax, q.device)
     if out is None:
         out = torch.empty((B, Hq, D), device=q.device, dtype=q.dtype)
