@@ -116,3 +116,38 @@ def test_build_writes_student_notebooks_without_outputs(tmp_path):
     assert written["cells"][0]["source"] == nb["cells"][0]["source"], "markdown is left alone"
     with pytest.raises(ValueError, match="no notebooks"):
         student.build(tmp_path / "empty", out)
+
+
+def test_hidden_check_uses_other_cases_and_always_raises():
+    seen = {}
+
+    def make(gen):
+        return (torch.randn(3, generator=gen),)
+
+    def record(x):
+        seen.setdefault("calls", []).append(x.clone())
+        return x
+
+    visible = ex.exercise(lambda fn: ex.check_function("id", fn, lambda x: x, make, trials=2, seed=5))
+    assert visible(record).passed
+    shown = seen.pop("calls")
+    assert visible(record, hidden=True).passed
+    hidden_inputs = seen.pop("calls")
+    assert len(hidden_inputs) == 2 * len(shown), "the hidden set runs more trials"
+    assert not any(torch.equal(h, s) for h in hidden_inputs for s in shown), "and other inputs"
+    with pytest.raises(ex.ExerciseFailed, match="hidden cases"):
+        visible(lambda x: x + 1, hidden=True)   # lenient environment (autouse fixture), raises all the same
+    assert visible(lambda x: x + 1).status == "failed", "the visible check still only reports"
+
+
+@pytest.mark.parametrize("module", ["kv_cache", "lab_bench", "flash_attention", "rope", "kv_quant", "eviction"])
+def test_every_chapter_check_has_a_hidden_case_set(module):
+    import importlib
+    import inspect
+
+    mod = importlib.import_module(f"labsrc.exercises.{module}")
+    checks = [f for name, f in vars(mod).items()
+              if name.startswith("check_") and callable(f) and f.__module__ == mod.__name__]
+    assert checks
+    for check in checks:
+        assert "hidden" in inspect.signature(check).parameters, f"{module}.{check.__name__} lacks hidden="
