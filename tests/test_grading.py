@@ -215,3 +215,46 @@ def test_grade_refuses_unknown_notebooks_and_empty_folders(tmp_path):
     write({"cells": []}, tmp_path / "ada" / "99_nope.ipynb")
     with pytest.raises(ValueError, match="99_nope"):
         grade.grade(tmp_path)
+
+
+# --------------------------------------------------------------------------------- the book shows the release
+def stage_book():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("stage_book", ROOT / "tools" / "stage_book.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_staged_chapter_is_the_release_version_with_outputs(path):
+    """What tools/stage_book.py renders: no text between BEGIN/END SOLUTION, no hidden tests, other outputs kept."""
+    nb = json.loads(path.read_text())
+    answers = [m.group(1).strip() for c in nb["cells"] for m in SOLUTION_REGION.finditer(source(c))]
+    marker = {"output_type": "stream", "name": "stdout", "text": "executed\n"}
+    for cell in nb["cells"]:            # stand-in for the executed copy's outputs
+        if cell["cell_type"] == "code":
+            cell["outputs"] = [marker]
+    staged = stage_book().release_view(nb)
+    text = "\n".join(source(c) for c in staged["cells"])
+    assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text and "hidden=True" not in text
+    assert answers and not any(answer in text for answer in answers)
+    for before, after in zip(nb["cells"], staged["cells"]):
+        if after["cell_type"] != "code":
+            continue
+        if nbgrader(after).get("grade"):
+            assert after["outputs"] == [], "a test cell's output reported on the solution"
+        else:
+            assert after["outputs"] == [marker]
+        if not nbgrader(after):
+            assert source(after) == source(before)
+
+
+def test_staged_book_if_built_has_no_solutions():
+    """The staged copies of the last `make book` (skipped before the first one)."""
+    staged = sorted((ROOT / "_build" / "src" / "chapters").glob("*.ipynb"))
+    if not staged:
+        pytest.skip("the book has not been staged in this checkout")
+    for path in staged:
+        text = "\n".join(source(c) for c in json.loads(path.read_text())["cells"])
+        assert not SOLUTION_REGION.search(text) and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
