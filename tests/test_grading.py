@@ -258,3 +258,24 @@ def test_staged_book_if_built_has_no_solutions():
     for path in staged:
         text = "\n".join(source(c) for c in json.loads(path.read_text())["cells"])
         assert not SOLUTION_REGION.search(text) and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
+
+
+# --------------------------------------------------------------------------------- the instructors page
+def test_instructors_exercise_table_matches_the_notebooks():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "tools/exercise_table.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    page = (ROOT / "book" / "instructors.md").read_text()
+    for path in CHAPTERS:
+        total = sum(nbgrader(c).get("points", 0) for c in json.loads(path.read_text())["cells"])
+        assert f"| `{path.stem}` | **all" in page and f"| **{total}** |" in page
+
+
+def test_instructors_page_reveals_no_exercise_answer():
+    page = (ROOT / "book" / "instructors.md").read_text()
+    for path in CHAPTERS:
+        for cell in json.loads(path.read_text())["cells"]:
+            for answer in SOLUTION_REGION.findall(source(cell)):
+                assert answer.strip() not in page, f"the instructors page shows an answer of {path.name}"

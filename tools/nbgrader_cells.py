@@ -8,7 +8,7 @@ exercise cells, which it finds by their content, never by position:
   and the grade id ``solution_<name>``;
 * its **test cell** is the next code cell, which must call ``ex.check_<name>(...)``; it gets
   ``grade=true, locked=true`` and the points below, the grade id ``check_<name>`` (the first check it calls),
-  the estimated minutes under ``metadata.lab.minutes``, and a hidden section that calls every check of the cell
+  the estimated minutes and a title under ``metadata.lab``, and a hidden section that calls every check of the cell
   again with ``hidden=True`` (further cases, and a failure raises in any environment)::
 
       ex.check_gqa_bytes(gqa_kv_bytes)
@@ -41,37 +41,38 @@ BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 HIDDEN_NOTE = "# The same checks on cases students do not see; here a failure raises in any environment."
 CHECK_CALL = re.compile(r"\bex\.(check_\w+)\(([^()]*)\)")
 
-# Points and estimated minutes of each exercise, by the first check its test cell calls. A new exercise must be
-# listed here (the script refuses a test cell it cannot score).
-EXERCISES: dict[str, tuple[int, int]] = {
+# Points, estimated minutes and a short title of each exercise, by the first check its test cell calls (the
+# instructors page's table is generated from the metadata these become). A new exercise must be listed here:
+# the script refuses a test cell it cannot score.
+EXERCISES: dict[str, tuple[int, int, str]] = {
     # 01 KV cache
-    "check_gqa_bytes": (1, 10),
-    "check_kv_equals_weights": (2, 15),
-    "check_reservation_waste": (1, 10),
-    "check_mla_bytes": (2, 15),
+    "check_gqa_bytes": (1, 10, "KV-cache bytes of a GQA model"),
+    "check_kv_equals_weights": (2, 15, "context at which the cache outweighs the weights"),
+    "check_reservation_waste": (1, 10, "waste of max-length reservation"),
+    "check_mla_bytes": (2, 15, "KV-cache bytes of an MLA model"),
     # 02 lab bench
-    "check_parameter_count": (3, 25),
-    "check_effective_context_length": (2, 15),
-    "check_bucket_perplexity": (2, 15),
-    "check_pareto_front": (2, 20),
+    "check_parameter_count": (3, 25, "count a Llama's parameters"),
+    "check_effective_context_length": (2, 15, "effective context length"),
+    "check_bucket_perplexity": (2, 15, "perplexity by position bucket"),
+    "check_pareto_front": (2, 20, "the Pareto front"),
     # 03 FlashAttention
-    "check_merge": (3, 25),
-    "check_naive_bytes": (2, 15),
-    "check_tiled_causal_bytes": (3, 25),
-    "check_key_tile": (2, 15),
+    "check_merge": (3, 25, "merge two partial softmax results"),
+    "check_naive_bytes": (2, 15, "bytes moved by naive attention"),
+    "check_tiled_causal_bytes": (3, 25, "bytes moved by tiled causal attention"),
+    "check_key_tile": (2, 15, "find the bug in a masked load (Triton)"),
     # 04 RoPE
-    "check_wavelength": (1, 10),
-    "check_position_interpolation": (1, 10),
-    "check_ntk_base": (2, 15),
-    "check_yarn_unscaled": (3, 25),
+    "check_wavelength": (1, 10, "wavelength of a RoPE pair"),
+    "check_position_interpolation": (1, 10, "position interpolation"),
+    "check_ntk_base": (2, 15, "the NTK-aware base"),
+    "check_yarn_unscaled": (3, 25, "which pairs YaRN leaves alone"),
     # 05 KV quantization
-    "check_scale_zero": (1, 10),
-    "check_mse_ratio": (2, 20),
-    "check_cache_bytes": (2, 20),
+    "check_scale_zero": (1, 10, "step and zero point of a group"),
+    "check_mse_ratio": (2, 20, "predict the gain of normalisation"),
+    "check_cache_bytes": (2, 20, "bytes of a KVarN cache"),
     # 06 eviction (the last two cells each check two functions)
-    "check_scores": (2, 20),
-    "check_lru_keep": (3, 30),
-    "check_probabilities": (3, 30),
+    "check_scores": (2, 20, "value-aware scores"),
+    "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
+    "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
 }
 
 
@@ -119,7 +120,7 @@ def nbgrader_meta(grade_id: str, *, solution: bool, points: int = 0) -> dict:
 
 def annotate(nb: dict, name: str = "notebook") -> list[dict]:
     """Set the exercise cells' metadata and hidden sections in ``nb`` (in place); return one row per exercise:
-    ``{"grade_id", "solution_id", "checks", "points", "minutes"}``."""
+    ``{"grade_id", "solution_id", "checks", "points", "minutes", "title"}``."""
     cells = nb["cells"]
     exercise_cells, rows = set(), []
     for i, cell in enumerate(cells):
@@ -132,24 +133,25 @@ def annotate(nb: dict, name: str = "notebook") -> list[dict]:
         new_source, checks = test_source(source_of(cells[j]))
         if checks[0] not in EXERCISES:
             raise ValueError(f"{name}: {checks[0]} has no points; add it to EXERCISES in {Path(__file__).name}")
-        points, minutes = EXERCISES[checks[0]]
+        points, minutes, title = EXERCISES[checks[0]]
         grade_id = checks[0]
         solution_id = "solution_" + grade_id.removeprefix("check_")
         cell["metadata"]["nbgrader"] = nbgrader_meta(solution_id, solution=True)
         test = cells[j]
         test["source"] = same_form(new_source, test["source"])
         test["metadata"]["nbgrader"] = nbgrader_meta(grade_id, solution=False, points=points)
-        test["metadata"]["lab"] = {"minutes": minutes}
+        test["metadata"]["lab"] = {"minutes": minutes, "title": title}
         exercise_cells |= {i, j}
         rows.append({"grade_id": grade_id, "solution_id": solution_id, "checks": checks, "points": points,
-                     "minutes": minutes})
+                     "minutes": minutes, "title": title})
     for i, cell in enumerate(cells):
         if i not in exercise_cells:
             cell["metadata"].pop("nbgrader", None)
-            if "minutes" in cell["metadata"].get("lab", {}):
-                cell["metadata"]["lab"].pop("minutes")
-                if not cell["metadata"]["lab"]:
-                    cell["metadata"].pop("lab")
+            lab = cell["metadata"].get("lab", {})
+            for key in ("minutes", "title"):
+                lab.pop(key, None)
+            if "lab" in cell["metadata"] and not lab:
+                cell["metadata"].pop("lab")
     ids = [r["grade_id"] for r in rows] + [r["solution_id"] for r in rows]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{name}: two exercises start with the same check: {sorted(ids)}")

@@ -13,7 +13,8 @@ replaced, at its indentation, by::
 hidden tests and outputs are removed and test cells are locked. The visible check then prints "not solved yet"
 and the notebook runs to the end. Usage::
 
-    python -m labsrc.exercises.student chapters _build/student
+    python -m labsrc.exercises.student chapters _build/student           # what `make student` runs
+    python -m labsrc.exercises.student --course course --assignment kv_cache chapters/01_kv_cache.ipynb
 
 :func:`course` and :func:`nbgrader` are shared with :mod:`labsrc.exercises.grade`.
 """
@@ -115,11 +116,23 @@ def strip_solutions(source: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write the release notebooks with nbgrader generate_assignment.")
-    parser.add_argument("src", type=Path, help="folder of instructor notebooks (chapters/)")
-    parser.add_argument("out", type=Path, help="folder to write the release notebooks to")
+    parser = argparse.ArgumentParser(
+        description="Write the release notebooks with nbgrader generate_assignment (SRC OUT), or lay out an nbgrader "
+                    "course for your own class (--course DIR NOTEBOOK...).")
+    parser.add_argument("paths", type=Path, nargs="+",
+                        help="SRC OUT: the instructor notebooks' folder (chapters/) and the folder to write the release "
+                             "notebooks to; with --course: the instructor notebooks to put in the course")
+    parser.add_argument("--course", type=Path, help="lay out an nbgrader course here (nbgrader_config.py and "
+                                                    "source/ASSIGNMENT/) and stop")
+    parser.add_argument("--assignment", default=ASSIGNMENT, help=f"the assignment's name (default {ASSIGNMENT})")
     args = parser.parse_args(argv)
-    for name, count in build(args.src, args.out).items():
+    if args.course:
+        root = course(args.course, args.paths, args.assignment)
+        print(f"nbgrader course in {root}: source/{args.assignment}/ holds {len(args.paths)} notebook(s)")
+        return 0
+    if len(args.paths) != 2:
+        parser.error("give SRC and OUT (or --course DIR and notebooks)")
+    for name, count in build(*args.paths).items():
         print(f"{name}: {count} solution cell(s) stubbed by nbgrader generate_assignment")
     return 0
 
