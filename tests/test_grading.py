@@ -189,6 +189,9 @@ def test_autograde_round_trip(tmp_path, capsys):
         graded = json.loads((course / "autograded" / who / "lab" / name).read_text())
         code = [c for c in graded["cells"] if c["cell_type"] == "code"]
         assert all(c["execution_count"] is not None for c in code), f"{who} did not execute to the end"
+        displayed = [o for c in code if nbgrader(c).get("grade") for o in c["outputs"]
+                     if o["output_type"] == "execute_result"]
+        assert not displayed, "a test cell's displayed value would be read by nbgrader as a partial score"
         if who in ("checks_replaced", "checks_deleted"):
             restored = [source(c) for c in code if nbgrader(c).get("grade")]
             assert len(restored) == len(ids) and all("hidden=True" in s for s in restored)

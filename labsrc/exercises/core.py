@@ -84,6 +84,10 @@ class Result:
     def __bool__(self) -> bool:
         return self.passed
 
+    def _ipython_display_(self) -> None:
+        """Show nothing when a check is a cell's last expression: it has printed its one-line message already (a
+        repr would repeat it), and nbgrader would read a test cell's displayed value as a partial-credit score."""
+
     def __str__(self) -> str:
         mark = {PASSED: "✅", FAILED: "❌", NOT_SOLVED: "⏳"}[self.status]
         text = f"{mark} {self.name}: {self.status}"
