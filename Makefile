@@ -93,11 +93,13 @@ test-browser: setup
 
 # --- working with the notebooks ----------------------------------------------------------------------------
 # Students: JupyterLab on their own copies of the release notebooks in _build/lab/ (copied once; a later
-# `make lab` or `make student` never overwrites a notebook there). Instructors: `make lab-solutions`.
+# `make lab` or `make student` never overwrites a notebook there), without nbgrader's menus and toolbars
+# (tools/jupyter/student/ disables its JupyterLab extension). Instructors: `make lab-solutions`, with them.
 lab: setup
 	test -d _build/student || $(MAKE) --no-print-directory student
 	mkdir -p _build/lab && cp -n _build/student/*.ipynb _build/lab/
-	$(VENV)/bin/jupyter lab _build/lab/
+	JUPYTER_CONFIG_PATH=$(CURDIR)/tools/jupyter/student$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH)) \
+	  $(VENV)/bin/jupyter lab _build/lab/
 
 lab-solutions: setup
 	$(VENV)/bin/jupyter lab chapters/

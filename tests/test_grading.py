@@ -282,3 +282,26 @@ def test_instructors_page_reveals_no_exercise_answer():
         for cell in json.loads(path.read_text())["cells"]:
             for answer in SOLUTION_REGION.findall(source(cell)):
                 assert answer.strip() not in page, f"the instructors page shows an answer of {path.name}"
+
+
+def test_make_lab_hides_nbgraders_jupyterlab_extension():
+    """`make lab` (students) points JUPYTER_CONFIG_PATH at tools/jupyter/student, which disables nbgrader's
+    JupyterLab extension; `make lab-solutions` (instructors) keeps it."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("jupyterlab")
+
+    def listing(extra_env):
+        done = subprocess.run([sys.executable, "-m", "jupyter", "labextension", "list"], capture_output=True,
+                              text=True, env={**os.environ, **extra_env})
+        text = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)
+        return [line for line in text.splitlines() if "@jupyter/nbgrader v" in line]
+
+    student_view = listing({"JUPYTER_CONFIG_PATH": str(ROOT / "tools" / "jupyter" / "student")})
+    instructor_view = listing({})
+    if not instructor_view:
+        pytest.skip("nbgrader's JupyterLab extension is not installed here")
+    assert all("disabled" in line for line in student_view) and student_view
+    assert all("enabled" in line for line in instructor_view)
+    assert "JUPYTER_CONFIG_PATH=$(CURDIR)/tools/jupyter/student" in (ROOT / "Makefile").read_text()
