@@ -1,7 +1,8 @@
 """The contract every chapter's exercise checks keep, written once.
 
 A right answer passes, a wrong one fails with a hint (and raises in strict mode), and the student build's stub
-is "not solved yet". A test module defines ``CASES``, a list of ``(check, right, wrong)`` triples, and imports
+is "not solved yet"; with ``hidden=True`` (a test cell's hidden section) the check raises on anything but a pass
+in any environment. A test module defines ``CASES``, a list of ``(check, right, wrong)`` triples, and imports
 the tests below; ``tests/conftest.py`` parametrizes them with that module's ``CASES``.
 """
 import pytest

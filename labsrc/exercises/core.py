@@ -220,7 +220,8 @@ def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Ca
     """Check ``fn`` against ``reference`` on ``trials`` fresh random inputs.
 
     ``make_inputs(generator)`` returns the argument tuple for one trial. Outputs may be tensors or numbers.
-    The failing inputs' shapes are shown so the student can reproduce the case.
+    The failing inputs' shapes are shown so the student can reproduce the case. Inside a check called with
+    ``hidden=True`` (see :func:`exercise`) the trials come from another seed and there are twice as many.
     """
     if hidden():
         seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
