@@ -41,8 +41,10 @@ c.CourseDirectory.course_id = "lclab"
 c.ClearSolutions.code_stub = {{"python": {STUB!r}}}
 # A submission whose test cells were deleted gets them back from the source (and their points stay at stake).
 c.OverwriteCells.add_missing_cells = True
-# A chapter executes in about two minutes on a CPU; the slowest cells (model evaluations) get plenty of room.
-c.Execute.timeout = 900
+# A whole chapter executes in about two minutes on a CPU, so no cell should need five. A cell that stalls (twice,
+# on a shared machine, an autograde of chapter 1 sat idle after its cells had run, nbgrader and kernel both
+# waiting) is interrupted, recorded as an error, and grading goes on with the next cell.
+c.Execute.timeout = 300
 '''
 
 
@@ -62,13 +64,17 @@ def course(root: Path, notebooks: list[Path], assignment: str = ASSIGNMENT) -> P
 
 def nbgrader(root: Path, *args: str, env: dict | None = None) -> str:
     """Run ``nbgrader <args>`` in the course directory ``root``; return its log, raise RuntimeError (with the
-    log) when it fails."""
+    log) when it fails. The log goes to ``root/nbgrader-<command>.log``: with its output in a pipe, an autograde
+    of a whole chapter stalled, both nbgrader and its kernel idle, while the same command with a file finished."""
     # nbgrader runs `alembic` (its database migrations) from PATH: put this interpreter's scripts first, so a
     # venv that is not activated works too.
     path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=root, capture_output=True, text=True,
-                          env={**os.environ, "PATH": path, **(env or {})})
-    log = done.stdout + done.stderr
+    log_path = Path(root) / f"nbgrader-{args[0]}.log"
+    with open(log_path, "w") as log_file:
+        done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=root, stdin=subprocess.DEVNULL,
+                              stdout=log_file, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PATH": path, **(env or {})})
+    log = log_path.read_text(errors="replace")
     if done.returncode != 0:
         raise RuntimeError(f"nbgrader {' '.join(args)} failed (exit {done.returncode}):\n{log[-4000:]}")
     return log
