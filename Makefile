@@ -74,10 +74,15 @@ $(EXECUTED): $(CHAPTERS) $(LABSRC) $(VENV)/.ready
 	LAB_EXERCISES=strict $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=900 _executed/chapters/*.ipynb
 	touch $@
 
+# Release notebooks: the real `nbgrader generate_assignment`, in a temporary course it lays out
+# (labsrc/exercises/student.py writes its nbgrader_config.py). Solutions become stubs, hidden tests go.
 student: setup
+	rm -rf _build/student
 	$(PY) -m labsrc.exercises.student chapters _build/student
 
-# Student notebooks: every exercise is a stub; the checks print "not solved yet" and the notebook still runs.
+# Release notebooks executed: every exercise is a stub and the hidden tests are gone, so the visible checks print
+# "not solved yet" (they raise only with LAB_EXERCISES=strict, which is not set here) and each chapter runs to the
+# end. That an unsolved exercise scores 0 under nbgrader's autograde is tests/test_grading.py's round trip.
 test-student: student
 	rm -rf _executed/student && mkdir -p _executed/student && cp _build/student/*.ipynb _executed/student/
 	LAB_CLAIMS_DIR=_executed/student/claims LAB_LEDGER=_executed/student/ledger.jsonl \
@@ -102,8 +107,25 @@ test-browser: setup
 	BOOK_HTML=$(HTML) $(PYTEST) -q -p no:cacheprovider tools/browser_check.py
 
 # --- working with the notebooks ----------------------------------------------------------------------------
+# Students: JupyterLab on their own copies of the release notebooks in _build/lab/ (copied once; a later
+# `make lab` or `make student` never overwrites a notebook there), without nbgrader's menus and toolbars
+# (tools/jupyter/student/ disables its JupyterLab extension). Instructors: `make lab-solutions`, with them.
 lab: setup
+	test -d _build/student || $(MAKE) --no-print-directory student
+	mkdir -p _build/lab && cp -n _build/student/*.ipynb _build/lab/
+	JUPYTER_CONFIG_PATH=$(CURDIR)/tools/jupyter/student$(if $(JUPYTER_CONFIG_PATH),:$(JUPYTER_CONFIG_PATH)) \
+	  $(VENV)/bin/jupyter lab _build/lab/
+
+lab-solutions: setup
 	$(VENV)/bin/jupyter lab chapters/
+
+# Autograde a folder of submissions, one subfolder of chapter notebooks per student, with nbgrader:
+#   make grade SUBMISSIONS=path/to/submissions [COURSE=path/to/keep/the/course]
+# prints the per-exercise score table and writes it to _build/grades.csv.
+.PHONY: grade lab-solutions
+grade: setup
+	$(if $(SUBMISSIONS),,$(error give the submissions folder: make grade SUBMISSIONS=path))
+	$(PY) -m labsrc.exercises.grade $(SUBMISSIONS) --csv _build/grades.csv $(if $(COURSE),--course $(COURSE))
 
 clean:
 	rm -rf _build _executed

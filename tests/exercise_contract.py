@@ -1,7 +1,8 @@
 """The contract every chapter's exercise checks keep, written once.
 
 A right answer passes, a wrong one fails with a hint (and raises in strict mode), and the student build's stub
-is "not solved yet". A test module defines ``CASES``, a list of ``(check, right, wrong)`` triples, and imports
+is "not solved yet"; with ``hidden=True`` (a test cell's hidden section) the check raises on anything but a pass
+in any environment. A test module defines ``CASES``, a list of ``(check, right, wrong)`` triples, and imports
 the tests below; ``tests/conftest.py`` parametrizes them with that module's ``CASES``.
 """
 import pytest
@@ -45,3 +46,15 @@ def test_strict_mode_passes_right_and_raises_on_wrong_and_stub(exercise_case, mo
         check(wrong)
     with pytest.raises(ExerciseFailed):
         check(stub)
+
+
+def test_hidden_cases_pass_right_and_raise_on_wrong_and_stub_in_any_mode(exercise_case, lenient, capsys):
+    """The call in a test cell's hidden section: nbgrader autogrades with it whatever LAB_EXERCISES says."""
+    check, right, wrong = exercise_case
+    result = check(right, hidden=True)
+    assert result.passed and "(hidden cases)" in result.name
+    with pytest.raises(ExerciseFailed, match="Hint:"):
+        check(wrong, hidden=True)
+    with pytest.raises(ExerciseFailed, match="not solved yet"):
+        check(stub, hidden=True)
+    assert "hidden cases" in capsys.readouterr().out, "the hidden check still prints its message"

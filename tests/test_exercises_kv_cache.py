@@ -5,8 +5,9 @@ import labsrc  # noqa: F401
 import torch
 
 from exercise_contract import (  # noqa: F401 (collected here, run over this module's CASES)
-    lenient, test_right_answer_passes, test_strict_mode_passes_right_and_raises_on_wrong_and_stub,
-    test_stub_is_not_solved_yet, test_wrong_answer_fails_with_hint)
+    lenient, test_hidden_cases_pass_right_and_raise_on_wrong_and_stub_in_any_mode, test_right_answer_passes,
+    test_strict_mode_passes_right_and_raises_on_wrong_and_stub, test_stub_is_not_solved_yet,
+    test_wrong_answer_fails_with_hint)
 from labsrc.exercises import kv_cache as ex
 
 

@@ -10,6 +10,11 @@ those executed copies into ``_build/src/`` and writes the fragments that two pag
 
 and copies a local MathJax next to the pages, so the book needs no network to show its math.
 
+The chapters are rendered as their release version (:func:`release_view`): the executed instructor copy with
+nbgrader's ``ClearSolutions`` and ``ClearHiddenTests`` applied to its sources, so the page and its download
+button show the stubs students get, never a worked solution, while every other output stays as executed (each
+chapter still runs once). The worked solutions live in the instructor notebooks in ``chapters/``.
+
 Usage: ``python tools/stage_book.py`` (from the repository root).
 """
 from __future__ import annotations
@@ -43,6 +48,24 @@ def bench_markdown(results_dir: Path) -> str:
     return "\n".join(parts)
 
 
+def release_view(notebook: dict) -> dict:
+    """An executed instructor notebook as students get it: each solution region replaced by the release stub and
+    each test cell's hidden section removed, by nbgrader's own preprocessors; test cells lose their outputs
+    (they reported on the instructor's solution and hidden cases), every other output is kept."""
+    import nbformat
+    from nbgrader.preprocessors import ClearHiddenTests, ClearSolutions
+
+    from labsrc.exercises.student import STUB
+
+    nb = nbformat.reads(json.dumps(notebook), as_version=4)   # joins sources stored as lists of lines
+    nb, _ = ClearSolutions(code_stub={"python": STUB}).preprocess(nb, {})
+    nb, _ = ClearHiddenTests().preprocess(nb, {})
+    for cell in nb.cells:
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade") and cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    return json.loads(json.dumps(nb))
+
+
 def stage(out: Path = ROOT / "_build" / "src", executed: Path = ROOT / "_executed" / "chapters") -> Path:
     chapters = sorted((ROOT / "chapters").glob("*.ipynb"))
     missing = [p.name for p in chapters if not (executed / p.name).exists()]
@@ -62,7 +85,9 @@ def stage(out: Path = ROOT / "_build" / "src", executed: Path = ROOT / "_execute
     shutil.copytree(Path(spec.origin).parent / "static" / "mathjax" / "es5", out / "_mathjax_static" / "mathjax")
     (out / "chapters").mkdir()
     for path in chapters:
-        shutil.copy2(executed / path.name, out / "chapters" / path.name)
+        executed_nb = json.loads((executed / path.name).read_text(encoding="utf-8"))
+        (out / "chapters" / path.name).write_text(json.dumps(release_view(executed_nb), indent=1, ensure_ascii=False)
+                                                  + "\n", encoding="utf-8")
     generated = out / "book" / "_generated"
     generated.mkdir()
     (generated / "claims_table.md").write_text(claims.render_markdown(claims.load()))

@@ -8,11 +8,21 @@ Every exercise in the lab is a function the student fills in. A check calls it:
 * otherwise it prints what is wrong and a hint, never the solution.
 
 With ``LAB_EXERCISES=strict`` in the environment (set when the instructor notebooks are executed by the
-tests and the book build) anything but ``passed`` raises :class:`ExerciseFailed`, so a broken solution
-cannot slip into the book.
+tests and the book build, and by the grading command) anything but ``passed`` raises :class:`ExerciseFailed`,
+so a broken solution cannot slip into the book and a wrong answer loses the test cell's points.
+
+Every chapter check is wrapped by :func:`exercise`, which adds ``hidden=True``: the same check on a further
+case set (another seed, twice the trials, plus any extra cases the chapter module adds through
+:func:`hidden`), and a failure then *always* raises, whatever the environment. Those calls sit between
+``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS`` in each test cell: nbgrader removes them from the
+release notebooks and puts them back when it autogrades, so even a plain ``nbgrader autograde`` (without
+``LAB_EXERCISES=strict``) gives an unsolved or wrong exercise no points, while a student running the release
+notebook sees the friendly message and the notebook runs on.
 """
 from __future__ import annotations
 
+import contextvars
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -74,6 +84,10 @@ class Result:
     def __bool__(self) -> bool:
         return self.passed
 
+    def _ipython_display_(self) -> None:
+        """Show nothing when a check is a cell's last expression: it has printed its one-line message already (a
+        repr would repeat it), and nbgrader would read a test cell's displayed value as a partial-credit score."""
+
     def __str__(self) -> str:
         mark = {PASSED: "✅", FAILED: "❌", NOT_SOLVED: "⏳"}[self.status]
         text = f"{mark} {self.name}: {self.status}"
@@ -85,9 +99,42 @@ def strict() -> bool:
     return os.environ.get("LAB_EXERCISES", "").strip().lower() == "strict"
 
 
+# Set while a check runs with ``hidden=True`` (see :func:`exercise`).
+_HIDDEN = contextvars.ContextVar("lab_hidden_cases", default=False)
+# Hidden cases draw from a generator seeded this far from the visible one, with HIDDEN_TRIALS times the trials.
+HIDDEN_SEED_OFFSET, HIDDEN_TRIALS = 1000, 2
+
+
+def hidden() -> bool:
+    """True inside a check called with ``hidden=True``: a chapter check may add cases of its own then."""
+    return _HIDDEN.get()
+
+
+def exercise(check: Callable[..., Result]) -> Callable[..., Result]:
+    """Give a chapter check a ``hidden`` keyword (default False).
+
+    ``check(answer, hidden=True)`` runs the hidden case set (:func:`check_function` changes its seed and
+    doubles its trials; a check may add cases when :func:`hidden` is true) and raises
+    :class:`ExerciseFailed` on anything but *passed*, in any environment: hidden calls only exist in the
+    instructor's notebooks and in the copies nbgrader autogrades.
+    """
+    @functools.wraps(check)
+    def wrapped(answer: Any, *, hidden: bool = False) -> Result:
+        if not hidden:
+            return check(answer)
+        token = _HIDDEN.set(True)
+        try:
+            return check(answer)
+        finally:
+            _HIDDEN.reset(token)
+    return wrapped
+
+
 def _report(result: Result) -> Result:
+    if hidden():
+        result.name = f"{result.name} (hidden cases)"
     print(result)
-    if strict() and not result.passed:
+    if (strict() or hidden()) and not result.passed:
         raise ExerciseFailed(str(result))
     return result
 
@@ -173,8 +220,11 @@ def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Ca
     """Check ``fn`` against ``reference`` on ``trials`` fresh random inputs.
 
     ``make_inputs(generator)`` returns the argument tuple for one trial. Outputs may be tensors or numbers.
-    The failing inputs' shapes are shown so the student can reproduce the case.
+    The failing inputs' shapes are shown so the student can reproduce the case. Inside a check called with
+    ``hidden=True`` (see :func:`exercise`) the trials come from another seed and there are twice as many.
     """
+    if hidden():
+        seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
         args = make_inputs(gen)

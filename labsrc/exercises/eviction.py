@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from labsrc import evict as ev
-from labsrc.exercises.core import Result, check_function, check_value
+from labsrc.exercises.core import Result, check_function, check_value, exercise
 
 __all__ = ["hand_case", "check_scores", "reasoning_chain", "check_lru_keep", "check_wrongly_dropped",
            "check_probabilities", "check_systematic"]
@@ -51,6 +51,7 @@ def _score_inputs(gen: torch.Generator):
     return attn, values, alpha, beta, gamma, lam
 
 
+@exercise
 def check_scores(fn) -> Result:
     """``fn(attn, values, alpha, beta, gamma, lam)`` must return the ``(N,)`` value-aware scores
     A_i^alpha * ||V_i||^beta * R_i^gamma with A_i summed over heads and window queries and
@@ -118,6 +119,7 @@ def _lru_inputs(gen: torch.Generator):
     return attn, budget, 0.15
 
 
+@exercise
 def check_lru_keep(fn) -> Result:
     """``fn(attn, budget, threshold)`` with ``attn`` ``(T, N)`` (query rows, the last query at position
     N - 1) must return the sorted int64 indices LRU keeps: the ``budget`` tokens whose last use is latest,
@@ -137,6 +139,7 @@ def check_lru_keep(fn) -> Result:
                                "keep the budget largest, newer first on ties, and return them sorted.")
 
 
+@exercise
 def check_wrongly_dropped(answer) -> Result:
     """``answer`` (an int, or a function returning one): the index of the token that LRU drops from
     :func:`reasoning_chain` although the verification step attends it more than any other dropped token."""
@@ -158,6 +161,7 @@ def _prob_inputs(gen: torch.Generator):
     return scores, budget
 
 
+@exercise
 def check_probabilities(fn) -> Result:
     """``fn(scores, budget)`` must return keep-probabilities (compared in float64 to float32 precision)
     proportional to ``scores``, capped at
@@ -175,6 +179,7 @@ def _systematic_inputs(gen: torch.Generator):
     return p, u
 
 
+@exercise
 def check_systematic(fn) -> Result:
     """``fn(p, u)`` must return the sorted int64 indices chosen by systematic sampling: item i is kept when
     one of the points u, u + 1, u + 2, ... falls in [C_{i-1}, C_i), C the cumulative sum of ``p``."""

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from labsrc.exercises.core import Result, as_number, check_function, randint
+from labsrc.exercises.core import Result, as_number, check_function, exercise, randint
 
 
 
@@ -48,6 +48,7 @@ def _merge_reference(m1, l1, o1, m2, l2, o2):
     return (w1[:, None] * o1 + w2[:, None] * o2) / (w1 + w2)[:, None]
 
 
+@exercise
 def check_merge(fn) -> Result:
     """Check ``fn(m1, l1, o1, m2, l2, o2) -> o``: the softmax-attention output over the union of two key chunks,
     given each chunk's row max ``m`` (rows,), normaliser ``l = sum exp(s - m)`` (rows,) and normalised output
@@ -71,6 +72,7 @@ def _naive_reference(T, D, dtype_bytes):
     return dtype_bytes * (4 * T * D + 4 * T * T)
 
 
+@exercise
 def check_naive_bytes(fn) -> Result:
     """Check ``fn(T, D, dtype_bytes) -> bytes`` moved by naive single-head attention under the chapter's model:
     every tensor that a separate PyTorch op produces (S, then P) is written to memory and read back."""
@@ -90,6 +92,7 @@ def _tiled_causal_reference(T, D, block_m, dtype_bytes):
     return dtype_bytes * (2 * T * D + 2 * keys_read * D)
 
 
+@exercise
 def check_tiled_causal_bytes(fn) -> Result:
     """Check ``fn(T, D, block_m, dtype_bytes) -> bytes`` moved by tiled causal attention (Tq = Tk = T, one head):
     Q read once, O written once, and each query block reads the K and V rows that any of its queries can see."""
@@ -147,6 +150,7 @@ def _catch_index_error(fn):
     return wrapped
 
 
+@exercise
 def check_key_tile(fn) -> Result:
     """Check ``fn(k, start, block_n, block_d) -> tile``: the ``(block_n, block_d)`` tile of rows
     ``start .. start+block_n`` of the contiguous ``(T, D)`` matrix ``k``, zero where the row is ``>= T`` or the

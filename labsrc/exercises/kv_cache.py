@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from labsrc import kvmath
-from labsrc.exercises.core import Result, as_number, check_function, randint
+from labsrc.exercises.core import Result, as_number, check_function, exercise, randint
 
 
 
@@ -25,6 +25,7 @@ def _gqa_reference(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtyp
     return kvmath.gqa_cache_bytes(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
 
 
+@exercise
 def check_gqa_bytes(fn) -> Result:
     """Check ``fn(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes) -> bytes`` of a GQA cache."""
     return check_function("KV-cache bytes of a GQA model", as_number(fn), _gqa_reference, _gqa_inputs,
@@ -43,6 +44,7 @@ def _crossover_reference(n_params, weight_bytes_per_param, n_layers, n_kv_heads,
     return kvmath.kv_equals_weights_context(n_params * weight_bytes_per_param, per_token, batch)
 
 
+@exercise
 def check_kv_equals_weights(fn) -> Result:
     """Check ``fn(n_params, weight_bytes_per_param, n_layers, n_kv_heads, head_dim, kv_dtype_bytes, batch)``:
     the context length (tokens per sequence, a float) at which the batch's KV cache weighs as much as the weights."""
@@ -62,6 +64,7 @@ def _waste_reference(lengths, max_len):
     return 1.0 - kvmath.reservation_utilisation(lengths.numpy(), max_len)
 
 
+@exercise
 def check_reservation_waste(fn) -> Result:
     """Check ``fn(lengths, max_len) -> fraction`` of reserved slots left empty when each request reserves
     ``max_len`` slots and uses ``lengths[i]`` of them (``lengths`` is a 1-D int64 tensor)."""
@@ -79,6 +82,7 @@ def _mla_reference(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, dtype_byte
     return kvmath.mla_cache_bytes(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, 1, dtype_bytes)
 
 
+@exercise
 def check_mla_bytes(fn) -> Result:
     """Check ``fn(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, dtype_bytes) -> bytes`` of an MLA cache (batch 1)."""
     return check_function("KV-cache bytes of an MLA model", as_number(fn), _mla_reference, _mla_inputs,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from labsrc import kvquant
-from labsrc.exercises.core import Result, as_number, check_function, randint
+from labsrc.exercises.core import Result, as_number, check_function, exercise, randint
 
 
 
@@ -44,6 +44,7 @@ def _scale_zero_reference(group, bits):
     return torch.stack([(hi - lo) / (2 ** bits - 1), lo]).to(torch.float64)
 
 
+@exercise
 def check_scale_zero(fn) -> Result:
     """Check ``fn(group, bits) -> (scale, zero)``: the step and the (real-valued) zero point of one group.
 
@@ -63,6 +64,7 @@ def _ratio_inputs(gen: torch.Generator) -> tuple:
     return var, bool(randint(gen, 0, 3) == 0)  # mostly shared steps, sometimes per-channel steps
 
 
+@exercise
 def check_mse_ratio(fn) -> Result:
     """Check ``fn(channel_var, per_channel_steps) -> float``: predicted MSE without / with normalisation."""
     return check_function("predicted gain of variance normalisation", as_number(fn),
@@ -84,6 +86,7 @@ def _bytes_reference(n_tokens, n_layers, n_kv_heads, head_dim, bits, group_size)
                             granularity="group", stats=True)
 
 
+@exercise
 def check_cache_bytes(fn) -> Result:
     """Check ``fn(n_tokens, n_layers, n_kv_heads, head_dim, bits, group_size) -> bytes`` of a KVarN cache.
 

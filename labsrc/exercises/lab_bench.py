@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from labsrc.exercises.core import Result, check_function, randint
+from labsrc.exercises.core import Result, check_function, exercise, randint
 
 
 
@@ -30,6 +30,7 @@ def _llama_reference(cfg: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+@exercise
 def check_parameter_count(fn) -> Result:
     """``fn(cfg: dict) -> int``: the parameters of a ``LlamaForCausalLM`` built from ``cfg`` (compared with a
     real model on random configurations, tied and untied embeddings, several GQA ratios)."""
@@ -57,6 +58,7 @@ def _ecl_inputs(gen: torch.Generator) -> tuple:
     return [lengths[i] for i in order], [acc[i] for i in order], [0.8, 0.85, 0.9][randint(gen, 0, 2)]
 
 
+@exercise
 def check_effective_context_length(fn) -> Result:
     """``fn(lengths, accuracy, threshold) -> int``: RULER's effective context length."""
     return check_function("effective context length", fn, effective_context_length_ref, _ecl_inputs, trials=8,
@@ -76,6 +78,7 @@ def _bucket_inputs(gen: torch.Generator) -> tuple:
     return torch.rand(rows, n, generator=gen, dtype=torch.float64) * 8, randint(gen, 1, 20)
 
 
+@exercise
 def check_bucket_perplexity(fn) -> Result:
     """``fn(nll, bucket) -> tensor``: perplexity per position bucket of a ``(windows, positions)`` loss table."""
     return check_function("perplexity by position bucket", fn, bucket_perplexity_ref, _bucket_inputs, trials=6,
@@ -99,6 +102,7 @@ def _pareto_inputs(gen: torch.Generator) -> tuple:
     return (list(zip(map(float, xs), [y / 5 for y in ys])),)
 
 
+@exercise
 def check_pareto_front(fn) -> Result:
     """``fn(points) -> list of indices``: the points no other point beats (less bytes *and* more accuracy)."""
     def agrees(points):

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 
 from labsrc import rope
-from labsrc.exercises.core import FAILED, NOT_SOLVED, PASSED, Result, _report, as_number, check_function
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
+                                   as_number, check_function, exercise, hidden)
 
 __all__ = ["check_wavelength", "check_position_interpolation", "check_ntk_base", "check_yarn_unscaled"]
 
@@ -44,6 +45,7 @@ def _wavelength_reference(i, head_dim, base):
     return float(rope.wavelengths(inv_freq.double())[i])
 
 
+@exercise
 def check_wavelength(fn) -> Result:
     """Check ``fn(i, head_dim, base) -> float``: how many tokens pair ``i`` needs for one full turn."""
     return check_function("wavelength of pair i", as_number(fn), _wavelength_reference, _wavelength_inputs,
@@ -72,6 +74,7 @@ def _as_float32(fn):
     return wrapped
 
 
+@exercise
 def check_position_interpolation(fn) -> Result:
     """Check ``fn(head_dim, base, factor) -> tensor (head_dim // 2,)``: the inverse frequencies that squeeze
     positions ``0 .. factor * L`` into the trained range ``0 .. L``."""
@@ -89,6 +92,7 @@ def _ntk_reference(base, factor, head_dim):
     return rope.ntk_base(base, factor, head_dim)
 
 
+@exercise
 def check_ntk_base(fn) -> Result:
     """Check ``fn(base, factor, head_dim) -> float``: the base for which the slowest pair is slowed by exactly
     ``factor`` while pair 0 keeps its frequency."""
@@ -140,14 +144,17 @@ def _as_indices(got, n_pairs) -> tuple[list[int] | None, str]:
     return sorted(int(i) for i in items), ""
 
 
+@exercise
 def check_yarn_unscaled(fn) -> Result:
     """Check ``fn(head_dim, base, factor, original_max_position, beta_fast, beta_slow)``: the indices of the
     pairs whose frequency YaRN leaves exactly as trained (a list of ints or a boolean mask over the pairs)."""
     name = "pairs YaRN leaves unscaled"
     hint = ("count how many full turns each pair makes over the original context; YaRN keeps the pairs that "
             "turn at least beta_fast times.")
-    gen = torch.Generator().manual_seed(24)
-    trials = 8
+    seed, trials = 24, 8
+    if hidden():
+        seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
+    gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
         args = _yarn_inputs(gen)
         try:

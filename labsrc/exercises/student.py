@@ -1,97 +1,145 @@
-"""Write the student version of the chapter notebooks.
+"""Write the release (student) version of the chapter notebooks with nbgrader.
 
-Solutions sit between nbgrader's markers inside an exercise function::
+The chapter notebooks are nbgrader source notebooks: every exercise is a solution cell (the answer between
+``### BEGIN SOLUTION`` and ``### END SOLUTION``) followed by a locked, autograded test cell with points and a
+``### BEGIN HIDDEN TESTS`` section (``tools/nbgrader_cells.py`` writes that metadata). This module runs the real
+``nbgrader generate_assignment`` on them, in a temporary course directory it creates with the lab's
+``nbgrader_config.py``, and copies the release notebooks out. In the release version each solution region is
+replaced, at its indentation, by::
 
-    def bytes_per_token(...):
-        ### BEGIN SOLUTION
-        return 2 * n_layers * ...
-        ### END SOLUTION
+    # YOUR CODE HERE
+    raise NotImplementedError("not solved yet")
 
-The student build replaces each such block with a stub at the same indentation::
+hidden tests and outputs are removed and test cells are locked. The visible check then prints "not solved yet"
+and the notebook runs to the end. Usage::
 
-        # YOUR CODE HERE
-        raise NotImplementedError("not solved yet")
+    python -m labsrc.exercises.student chapters _build/student           # what `make student` runs
+    python -m labsrc.exercises.student --course course --assignment kv_cache chapters/01_kv_cache.ipynb
 
-so the check cell that follows prints "not solved yet" and the notebook still runs to the end. nbgrader itself
-can read the same markers (``nbgrader generate_assignment``); this small script exists so that ``make student``
-needs no nbgrader course directory. Usage::
-
-    python -m labsrc.exercises.student chapters _build/student
+:func:`course` and :func:`nbgrader` are shared with :mod:`labsrc.exercises.grade`.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
-BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-STUB = ("# YOUR CODE HERE", 'raise NotImplementedError("not solved yet")')
+ASSIGNMENT = "lab"
+STUB = '# YOUR CODE HERE\nraise NotImplementedError("not solved yet")'
+
+# The course configuration the lab's commands write; an instructor's own course can copy it.
+CONFIG = f'''\
+# nbgrader configuration of the Long-Context Inference Lab (written by labsrc.exercises.student).
+c = get_config()  # noqa: F821 (nbgrader provides it)
+c.CourseDirectory.course_id = "lclab"
+# The stub the release notebooks get for every solution region: the check cell reports "not solved yet".
+c.ClearSolutions.code_stub = {{"python": {STUB!r}}}
+# A submission whose test cells were deleted gets them back from the source (and their points stay at stake).
+c.OverwriteCells.add_missing_cells = True
+# A whole chapter executes in about two minutes on a CPU, so no cell should need five. A cell that stalls (twice,
+# on a shared machine, an autograde of chapter 1 sat idle after its cells had run, nbgrader and kernel both
+# waiting) is interrupted, recorded as an error, and grading goes on with the next cell.
+c.Execute.timeout = 300
+'''
 
 
-def strip_solutions(source: str) -> tuple[str, int]:
-    """Replace every solution block in one cell's source; return the new source and how many blocks there were.
-
-    Raises ValueError on a marker without its partner, or nested markers, naming the line.
-    """
-    out, inside, indent, count = [], False, "", 0
-    for number, line in enumerate(source.splitlines(keepends=True), start=1):
-        marker = line.strip()
-        if marker == BEGIN:
-            if inside:
-                raise ValueError(f"line {number}: {BEGIN!r} inside another solution block")
-            inside, indent, count = True, re.match(r"\s*", line).group(0), count + 1
-            out.extend(f"{indent}{s}\n" for s in STUB)
-        elif marker == END:
-            if not inside:
-                raise ValueError(f"line {number}: {END!r} without {BEGIN!r}")
-            inside = False
-        elif not inside:
-            out.append(line)
-    if inside:
-        raise ValueError(f"{BEGIN!r} without {END!r}")
-    return "".join(out), count
+def course(root: Path, notebooks: list[Path], assignment: str = ASSIGNMENT) -> Path:
+    """Lay out an nbgrader course in ``root``: its ``nbgrader_config.py`` and ``source/<assignment>/`` holding
+    ``notebooks`` (the instructor versions). Returns ``root``."""
+    if not notebooks:
+        raise ValueError("no notebooks to put in the course")
+    root = Path(root)
+    source = root / "source" / assignment
+    source.mkdir(parents=True, exist_ok=True)
+    (root / "nbgrader_config.py").write_text(CONFIG)
+    for path in notebooks:
+        shutil.copy2(path, source / Path(path).name)
+    return root
 
 
-def student_notebook(notebook: dict) -> tuple[dict, int]:
-    """A copy of ``notebook`` (nbformat JSON) with solutions stubbed and outputs cleared, and the block count."""
-    nb = json.loads(json.dumps(notebook))
-    total = 0
-    for index, cell in enumerate(nb["cells"]):
-        if cell["cell_type"] != "code":
-            continue
-        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        try:
-            new_source, count = strip_solutions(source)
-        except ValueError as err:
-            raise ValueError(f"cell {index}: {err}") from None
-        cell["source"] = new_source
-        cell["outputs"], cell["execution_count"] = [], None
-        total += count
-    return nb, total
+def nbgrader(root: Path, *args: str, env: dict | None = None) -> str:
+    """Run ``nbgrader <args>`` in the course directory ``root``; return its log, raise RuntimeError (with the
+    log) when it fails. The log goes to ``root/nbgrader-<command>.log``: with its output in a pipe, an autograde
+    of a whole chapter stalled, both nbgrader and its kernel idle, while the same command with a file finished."""
+    # nbgrader runs `alembic` (its database migrations) from PATH: put this interpreter's scripts first, so a
+    # venv that is not activated works too.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    log_path = Path(root) / f"nbgrader-{args[0]}.log"
+    with open(log_path, "w") as log_file:
+        done = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=root, stdin=subprocess.DEVNULL,
+                              stdout=log_file, stderr=subprocess.STDOUT,
+                              env={**os.environ, "PATH": path, **(env or {})})
+    log = log_path.read_text(errors="replace")
+    if done.returncode != 0:
+        raise RuntimeError(f"nbgrader {' '.join(args)} failed (exit {done.returncode}):\n{log[-4000:]}")
+    return log
+
+
+def solution_cells(notebook: dict) -> int:
+    """How many cells of ``notebook`` (nbformat JSON) nbgrader treats as solution cells."""
+    return sum(bool(c.get("metadata", {}).get("nbgrader", {}).get("solution")) for c in notebook["cells"])
+
+
+def release(root: Path, assignment: str = ASSIGNMENT) -> Path:
+    """``nbgrader generate_assignment`` in the course ``root``; returns ``release/<assignment>``."""
+    nbgrader(root, "generate_assignment", assignment, "--force")
+    return Path(root) / "release" / assignment
 
 
 def build(src: Path, out: Path) -> dict[str, int]:
-    """Write the student version of every ``src/*.ipynb`` into ``out``; return solution blocks per notebook."""
+    """Write the release version of every ``src/*.ipynb`` into ``out``; return the solution cells per notebook."""
     src, out = Path(src), Path(out)
     notebooks = sorted(src.glob("*.ipynb"))
     if not notebooks:
         raise ValueError(f"no notebooks in {src}")
-    out.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    for path in notebooks:
-        nb, counts[path.name] = student_notebook(json.loads(path.read_text()))
-        (out / path.name).write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
-    return counts
+    with tempfile.TemporaryDirectory(prefix="lclab-course-") as tmp:
+        released = release(course(Path(tmp), notebooks))
+        out.mkdir(parents=True, exist_ok=True)
+        for path in notebooks:
+            shutil.copy2(released / path.name, out / path.name)
+    return {path.name: solution_cells(json.loads(path.read_text())) for path in notebooks}
+
+
+def strip_solutions(source: str) -> tuple[str, int]:
+    """One cell's source with each solution region replaced by the stub, as nbgrader's ``ClearSolutions``
+    does it; and how many regions there were. Raises ValueError on a marker without its partner or nested
+    markers."""
+    from nbformat.v4 import new_code_cell
+    from nbgrader.preprocessors import ClearSolutions
+
+    cell = new_code_cell(source)
+    clear = ClearSolutions(code_stub={"python": STUB})
+    try:
+        clear._replace_solution_region(cell, "python")
+    except RuntimeError as err:
+        raise ValueError(f"solution markers: {err}") from None
+    return cell.source, sum(clear.begin_solution_delimeter in line for line in source.splitlines())
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write student notebooks with the solutions stubbed out.")
-    parser.add_argument("src", type=Path, help="folder of instructor notebooks (chapters/)")
-    parser.add_argument("out", type=Path, help="folder to write the student notebooks to")
+    parser = argparse.ArgumentParser(
+        description="Write the release notebooks with nbgrader generate_assignment (SRC OUT), or lay out an nbgrader "
+                    "course for your own class (--course DIR NOTEBOOK...).")
+    parser.add_argument("paths", type=Path, nargs="+",
+                        help="SRC OUT: the instructor notebooks' folder (chapters/) and the folder to write the release "
+                             "notebooks to; with --course: the instructor notebooks to put in the course")
+    parser.add_argument("--course", type=Path, help="lay out an nbgrader course here (nbgrader_config.py and "
+                                                    "source/ASSIGNMENT/) and stop")
+    parser.add_argument("--assignment", default=ASSIGNMENT, help=f"the assignment's name (default {ASSIGNMENT})")
     args = parser.parse_args(argv)
-    for name, count in build(args.src, args.out).items():
-        print(f"{name}: {count} solution block(s) stubbed")
+    if args.course:
+        root = course(args.course, args.paths, args.assignment)
+        print(f"nbgrader course in {root}: source/{args.assignment}/ holds {len(args.paths)} notebook(s)")
+        return 0
+    if len(args.paths) != 2:
+        parser.error("give SRC and OUT (or --course DIR and notebooks)")
+    for name, count in build(*args.paths).items():
+        print(f"{name}: {count} solution cell(s) stubbed by nbgrader generate_assignment")
     return 0
 
 

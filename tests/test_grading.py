@@ -1,0 +1,307 @@
+"""Grading with nbgrader, end to end: the release build, the autograde round trip, the book's staged copies and
+the instructors page's exercise table.
+
+The round trip runs on a small notebook made of chapter 1's real exercise cells (its solution and test cells
+with their nbgrader metadata and the exercise statements before them): the grading machinery is the same for
+every chapter, and this notebook executes in seconds, so no chapter is executed a third time in `make test`
+(each executes once as instructor in `make execute` and once as student in `make test-student`).
+"""
+import copy
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from labsrc.exercises import grade, student
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
+ROUND_TRIP_CHAPTER = ROOT / "chapters" / "01_kv_cache.ipynb"
+SOLUTION_REGION = re.compile(r"### BEGIN SOLUTION(.*?)### END SOLUTION", re.S)
+
+
+def source(cell):
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def nbgrader(cell):
+    return cell.get("metadata", {}).get("nbgrader", {})
+
+
+def exercise_notebook(chapter: Path) -> dict:
+    """``chapter`` cut down to its exercise cells, unchanged: each solution cell with the markdown just before
+    it (the exercise statement) and its test cell."""
+    nb = json.loads(chapter.read_text())
+    keep = set()
+    for i, cell in enumerate(nb["cells"]):
+        if nbgrader(cell).get("solution") or nbgrader(cell).get("grade"):
+            keep.add(i)
+            if nbgrader(cell).get("solution") and i and nb["cells"][i - 1]["cell_type"] == "markdown":
+                keep.add(i - 1)
+    small = copy.deepcopy(nb)
+    small["cells"] = [c for i, c in enumerate(nb["cells"]) if i in keep]
+    return small
+
+
+def write(nb: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return path
+
+
+# --------------------------------------------------------------------------------- metadata in the notebooks
+def test_nbgrader_cells_script_has_been_run():
+    """tools/nbgrader_cells.py is the source of truth for the exercise cells: running it changes nothing."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "tools/nbgrader_cells.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, f"run `python tools/nbgrader_cells.py`: {done.stdout}{done.stderr}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_exercise_cell_carries_nbgrader_metadata(path):
+    cells = json.loads(path.read_text())["cells"]
+    solutions = [c for c in cells if "### BEGIN SOLUTION" in source(c)]
+    tests = [c for c in cells if nbgrader(c).get("grade")]
+    assert len(solutions) >= 3 and len(tests) == len(solutions)
+    for cell in solutions:
+        meta = nbgrader(cell)
+        assert meta["solution"] and not meta["grade"] and meta["grade_id"].startswith("solution_")
+    for cell in tests:
+        meta, text = nbgrader(cell), source(cell)
+        assert meta["locked"] and meta["points"] > 0 and not meta["solution"]
+        visible, hidden = text.split("### BEGIN HIDDEN TESTS")
+        assert re.search(r"\bex\.check_\w+\(", visible), "the students see the check"
+        assert "hidden=True" in hidden and hidden.rstrip().endswith("### END HIDDEN TESTS")
+        assert cell["metadata"]["lab"]["minutes"] > 0
+
+
+def test_nbgrader_cells_is_idempotent_and_keeps_an_instructors_hidden_lines():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("nbgrader_cells", ROOT / "tools" / "nbgrader_cells.py")
+    cells_tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cells_tool)
+    nb = exercise_notebook(ROUND_TRIP_CHAPTER)
+    test = next(c for c in nb["cells"] if nbgrader(c).get("grade"))
+    test["source"] = source(test).replace("### END HIDDEN TESTS", "assert gqa_kv_bytes(1, 1, 1, 1, 1, 1, 1) == 2\n"
+                                          "### END HIDDEN TESTS")
+    for cell in nb["cells"]:                 # as if the metadata had been lost in a merge
+        cell["metadata"].pop("nbgrader", None)
+    once = copy.deepcopy(nb)
+    cells_tool.annotate(once)
+    twice = copy.deepcopy(once)
+    cells_tool.annotate(twice)
+    assert once == twice
+    hidden = source(next(c for c in once["cells"] if nbgrader(c).get("grade"))).split("### BEGIN HIDDEN TESTS")[1]
+    assert "assert gqa_kv_bytes(1, 1, 1, 1, 1, 1, 1) == 2" in hidden
+    assert hidden.count("hidden=True") == 1
+
+
+# --------------------------------------------------------------------------------- the release build
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    out = tmp_path_factory.mktemp("release")
+    counts = student.build(ROOT / "chapters", out)
+    return out, counts
+
+
+def test_release_has_no_solutions_no_hidden_tests_and_locked_checks(released):
+    out, counts = released
+    assert sorted(counts) == [p.name for p in CHAPTERS] and all(n >= 3 for n in counts.values())
+    for path in CHAPTERS:
+        instructor = json.loads(path.read_text())["cells"]
+        release = json.loads((out / path.name).read_text())["cells"]
+        answers = [m.group(1).strip() for c in instructor for m in SOLUTION_REGION.finditer(source(c))]
+        text = "\n".join(source(c) for c in release)
+        assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text and "hidden=True" not in text
+        for answer in answers:
+            assert answer not in text, f"{path.name}: a solution survived the release build"
+        assert text.count('raise NotImplementedError("not solved yet")') == len(answers)
+        for cell in release:
+            if nbgrader(cell).get("grade"):
+                assert cell["metadata"]["editable"] is False and cell["metadata"]["deletable"] is False
+            if cell["cell_type"] == "code":
+                assert not cell["outputs"]
+
+
+# --------------------------------------------------------------------------------- the autograde round trip
+def solve(release: dict, instructor: dict, grade_ids: set[str]) -> dict:
+    """``release`` with the instructor's solution cells put back for the exercises in ``grade_ids``."""
+    nb = copy.deepcopy(release)
+    answers = {nbgrader(c)["grade_id"]: c for c in instructor["cells"] if nbgrader(c).get("solution")}
+    for cell in nb["cells"]:
+        gid = nbgrader(cell).get("grade_id", "")
+        if nbgrader(cell).get("solution") and "check_" + gid.removeprefix("solution_") in grade_ids:
+            cell["source"] = answers[gid]["source"]
+    return nb
+
+
+@pytest.mark.slow
+@pytest.mark.notebook
+def test_autograde_round_trip(tmp_path, capsys):
+    name = ROUND_TRIP_CHAPTER.name
+    instructor = exercise_notebook(ROUND_TRIP_CHAPTER)
+    source_dir = tmp_path / "source"
+    write(instructor, source_dir / name)
+    t0 = time.perf_counter()
+    student.build(source_dir, tmp_path / "release")
+    t_release = time.perf_counter() - t0
+    release = json.loads((tmp_path / "release" / name).read_text())
+    ids = [nbgrader(c)["grade_id"] for c in release["cells"] if nbgrader(c).get("grade")]
+    points = {nbgrader(c)["grade_id"]: nbgrader(c)["points"] for c in release["cells"] if nbgrader(c).get("grade")}
+
+    subs = tmp_path / "submissions"
+    write(release, subs / "unsolved" / name)
+    write(instructor, subs / "instructor" / name)
+    partial = solve(release, instructor, set(ids[:2]))   # two exercises tried, the first one wrong:
+    for cell in partial["cells"]:                          # the classic GQA mistake, counting query heads
+        if nbgrader(cell).get("grade_id") == "solution_gqa_bytes":
+            cell["source"] = source(cell).replace("n_kv_heads * head_dim", "n_heads * head_dim")
+            assert "n_heads * head_dim" in source(cell)
+    write(partial, subs / "partial" / name)
+    passed_over = copy.deepcopy(release)   # check cells replaced by `pass` (metadata kept, as Jupyter keeps it)
+    for cell in passed_over["cells"]:
+        if nbgrader(cell).get("grade"):
+            cell["source"] = "pass"
+    write(passed_over, subs / "checks_replaced" / name)
+    deleted = copy.deepcopy(release)       # check cells deleted
+    deleted["cells"] = [c for c in deleted["cells"] if not nbgrader(c).get("grade")]
+    write(deleted, subs / "checks_deleted" / name)
+
+    course = tmp_path / "course"
+    t0 = time.perf_counter()
+    table = grade.grade(subs, source_dir, course)
+    t_grade = time.perf_counter() - t0
+    full = sum(points.values())
+    with capsys.disabled():
+        print(f"\nrelease build {t_release:.1f} s; autograde of {len(table.scores)} submissions {t_grade:.1f} s\n"
+              + table.to_markdown())
+    totals = {s: table.total(s) for s in table.scores}
+    assert totals["instructor"] == full
+    assert totals["unsolved"] == totals["checks_replaced"] == totals["checks_deleted"] == 0
+    assert ids[0] == "check_gqa_bytes" and table.scores["partial"][(name, ids[0])] == 0
+    assert totals["partial"] == table.scores["partial"][(name, ids[1])] == points[ids[1]]
+    # autograde executed every submission to the end, the unsolved one included
+    for who in table.scores:
+        graded = json.loads((course / "autograded" / who / "lab" / name).read_text())
+        code = [c for c in graded["cells"] if c["cell_type"] == "code"]
+        assert all(c["execution_count"] is not None for c in code), f"{who} did not execute to the end"
+        displayed = [o for c in code if nbgrader(c).get("grade") for o in c["outputs"]
+                     if o["output_type"] == "execute_result"]
+        assert not displayed, "a test cell's displayed value would be read by nbgrader as a partial score"
+        if who in ("checks_replaced", "checks_deleted"):
+            restored = [source(c) for c in code if nbgrader(c).get("grade")]
+            assert len(restored) == len(ids) and all("hidden=True" in s for s in restored)
+    unsolved = json.loads((course / "autograded" / "unsolved" / "lab" / name).read_text())
+    shown = "".join(source({"source": o.get("text", "")}) for c in unsolved["cells"] if c["cell_type"] == "code"
+                    for o in c["outputs"])
+    assert "not solved yet" in shown and "Fill in the function above" in shown, "the friendly message stays"
+    csv_rows = table.to_csv().splitlines()
+    assert csv_rows[0].startswith("student,01:gqa_bytes") and csv_rows[-1].startswith("(max),")
+
+
+def test_score_table_formats():
+    table = grade.ScoreTable([("01_a.ipynb", "check_x", 1.0), ("02_b.ipynb", "check_y", 2.5)],
+                             {"bo": {("01_a.ipynb", "check_x"): 1.0, ("02_b.ipynb", "check_y"): 0.0},
+                              "al": {("01_a.ipynb", "check_x"): 0.0, ("02_b.ipynb", "check_y"): 2.5}})
+    assert table.to_csv().splitlines() == ["student,01:x,02:y,total", "al,0,2.5,2.5", "bo,1,0,1", "(max),1,2.5,3.5"]
+    md = table.to_markdown().splitlines()
+    assert md[0] == "| student | 01:x | 02:y | total |" and md[2] == "| al | 0 | 2.5 | 2.5 |"
+
+
+def test_grade_refuses_unknown_notebooks_and_empty_folders(tmp_path):
+    with pytest.raises(ValueError, match="no student folders"):
+        grade.grade(tmp_path)
+    write({"cells": []}, tmp_path / "ada" / "99_nope.ipynb")
+    with pytest.raises(ValueError, match="99_nope"):
+        grade.grade(tmp_path)
+
+
+# --------------------------------------------------------------------------------- the book shows the release
+def stage_book():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("stage_book", ROOT / "tools" / "stage_book.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_staged_chapter_is_the_release_version_with_outputs(path):
+    """What tools/stage_book.py renders: no text between BEGIN/END SOLUTION, no hidden tests, other outputs kept."""
+    nb = json.loads(path.read_text())
+    answers = [m.group(1).strip() for c in nb["cells"] for m in SOLUTION_REGION.finditer(source(c))]
+    marker = {"output_type": "stream", "name": "stdout", "text": "executed\n"}
+    for cell in nb["cells"]:            # stand-in for the executed copy's outputs
+        if cell["cell_type"] == "code":
+            cell["outputs"] = [marker]
+    staged = stage_book().release_view(nb)
+    text = "\n".join(source(c) for c in staged["cells"])
+    assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text and "hidden=True" not in text
+    assert answers and not any(answer in text for answer in answers)
+    for before, after in zip(nb["cells"], staged["cells"]):
+        if after["cell_type"] != "code":
+            continue
+        if nbgrader(after).get("grade"):
+            assert after["outputs"] == [], "a test cell's output reported on the solution"
+        else:
+            assert after["outputs"] == [marker]
+        if not nbgrader(after):
+            assert source(after) == source(before)
+
+
+def test_staged_book_if_built_has_no_solutions():
+    """The staged copies of the last `make book` (skipped before the first one)."""
+    staged = sorted((ROOT / "_build" / "src" / "chapters").glob("*.ipynb"))
+    if not staged:
+        pytest.skip("the book has not been staged in this checkout")
+    for path in staged:
+        text = "\n".join(source(c) for c in json.loads(path.read_text())["cells"])
+        assert not SOLUTION_REGION.search(text) and "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text
+
+
+# --------------------------------------------------------------------------------- the instructors page
+def test_instructors_exercise_table_matches_the_notebooks():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "tools/exercise_table.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    page = (ROOT / "book" / "instructors.md").read_text()
+    for path in CHAPTERS:
+        total = sum(nbgrader(c).get("points", 0) for c in json.loads(path.read_text())["cells"])
+        assert f"| `{path.stem}` | **all" in page and f"| **{total}** |" in page
+
+
+def test_instructors_page_reveals_no_exercise_answer():
+    page = (ROOT / "book" / "instructors.md").read_text()
+    for path in CHAPTERS:
+        for cell in json.loads(path.read_text())["cells"]:
+            for answer in SOLUTION_REGION.findall(source(cell)):
+                assert answer.strip() not in page, f"the instructors page shows an answer of {path.name}"
+
+
+def test_make_lab_hides_nbgraders_jupyterlab_extension():
+    """`make lab` (students) points JUPYTER_CONFIG_PATH at tools/jupyter/student, which disables nbgrader's
+    JupyterLab extension; `make lab-solutions` (instructors) keeps it."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("jupyterlab")
+
+    def listing(extra_env):
+        done = subprocess.run([sys.executable, "-m", "jupyter", "labextension", "list"], capture_output=True,
+                              text=True, env={**os.environ, **extra_env})
+        text = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)
+        return [line for line in text.splitlines() if "@jupyter/nbgrader v" in line]
+
+    student_view = listing({"JUPYTER_CONFIG_PATH": str(ROOT / "tools" / "jupyter" / "student")})
+    instructor_view = listing({})
+    if not instructor_view:
+        pytest.skip("nbgrader's JupyterLab extension is not installed here")
+    assert all("disabled" in line for line in student_view) and student_view
+    assert all("enabled" in line for line in instructor_view)
+    assert "JUPYTER_CONFIG_PATH=$(CURDIR)/tools/jupyter/student" in (ROOT / "Makefile").read_text()

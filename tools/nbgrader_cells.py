@@ -1,0 +1,189 @@
+"""Give every exercise cell of the chapter notebooks its nbgrader metadata and hidden tests.
+
+This script is the source of truth for the exercise cells' metadata: run it after adding or changing an
+exercise, and after merging notebook changes. It is idempotent (a second run changes nothing) and touches only
+exercise cells, which it finds by their content, never by position:
+
+* a **solution cell** is a code cell holding ``### BEGIN SOLUTION``; it gets ``solution=true, grade=false``
+  and the grade id ``solution_<name>``;
+* its **test cell** is the next code cell, which must call ``ex.check_<name>(...)``; it gets
+  ``grade=true, locked=true`` and the points below, the grade id ``check_<name>`` (the first check it calls),
+  the estimated minutes and a title under ``metadata.lab``, and a hidden section that calls every check of the cell
+  again with ``hidden=True`` (further cases, and a failure raises in any environment)::
+
+      ex.check_gqa_bytes(gqa_kv_bytes)
+      ### BEGIN HIDDEN TESTS
+      ex.check_gqa_bytes(gqa_kv_bytes, hidden=True)
+      ### END HIDDEN TESTS
+
+  An instructor may add lines of their own inside the hidden section; the script keeps them.
+
+A cell that carries nbgrader metadata but is no longer an exercise cell loses it. The notebooks keep their JSON
+format (indent 1, UTF-8 text, and the trailing newline each file had).
+
+Usage (from the repository root)::
+
+    python tools/nbgrader_cells.py            # rewrite chapters/*.ipynb where needed
+    python tools/nbgrader_cells.py --check    # exit 1, naming the notebooks, if any would change
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BEGIN_SOLUTION = "### BEGIN SOLUTION"
+BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
+HIDDEN_NOTE = "# The same checks on cases students do not see; here a failure raises in any environment."
+CHECK_CALL = re.compile(r"\bex\.(check_\w+)\(([^()]*)\)")
+
+# Points, estimated minutes and a short title of each exercise, by the first check its test cell calls (the
+# instructors page's table is generated from the metadata these become). A new exercise must be listed here:
+# the script refuses a test cell it cannot score.
+EXERCISES: dict[str, tuple[int, int, str]] = {
+    # 01 KV cache
+    "check_gqa_bytes": (1, 10, "KV-cache bytes of a GQA model"),
+    "check_kv_equals_weights": (2, 15, "context at which the cache outweighs the weights"),
+    "check_reservation_waste": (1, 10, "waste of max-length reservation"),
+    "check_mla_bytes": (2, 15, "KV-cache bytes of an MLA model"),
+    # 02 lab bench
+    "check_parameter_count": (3, 25, "count a Llama's parameters"),
+    "check_effective_context_length": (2, 15, "effective context length"),
+    "check_bucket_perplexity": (2, 15, "perplexity by position bucket"),
+    "check_pareto_front": (2, 20, "the Pareto front"),
+    # 03 FlashAttention
+    "check_merge": (3, 25, "merge two partial softmax results"),
+    "check_naive_bytes": (2, 15, "bytes moved by naive attention"),
+    "check_tiled_causal_bytes": (3, 25, "bytes moved by tiled causal attention"),
+    "check_key_tile": (2, 15, "find the bug in a masked load (Triton)"),
+    # 04 RoPE
+    "check_wavelength": (1, 10, "wavelength of a RoPE pair"),
+    "check_position_interpolation": (1, 10, "position interpolation"),
+    "check_ntk_base": (2, 15, "the NTK-aware base"),
+    "check_yarn_unscaled": (3, 25, "which pairs YaRN leaves alone"),
+    # 05 KV quantization
+    "check_scale_zero": (1, 10, "step and zero point of a group"),
+    "check_mse_ratio": (2, 20, "predict the gain of normalisation"),
+    "check_cache_bytes": (2, 20, "bytes of a KVarN cache"),
+    # 06 eviction (the last two cells each check two functions)
+    "check_scores": (2, 20, "value-aware scores"),
+    "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
+    "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
+}
+
+
+def source_of(cell: dict) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def same_form(text: str, like: str | list) -> str | list[str]:
+    """``text`` in the form the cell stored its source: one string, or (nbformat's other on-disk form) one
+    string per line, each but the last ending in a newline."""
+    return text if isinstance(like, str) else text.splitlines(keepends=True)
+
+
+def visible_part(source: str) -> tuple[str, list[str]]:
+    """Split a test cell into the part students see and the instructor's own lines of its hidden section
+    (everything there except the generated calls and note)."""
+    if BEGIN_HIDDEN not in source:
+        return source.rstrip("\n"), []
+    head, _, rest = source.partition(BEGIN_HIDDEN)
+    hidden, _, tail = rest.partition(END_HIDDEN)
+    if tail.strip():
+        raise ValueError(f"code after {END_HIDDEN!r}; keep the hidden section last in a test cell")
+    generated = {HIDDEN_NOTE} | {f"ex.{name}({args}, hidden=True)" for name, args in CHECK_CALL.findall(head)}
+    own = [line for line in hidden.strip("\n").splitlines() if line.strip() and line.strip() not in generated]
+    return head.rstrip("\n"), own
+
+
+def test_source(source: str) -> tuple[str, list[str]]:
+    """The test cell's source with its hidden section (re)generated; and the checks it calls."""
+    visible, own = visible_part(source)
+    calls = CHECK_CALL.findall(visible)
+    if not calls:
+        raise ValueError("a test cell must call ex.check_<name>(answer)")
+    hidden = [HIDDEN_NOTE] + [f"ex.{name}({args}, hidden=True)" for name, args in calls] + own
+    return "\n".join([visible, BEGIN_HIDDEN, *hidden, END_HIDDEN]), [name for name, _ in calls]
+
+
+def nbgrader_meta(grade_id: str, *, solution: bool, points: int = 0) -> dict:
+    meta = {"grade": not solution, "grade_id": grade_id, "locked": not solution}
+    if not solution:
+        meta["points"] = points
+    meta.update({"schema_version": 3, "solution": solution, "task": False})
+    return meta
+
+
+def annotate(nb: dict, name: str = "notebook") -> list[dict]:
+    """Set the exercise cells' metadata and hidden sections in ``nb`` (in place); return one row per exercise:
+    ``{"grade_id", "solution_id", "checks", "points", "minutes", "title"}``."""
+    cells = nb["cells"]
+    exercise_cells, rows = set(), []
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "code" or BEGIN_SOLUTION not in source_of(cell):
+            continue
+        j = next((k for k in range(i + 1, len(cells)) if cells[k]["cell_type"] == "code"), None)
+        if j is None or not CHECK_CALL.search(source_of(cells[j])):
+            raise ValueError(f"{name}: the solution cell {cell.get('id', i)} is not followed by a code cell "
+                             f"calling ex.check_<name>(...)")
+        new_source, checks = test_source(source_of(cells[j]))
+        if checks[0] not in EXERCISES:
+            raise ValueError(f"{name}: {checks[0]} has no points; add it to EXERCISES in {Path(__file__).name}")
+        points, minutes, title = EXERCISES[checks[0]]
+        grade_id = checks[0]
+        solution_id = "solution_" + grade_id.removeprefix("check_")
+        cell["metadata"]["nbgrader"] = nbgrader_meta(solution_id, solution=True)
+        test = cells[j]
+        test["source"] = same_form(new_source, test["source"])
+        test["metadata"]["nbgrader"] = nbgrader_meta(grade_id, solution=False, points=points)
+        test["metadata"]["lab"] = {"minutes": minutes, "title": title}
+        exercise_cells |= {i, j}
+        rows.append({"grade_id": grade_id, "solution_id": solution_id, "checks": checks, "points": points,
+                     "minutes": minutes, "title": title})
+    for i, cell in enumerate(cells):
+        if i not in exercise_cells:
+            cell["metadata"].pop("nbgrader", None)
+            lab = cell["metadata"].get("lab", {})
+            for key in ("minutes", "title"):
+                lab.pop(key, None)
+            if "lab" in cell["metadata"] and not lab:
+                cell["metadata"].pop("lab")
+    ids = [r["grade_id"] for r in rows] + [r["solution_id"] for r in rows]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{name}: two exercises start with the same check: {sorted(ids)}")
+    return rows
+
+
+def dump(nb: dict, trailing_newline: bool) -> str:
+    return json.dumps(nb, indent=1, ensure_ascii=False) + ("\n" if trailing_newline else "")
+
+
+def process(path: Path, write: bool) -> bool:
+    """Annotate one notebook; return True if its file changes (and write it when ``write``)."""
+    raw = path.read_text(encoding="utf-8")
+    nb = json.loads(raw)
+    annotate(nb, path.name)
+    new = dump(nb, raw.endswith("\n"))
+    if new != raw and write:
+        path.write_text(new, encoding="utf-8")
+    return new != raw
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="default: chapters/*.ipynb")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook would change")
+    args = parser.parse_args(argv)
+    paths = args.notebooks or sorted((ROOT / "chapters").glob("*.ipynb"))
+    changed = [p for p in paths if process(p, write=not args.check)]
+    for p in changed:
+        print(f"{p.name}: {'would change' if args.check else 'updated'}")
+    return 1 if args.check and changed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
