@@ -89,7 +89,7 @@ test-student: student
 	  $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --nbmake-timeout=900 _executed/student/*.ipynb
 
 bench-smoke: setup
-	$(PY) -m kernels.bench --all --size tiny --out _build/bench-smoke
+	$(PY) -m labsrc.bench --all --size tiny --out _build/bench-smoke
 
 # --- the book ----------------------------------------------------------------------------------------------
 book: $(EXECUTED)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from kernels import bench
+from labsrc import bench
 from labsrc import hardware, runtime
 
 
@@ -44,3 +44,25 @@ def test_hardware_lookup():
     assert hardware.lookup("NVIDIA H100 80GB HBM3").name == "H100-SXM"
     assert hardware.lookup("NVIDIA A100-SXM4-80GB").name == "A100-80GB"
     assert hardware.lookup("CPU (x86_64, 2 cores)") is None
+
+
+def test_the_bench_runs_from_any_directory_and_shows_progress(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "labsrc.bench", "kv_store", "--size", "tiny", "--reps", "1",
+                          "--out", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "[1/1] kv_store (tiny)" in out.stdout, "each entry says when it starts"
+    assert out.stdout.count("kernel ") >= 1 and list(tmp_path.glob("*-tiny.json"))
+
+
+def test_the_docstring_lists_every_entry():
+    for name in bench.entries():
+        assert f"``{name}``" in bench.__doc__, f"labsrc.bench's docstring does not list {name}"
+
+
+def test_results_go_to_the_checkout_folder_the_book_reads():
+    from pathlib import Path
+
+    assert bench.RESULTS_DIR == Path(__file__).resolve().parents[1] / "kernels" / "results"

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kernels.bench import format_table  # noqa: E402
+from labsrc.bench import format_table  # noqa: E402
 from labsrc import claims  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def bench_markdown(results_dir: Path) -> str:
     if not files:
         return ("**No GPU results have been recorded yet.** Every kernel is checked and smoke-timed under Triton's "
                 "interpreter in CI, but interpreter timings say nothing about GPU speed, so none are shown here. "
-                "Run `python -m kernels.bench --all --size gpu` on a GPU box to fill this page.\n")
+                "Run `python -m labsrc.bench --all --size gpu` on a GPU box to fill this page.\n")
     parts = []
     for path in files:
         data = json.loads(path.read_text())

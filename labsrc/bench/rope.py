@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.bench import Case, register
+from labsrc.bench import Case, register
 from labsrc import rope, runtime
 from labsrc.exercises import tolerance
 from labsrc.kernels.rope import apply_rope, apply_rope_ref

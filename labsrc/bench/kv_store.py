@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.bench import Case, register
+from labsrc.bench import Case, register
 from labsrc import runtime
 from labsrc.kernels.kv_store import kv_store, kv_store_ref
 

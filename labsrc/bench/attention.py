@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.bench import Case, register
+from labsrc.bench import Case, register
 from labsrc import runtime
 from labsrc.exercises import tolerance
 from labsrc.kernels.attention import (decode_attention, decode_attention_ref, flash_attention,

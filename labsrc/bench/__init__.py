@@ -1,24 +1,31 @@
-"""The kernel bench harness.
+"""The kernel bench: every Triton kernel of the lab timed against PyTorch, from any directory.
 
-Each kernel family has a module ``kernels/bench_<family>.py`` that registers one entry with
-:func:`register`. An entry is a function ``entry(size) -> list[Case]`` for ``size`` in ``"tiny"`` (a smoke run
-that the interpreter can do in CI) or ``"gpu"`` (real sizes). A :class:`Case` carries the kernel call, the
-PyTorch baseline, a correctness check and the bytes moved / FLOPs done, from which the harness reports
-achieved GB/s or TFLOP/s and the fraction of the device's published peak (:mod:`labsrc.hardware`).
+    python -m labsrc.bench --list                  # the entries below
+    python -m labsrc.bench --all --size tiny       # CI smoke run, works under the interpreter
+    python -m labsrc.bench --all --size gpu        # on a GPU box: real sizes, results saved for the book
+    python -m labsrc.bench flash_attention --size gpu
 
-    python -m kernels.bench --all --size tiny     # CI smoke, works under the interpreter
-    python -m kernels.bench attention --size gpu  # on a GPU box
+The entries, one module per kernel family in this package (``labsrc/bench/<family>.py``):
 
-Results are printed as a table and written as JSON to ``kernels/results/<device>-<size>.json``.
+* ``kv_store`` (:mod:`labsrc.bench.kv_store`): the slot-addressed cache write, in GB/s;
+* ``flash_attention``, ``flash_attention_backward``, ``decode_attention`` (:mod:`labsrc.bench.attention`):
+  prefill forward and backward in TFLOP/s, flash-decoding in GB/s of K/V read;
+* ``rope`` (:mod:`labsrc.bench.rope`): rotating queries and keys, in GB/s;
+* ``kvquant_pack``, ``kvquant_decode`` (:mod:`labsrc.bench.kvquant`): quantize-and-pack and attention straight
+  from the packed INT4/INT8 cache.
+
+Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for
+``size`` in ``"tiny"`` (a smoke run that the interpreter can do in CI) or ``"gpu"`` (real sizes). A
+:class:`Case` carries the kernel call, the PyTorch baseline, a correctness check and the bytes moved / FLOPs
+done, from which the harness reports achieved GB/s or TFLOP/s and the fraction of the device's published
+peak (:mod:`labsrc.hardware`). Each case is printed as it finishes.
+
+Results are written as JSON to ``kernels/results/<device>-<size>.json`` in a source checkout (the folder the
+book's "Kernel bench" page renders), or to ``./kernel-results/`` when the lab is installed from a wheel.
+(The bench lives in ``labsrc`` rather than a top-level ``kernels`` package: installing a package of that
+name would shadow Hugging Face's ``kernels``, which ``transformers`` looks for.)
 """
 from __future__ import annotations
-
-import sys
-
-if __name__ == "__main__":
-    # `python -m kernels.bench` runs this file as __main__; the entry modules import `kernels.bench`, and must
-    # register with this same module object, not a second copy.
-    sys.modules.setdefault("kernels.bench", sys.modules[__name__])
 
 import argparse
 import importlib
@@ -34,7 +41,9 @@ from typing import Callable
 import labsrc
 from labsrc import hardware, runtime
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_CHECKOUT = Path(__file__).resolve().parents[2]
+RESULTS_DIR = (_CHECKOUT / "kernels" / "results" if (_CHECKOUT / "labsrc").is_dir() and (_CHECKOUT / "kernels").is_dir()
+               else Path.cwd() / "kernel-results")
 SIZES = ("tiny", "gpu")
 _REGISTRY: dict[str, Callable[[str], list["Case"]]] = {}
 
@@ -64,11 +73,10 @@ def register(name: str):
 
 
 def entries() -> dict[str, Callable[[str], list[Case]]]:
-    """Import every ``kernels/bench_*.py`` and return the registered entries by name."""
-    package_dir = Path(__file__).resolve().parent
-    for info in pkgutil.iter_modules([str(package_dir)]):
-        if info.name.startswith("bench_"):
-            importlib.import_module(f"kernels.{info.name}")
+    """Import every entry module of this package (``labsrc/bench/<family>.py``); the entries by name."""
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
     return dict(sorted(_REGISTRY.items()))
 
 
@@ -142,7 +150,7 @@ def save(rows: list[dict], size: str, folder: Path = RESULTS_DIR) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m labsrc.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("name", nargs="?", help="one bench entry (see --list)")
     parser.add_argument("--all", action="store_true", help="run every entry")
     parser.add_argument("--list", action="store_true", help="list the entries and exit")
@@ -157,11 +165,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.all == bool(args.name):
         parser.error("give one entry name or --all")
     names = list(registry) if args.all else [args.name]
-    rows = [row for name in names for row in run_entry(name, args.size, args.reps)]
+    rows = []
+    for i, name in enumerate(names, 1):
+        # Each entry says when it starts and each case when it is done: a GPU run takes minutes.
+        print(f"[{i}/{len(names)}] {name} ({args.size})", flush=True)
+        for row in run_entry(name, args.size, args.reps):
+            print(f"    {row['case']}: kernel {row['kernel_ms']:.3g} ms, {row['baseline']} {row['baseline_ms']:.3g} ms",
+                  flush=True)
+            rows.append(row)
+    print()
     print(format_table(rows))
     print(f"\nwritten to {save(rows, args.size, args.out)}")
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.bench import Case, register
+from labsrc.bench import Case, register
 from labsrc import kvquant as kq
 from labsrc import runtime
 from labsrc.kernels.kvquant import decode_attention_quant, decode_attention_quant_ref, quantize_pack, \
