@@ -19,6 +19,11 @@ host is refused (the book must work offline) and counts as a failure. Each page 
   fallback, see ``tools/widget_cells.py``, stays an empty box and fails here);
 * on chapter 1, the figures in the code-cell outputs loaded (``naturalWidth > 0``), are more than a few KB
   and are not blank (more than a handful of distinct colours);
+* what a reader should never see: text from a solution or a hidden test (the book renders the release
+  version), an executed cell's stderr (library warnings are silenced at their source), or a printed Python
+  dict, ``namespace(...)``, dataclass or object repr where prose, a figure or a table belongs;
+* on each kernel chapter, the Triton kernel's own source, rendered from ``labsrc`` (``labsrc.show``): a
+  highlighted block holding ``@triton.jit``;
 
 and a full-page screenshot of each page is saved in the screens folder (``_build/screens``).
 """
@@ -46,6 +51,11 @@ FIGURE_PAGE = "chapters/01_kv_cache.html"
 MIN_FIGURE_BYTES = 3_000      # a real matplotlib PNG is tens of KB; an empty canvas compresses to ~1-2 KB
 MIN_FIGURE_COLOURS = 8        # a blank or single-colour image has 1-2 distinct colours
 TIMEOUT_MS = 30_000
+# Chapters that teach a Triton kernel and must show its source.
+KERNEL_PAGES = ("chapters/01_kv_cache.html", "chapters/03_flash_attention.html", "chapters/04_rope.html",
+                "chapters/05_kv_quant.html")
+# What no rendered page may contain: solution regions and hidden tests (stripped from the release version).
+FORBIDDEN_TEXT = ("### BEGIN SOLUTION", "### END SOLUTION", "### BEGIN HIDDEN TESTS", "BEGIN HIDDEN TESTS")
 # The one console error not counted: pydata-sphinx-theme (under sphinx-book-theme) logs it on a reader's first
 # visit, when localStorage has no colour mode yet and the template's `default_mode` is empty; the page then
 # uses "auto", as intended. Each test opens a fresh browser context, so every page is a first visit. Setting
@@ -220,6 +230,35 @@ BLANK_JS = """
 """
 
 
+# Outputs a reader should not meet: stderr streams, and printed reprs (a dict or list of dicts, a namespace,
+# a dataclass or an object's default repr) in a cell's text output.
+REPRS_JS = r"""
+() => {
+  const out = [];
+  const cellOf = el => {
+    const cell = el.closest('.cell');
+    const src = cell && cell.querySelector('.cell_input');
+    return src ? src.innerText.trim().split("\n")[0].slice(0, 100) : '(no input shown)';
+  };
+  for (const el of document.querySelectorAll('.cell_output .stderr, .cell_output .output.stderr')) {
+    out.push({kind: 'stderr output: ' + el.innerText.trim().slice(0, 120), cell: cellOf(el)});
+  }
+  const repr = /^\s*(\{\s*['"][^'"]+['"]\s*:|\[\{\s*['"]|namespace\(|[A-Z][A-Za-z]+\([a-z_]+=|<[a-zA-Z_.]+ object at 0x)/m;
+  for (const el of document.querySelectorAll('.cell_output .output.stream, .cell_output .output.text_plain')) {
+    const text = el.innerText;
+    const m = text.match(repr);
+    if (m) out.push({kind: 'printed repr: ' + text.slice(m.index, m.index + 80).trim(), cell: cellOf(el)});
+  }
+  return out;
+}
+"""
+
+KERNEL_SOURCE_JS = """
+() => Array.from(document.querySelectorAll('.cell_output .highlight, .cell_output pre'))
+        .some(el => el.innerText.includes('@triton.jit'))
+"""
+
+
 def pytest_generate_tests(metafunc):
     if "page_path" in metafunc.fixturenames:
         metafunc.parametrize("page_path", find_pages(HTML))
@@ -261,6 +300,14 @@ def test_page(page, base_url, page_path):
 
     for blank in page.evaluate(BLANK_JS):
         problems.append(f"{blank['kind']} (cell starting {blank['cell']!r})")
+
+    text = page.inner_text("body")
+    problems += [f"shows {marker!r}: solution or hidden-test text reached the page" for marker in FORBIDDEN_TEXT
+                 if marker in text]
+    for bad in page.evaluate(REPRS_JS):
+        problems.append(f"{bad['kind']} (cell starting {bad['cell']!r})")
+    if page_path in KERNEL_PAGES and not page.evaluate(KERNEL_SOURCE_JS):
+        problems.append("a kernel chapter that shows no Triton kernel source (labsrc.show.show_source)")
 
     if page_path == FIGURE_PAGE:
         figures = page.evaluate(FIGURE_JS, MIN_FIGURE_COLOURS)
