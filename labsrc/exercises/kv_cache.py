@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from labsrc import kvmath
-from labsrc.exercises.core import Result, as_number, check_function, exercise, randint
-
-
+from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number,
+                                   check_function, exercise, hidden, randint)
+from labsrc.kernels._triton import HAS_TRITON
 
 
 def _gqa_inputs(gen: torch.Generator) -> tuple:
@@ -88,3 +88,128 @@ def check_mla_bytes(fn) -> Result:
     return check_function("KV-cache bytes of an MLA model", as_number(fn), _mla_reference, _mla_inputs,
                           trials=8, seed=14, rtol=1e-12, atol=0.5,
                           hint="One latent serves both K and V; the RoPE key is shared by all heads.")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kernel exercise: a masked copy of new K/V rows into cache slots, written as a @triton.jit kernel.
+KV_STORE_BLOCK = 32
+"""The ``BLOCK`` the check launches the student's kernel with: smaller than most of its row sizes and not a
+divisor of them, so a kernel without a mask (or with the wrong one) is caught."""
+
+
+class Skipped(Result):
+    """A check that could not run here (no Triton): it says so and neither passes nor fails."""
+
+    def __str__(self) -> str:
+        return f"⏭️ {self.name}: skipped. {self.message}"
+
+
+def _is_kernel(obj) -> bool:
+    """A Triton kernel (``@triton.jit``, compiled or interpreted) is launched as ``kernel[grid](...)``."""
+    return callable(getattr(obj, "__getitem__", None)) and hasattr(obj, "fn")
+
+
+def _uses_library_store(kernel) -> bool:
+    """True when the kernel is, or calls, the lab's own ``_kv_store_kernel`` / ``kv_store`` instead of copying."""
+    from labsrc.kernels import kv_store as library
+    if kernel is library._kv_store_kernel:
+        return True
+    code = getattr(getattr(kernel, "fn", None), "__code__", None)
+    if code is None:
+        return False
+    if code is getattr(library._kv_store_kernel.fn, "__code__", None):
+        return True
+    names = set(code.co_names)
+    return bool(names & {"_kv_store_kernel", "kv_store", "kv_store_ref"})
+
+
+def _store_inputs(gen: torch.Generator) -> tuple:
+    """One random store: odd, non-power-of-two row sizes (n_kv_heads x head_dim), distinct scattered slots of
+    either index dtype, every cache dtype; caches poisoned with NaN so a missing or stray write shows."""
+    heads, dim = randint(gen, 1, 5), [7, 24, 33, 48, 50][randint(gen, 0, 4)]
+    n_slots = randint(gen, 5, 60)
+    n_rows = randint(gen, 1, n_slots)
+    dtype = [torch.float32, torch.float16, torch.bfloat16][randint(gen, 0, 2)]
+    slot_dtype = [torch.int32, torch.int64][randint(gen, 0, 1)]
+    slots = torch.randperm(n_slots, generator=gen)[:n_rows].to(slot_dtype)
+    k_new = torch.randn(n_rows, heads, dim, generator=gen).to(dtype)
+    v_new = torch.randn(n_rows, heads, dim, generator=gen).to(dtype)
+    return n_slots, k_new, v_new, slots
+
+
+def _kernel_problem(kernel, n_slots, k_new, v_new, slots) -> str | None:
+    """Launch the student's kernel on one store and say what is wrong, or None when it matches kv_store_ref."""
+    from labsrc.kernels._triton import triton
+    from labsrc.kernels.kv_store import kv_store_ref
+
+    n_rows, heads, dim = k_new.shape
+    row_size = heads * dim
+    shape = (n_slots, heads, dim)
+    k_cache = torch.full(shape, float("nan"), dtype=k_new.dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=k_new.dtype)
+    k_ref, v_ref = kv_store_ref(k_cache.clone(), v_cache.clone(), k_new, v_new, slots)
+    grid = (n_rows, triton.cdiv(row_size, KV_STORE_BLOCK))
+    kernel[grid](k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK=KV_STORE_BLOCK)
+    for name, got, want in (("k_cache", k_cache, k_ref), ("v_cache", v_cache, v_ref)):
+        written = ~torch.isnan(want).all(dim=(1, 2))
+        if not torch.equal(got[written], want[written]):
+            bad = (got[written] != want[written]).any(dim=(1, 2)).sum()
+            return f"{int(bad)} of the {n_rows} slots that should hold a new row differ in {name}."
+        if not torch.isnan(got[~written]).all():
+            return f"{name} changed at slots that no new row was meant for."
+    return None
+
+
+def _not_implemented(err: BaseException) -> bool:
+    """The student build's stub raises NotImplementedError; Triton's interpreter re-raises it wrapped."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, NotImplementedError) or "NotImplementedError" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@exercise
+def check_kv_store_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK)`` that
+    copies ``k_new[i]``/``v_new[i]`` to ``k_cache[slots[i]]``/``v_cache[slots[i]]``, launched on the grid
+    ``(n_rows, cdiv(row_size, BLOCK))`` under the interpreter on random stores, against ``kv_store_ref``.
+
+    Without Triton (macOS, Windows) it says the exercise is skipped and neither passes nor fails.
+    """
+    name = "a masked copy into cache slots, as a Triton kernel"
+    hint = ("Program (row, block) copies elements block*BLOCK ... block*BLOCK+BLOCK-1 of row `row` to the same "
+            "elements of row `slots[row]`; the last block of a row runs past its end unless masked.")
+    if not HAS_TRITON:
+        result = Skipped(name, NOT_SOLVED, "Triton is not installed on this machine (it has Linux wheels only), "
+                                           "so the kernel cannot run; the rest of the chapter does not need it.")
+        print(result)
+        return result
+    if not _is_kernel(kernel):
+        try:
+            kernel()
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+        except Exception:  # noqa: BLE001 - any other outcome is the same failure: it is not a kernel
+            pass
+        return _report(Result(name, FAILED, _with_hint(
+            f"expected a @triton.jit kernel, got {type(kernel).__name__}.", hint)))
+    if _uses_library_store(kernel):
+        return _report(Result(name, FAILED, _with_hint(
+            "the kernel must do the copy itself, not call the lab's kv_store.", hint)))
+    trials = 6 * (2 if hidden() else 1)
+    gen = torch.Generator().manual_seed(15 + (1000 if hidden() else 0))
+    for trial in range(trials):
+        n_slots, k_new, v_new, slots = _store_inputs(gen)
+        try:
+            problem = _kernel_problem(kernel, n_slots, k_new, v_new, slots)
+        except Exception as err:  # noqa: BLE001 - a crash inside the student's kernel is reported, not raised
+            if _not_implemented(err):
+                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+            problem = f"the launch raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if problem:
+            what = (f"trial {trial + 1} ({k_new.shape[0]} rows of {tuple(k_new.shape[1:])} {k_new.dtype} into "
+                    f"{n_slots} slots, {slots.dtype} slots, BLOCK={KV_STORE_BLOCK})")
+            return _report(Result(name, FAILED, _with_hint(f"{what}: {problem}", hint)))
+    return _report(Result(name, PASSED, f"equal to kv_store_ref on {trials} random stores."))
