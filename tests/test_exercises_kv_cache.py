@@ -23,12 +23,14 @@ def wrong_gqa_uses_query_heads(n_layers, n_heads, n_kv_heads, head_dim, seq_len,
     return 2 * n_layers * n_heads * head_dim * seq_len * batch * dtype_bytes
 
 
-def right_crossover(n_params, weight_bytes_per_param, n_layers, n_kv_heads, head_dim, kv_dtype_bytes, batch):
-    return n_params * weight_bytes_per_param / (2 * n_layers * n_kv_heads * head_dim * kv_dtype_bytes * batch)
+def right_v3_crossover():
+    weights = 671e9 * 2                       # every expert is resident, bf16
+    per_token = 61 * (512 + 64) * 2           # one latent and one RoPE key per layer, bf16, no factor 2
+    return weights / per_token
 
 
-def wrong_crossover_forgets_batch(n_params, weight_bytes_per_param, n_layers, n_kv_heads, head_dim, kv_dtype_bytes, batch):
-    return n_params * weight_bytes_per_param / (2 * n_layers * n_kv_heads * head_dim * kv_dtype_bytes)
+def wrong_v3_crossover_active_weights_only():
+    return 37e9 * 2 / (61 * (512 + 64) * 2)
 
 
 def right_waste(lengths, max_len):
@@ -39,12 +41,12 @@ def wrong_waste_is_utilisation(lengths, max_len):
     return float(lengths.sum() / (len(lengths) * max_len))
 
 
-def right_mla(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, dtype_bytes):
-    return n_layers * (kv_lora_rank + qk_rope_head_dim) * seq_len * dtype_bytes
+def right_mla_heads(kv_lora_rank, qk_rope_head_dim, head_dim):
+    return (kv_lora_rank + qk_rope_head_dim) / (2 * head_dim)
 
 
-def wrong_mla_doubles_for_k_and_v(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, dtype_bytes):
-    return 2 * n_layers * (kv_lora_rank + qk_rope_head_dim) * seq_len * dtype_bytes
+def wrong_mla_heads_forgets_that_a_head_stores_k_and_v(kv_lora_rank, qk_rope_head_dim, head_dim):
+    return (kv_lora_rank + qk_rope_head_dim) / head_dim
 
 
 @triton.jit
@@ -93,10 +95,50 @@ KERNEL_CASES = [(ex.check_kv_store_kernel, right_store_kernel, wrong_store_kerne
 
 CASES = KERNEL_CASES + [
     (ex.check_gqa_bytes, right_gqa, wrong_gqa_uses_query_heads),
-    (ex.check_kv_equals_weights, right_crossover, wrong_crossover_forgets_batch),
+    (ex.check_v3_crossover, right_v3_crossover, wrong_v3_crossover_active_weights_only),
     (ex.check_reservation_waste, right_waste, wrong_waste_is_utilisation),
-    (ex.check_mla_bytes, right_mla, wrong_mla_doubles_for_k_and_v),
+    (ex.check_mla_equivalent_heads, right_mla_heads, wrong_mla_heads_forgets_that_a_head_stores_k_and_v),
 ]
+
+
+def test_checks_refuse_a_call_to_the_kvmath_function_they_ask_for(lenient, monkeypatch):
+    """Each answer below is right (it returns the library's value) but asks kvmath for it: all fail, in strict
+    mode they raise."""
+    from labsrc import kvmath
+
+    def gqa_by_library(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes):
+        return kvmath.gqa_cache_bytes(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
+
+    def v3_by_library():
+        v3 = kvmath.PRESETS["DeepSeek-V3"]
+        return kvmath.kv_equals_weights_context(v3.weight_bytes(2), v3.kv_bytes_per_token(2))
+
+    def waste_by_library(lengths, max_len):
+        return 1 - kvmath.reservation_utilisation(lengths.numpy(), max_len)
+
+    from labsrc.kvmath import mla_equivalent_kv_heads   # imported by name: the call is still seen
+
+    def mla_heads_by_library(kv_lora_rank, qk_rope_head_dim, head_dim):
+        return (lambda: mla_equivalent_kv_heads(kv_lora_rank, qk_rope_head_dim, head_dim))()
+
+    cases = [(ex.check_gqa_bytes, gqa_by_library), (ex.check_v3_crossover, v3_by_library),
+             (ex.check_reservation_waste, waste_by_library),
+             (ex.check_mla_equivalent_heads, mla_heads_by_library)]
+    for check, answer in cases:
+        result = check(answer)
+        assert result.status == "failed" and "derive the answer yourself" in result.message, check.__name__
+    monkeypatch.setenv("LAB_EXERCISES", "strict")
+    for check, answer in cases:
+        with pytest.raises(ExerciseFailed):
+            check(answer)
+
+
+def test_v3_failure_message_does_not_reveal_the_answer(lenient):
+    result = ex.check_v3_crossover(wrong_v3_crossover_active_weights_only)
+    assert result.status == "failed"
+    expected = right_v3_crossover()
+    assert f"{expected:.0f}" not in result.message and f"{expected:,.0f}" not in result.message
+    assert f"{expected:.3g}" not in result.message
 
 
 def test_failure_message_does_not_reveal_the_answer(lenient):

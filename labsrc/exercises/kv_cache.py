@@ -2,7 +2,9 @@
 
 Each check calls the student's function on several seeded random configurations and compares it with
 :mod:`labsrc.kvmath`; it prints ``passed``, what is wrong (with a hint), or ``not solved yet`` when the
-function still raises ``NotImplementedError``. Expected answers are computed here, never printed.
+function still raises ``NotImplementedError``. Expected answers are computed here, never printed. A function
+that calls the :mod:`labsrc.kvmath` function it is asked to write (or any of its helpers that would do the
+work) fails: the exercise is the derivation, not the call.
 """
 from __future__ import annotations
 
@@ -10,8 +12,37 @@ import torch
 
 from labsrc import kvmath
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number,
-                                   check_function, exercise, hidden, randint)
+                                   check_function, check_value, exercise, hidden, randint)
 from labsrc.kernels._triton import HAS_TRITON
+
+
+# Names whose appearance in a student's code means it asks kvmath (or the kernel module) for the answer.
+_LIBRARY_NAMES = frozenset({
+    "kvmath", "kv_cache_bytes", "gqa_cache_bytes", "kv_bytes_per_token", "kv_equals_weights_context",
+    "mla_cache_bytes", "mla_equivalent_kv_heads", "mlkv_cache_bytes", "reservation_utilisation",
+    "paged_utilisation", "calculator", "PRESETS", "weight_bytes", "kv_store", "kv_store_ref", "_kv_store_kernel",
+})
+
+
+def _names_used(fn) -> set[str]:
+    """Global, attribute and closure names a function's code (nested functions and lambdas included) uses."""
+    fn = getattr(fn, "fn", fn)                                  # a Triton kernel: the Python function inside
+    code = getattr(fn, "__code__", None)
+    names, todo = set(), [code] if code is not None else []
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names + c.co_freevars)
+        todo.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    return names
+
+
+def _asks_library(name: str, fn, hint: str) -> Result | None:
+    """A failed result when ``fn`` calls the lab's own implementation instead of computing the answer."""
+    used = sorted(_names_used(fn) & _LIBRARY_NAMES)
+    if not used:
+        return None
+    return _report(Result(name, FAILED, _with_hint(
+        f"the function uses {', '.join(used)} from the lab; derive the answer yourself.", hint)))
 
 
 def _gqa_inputs(gen: torch.Generator) -> tuple:
@@ -28,29 +59,24 @@ def _gqa_reference(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtyp
 @exercise
 def check_gqa_bytes(fn) -> Result:
     """Check ``fn(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes) -> bytes`` of a GQA cache."""
-    return check_function("KV-cache bytes of a GQA model", as_number(fn), _gqa_reference, _gqa_inputs,
-                          trials=8, seed=11, rtol=1e-12, atol=0.5,
-                          hint="K and V are both cached, and only the K/V heads are, not the query heads.")
-
-
-def _crossover_inputs(gen: torch.Generator) -> tuple:
-    n_kv_heads = [1, 2, 4, 8][randint(gen, 0, 3)]
-    return (float(randint(gen, 1, 400)) * 1e9, [0.5, 1, 2][randint(gen, 0, 2)], randint(gen, 16, 128),
-            n_kv_heads, [64, 128][randint(gen, 0, 1)], [1, 2][randint(gen, 0, 1)], randint(gen, 1, 64))
-
-
-def _crossover_reference(n_params, weight_bytes_per_param, n_layers, n_kv_heads, head_dim, kv_dtype_bytes, batch):
-    per_token = kvmath.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, kv_dtype_bytes)
-    return kvmath.kv_equals_weights_context(n_params * weight_bytes_per_param, per_token, batch)
+    name, hint = ("KV-cache bytes of a GQA model",
+                  "K and V are both cached, and only the K/V heads are, not the query heads.")
+    refused = _asks_library(name, fn, hint)
+    return refused if refused is not None else check_function(
+        name, as_number(fn), _gqa_reference, _gqa_inputs, trials=8, seed=11, rtol=1e-12, atol=0.5, hint=hint)
 
 
 @exercise
-def check_kv_equals_weights(fn) -> Result:
-    """Check ``fn(n_params, weight_bytes_per_param, n_layers, n_kv_heads, head_dim, kv_dtype_bytes, batch)``:
-    the context length (tokens per sequence, a float) at which the batch's KV cache weighs as much as the weights."""
-    return check_function("context at which the KV cache equals the weights", as_number(fn), _crossover_reference,
-                          _crossover_inputs, trials=8, seed=12, rtol=1e-6,
-                          hint="Divide the weights' bytes by what one token of context adds for the whole batch.")
+def check_v3_crossover(fn) -> Result:
+    """Check ``fn() -> tokens``: the context at which DeepSeek-V3's bf16 cache (batch 1) weighs as much as its
+    bf16 weights, all 671B of them resident. The student computes it from the published shape, not from kvmath."""
+    name, hint = ("DeepSeek-V3: context at which the cache outweighs the weights",
+                  "Every expert's weights sit in memory, not only the 37B a token reads; MLA caches one latent "
+                  "and one RoPE key per layer and token, with no factor 2 for K and V.")
+    v3 = kvmath.PRESETS["DeepSeek-V3"]
+    expected = kvmath.kv_equals_weights_context(v3.weight_bytes(2), v3.kv_bytes_per_token(2))
+    refused = _asks_library(name, fn, hint)
+    return refused if refused is not None else check_value(name, fn, expected, rtol=2e-3, hint=hint)
 
 
 def _waste_inputs(gen: torch.Generator) -> tuple:
@@ -68,26 +94,32 @@ def _waste_reference(lengths, max_len):
 def check_reservation_waste(fn) -> Result:
     """Check ``fn(lengths, max_len) -> fraction`` of reserved slots left empty when each request reserves
     ``max_len`` slots and uses ``lengths[i]`` of them (``lengths`` is a 1-D int64 tensor)."""
-    return check_function("fraction wasted by max-length reservation", as_number(fn), _waste_reference,
-                          _waste_inputs, trials=8, seed=13, rtol=1e-6, atol=1e-9,
-                          hint="Wasted = reserved - used, as a fraction of reserved; it lies between 0 and 1.")
+    name, hint = ("fraction wasted by max-length reservation",
+                  "Wasted = reserved - used, as a fraction of reserved; it lies between 0 and 1.")
+    refused = _asks_library(name, fn, hint)
+    return refused if refused is not None else check_function(
+        name, as_number(fn), _waste_reference, _waste_inputs, trials=8, seed=13, rtol=1e-6, atol=1e-9, hint=hint)
 
 
-def _mla_inputs(gen: torch.Generator) -> tuple:
-    return (randint(gen, 1, 96), [128, 256, 512][randint(gen, 0, 2)], [32, 64][randint(gen, 0, 1)],
-            randint(gen, 1, 200_000), [1, 2][randint(gen, 0, 1)])
+def _mla_heads_inputs(gen: torch.Generator) -> tuple:
+    return ([128, 256, 384, 512, 1536][randint(gen, 0, 4)], [16, 32, 64][randint(gen, 0, 2)],
+            [64, 96, 128, 192][randint(gen, 0, 3)])
 
 
-def _mla_reference(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, dtype_bytes):
-    return kvmath.mla_cache_bytes(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, 1, dtype_bytes)
+def _mla_heads_reference(kv_lora_rank, qk_rope_head_dim, head_dim):
+    return kvmath.mla_equivalent_kv_heads(kv_lora_rank, qk_rope_head_dim, head_dim)
 
 
 @exercise
-def check_mla_bytes(fn) -> Result:
-    """Check ``fn(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, dtype_bytes) -> bytes`` of an MLA cache (batch 1)."""
-    return check_function("KV-cache bytes of an MLA model", as_number(fn), _mla_reference, _mla_inputs,
-                          trials=8, seed=14, rtol=1e-12, atol=0.5,
-                          hint="One latent serves both K and V; the RoPE key is shared by all heads.")
+def check_mla_equivalent_heads(fn) -> Result:
+    """Check ``fn(kv_lora_rank, qk_rope_head_dim, head_dim) -> heads``: how many GQA K/V heads of ``head_dim``
+    cost as many cache bytes per layer and token as one MLA latent plus its RoPE key (a float)."""
+    name, hint = ("MLA as an equivalent number of K/V heads",
+                  "Write the numbers one token adds to one layer's cache in both designs and set them equal; "
+                  "a GQA K/V head stores a key and a value.")
+    refused = _asks_library(name, fn, hint)
+    return refused if refused is not None else check_function(
+        name, as_number(fn), _mla_heads_reference, _mla_heads_inputs, trials=8, seed=14, rtol=1e-9, hint=hint)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -109,18 +141,9 @@ def _is_kernel(obj) -> bool:
     return callable(getattr(obj, "__getitem__", None)) and hasattr(obj, "fn")
 
 
-def _uses_library_store(kernel) -> bool:
-    """True when the kernel is, or calls, the lab's own ``_kv_store_kernel`` / ``kv_store`` instead of copying."""
-    from labsrc.kernels import kv_store as library
-    if kernel is library._kv_store_kernel:
-        return True
-    code = getattr(getattr(kernel, "fn", None), "__code__", None)
-    if code is None:
-        return False
-    if code is getattr(library._kv_store_kernel.fn, "__code__", None):
-        return True
-    names = set(code.co_names)
-    return bool(names & {"_kv_store_kernel", "kv_store", "kv_store_ref"})
+def _library_kernel():
+    from labsrc.kernels.kv_store import _kv_store_kernel
+    return _kv_store_kernel
 
 
 def _store_inputs(gen: torch.Generator) -> tuple:
@@ -195,9 +218,12 @@ def check_kv_store_kernel(kernel) -> Result:
             pass
         return _report(Result(name, FAILED, _with_hint(
             f"expected a @triton.jit kernel, got {type(kernel).__name__}.", hint)))
-    if _uses_library_store(kernel):
+    if kernel is _library_kernel():
         return _report(Result(name, FAILED, _with_hint(
-            "the kernel must do the copy itself, not call the lab's kv_store.", hint)))
+            "this is the lab's own kernel; the kernel must do the copy itself.", hint)))
+    refused = _asks_library(name, kernel, hint)
+    if refused is not None:
+        return refused
     trials = 6 * (2 if hidden() else 1)
     gen = torch.Generator().manual_seed(15 + (1000 if hidden() else 0))
     for trial in range(trials):
