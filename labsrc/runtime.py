@@ -79,11 +79,13 @@ if PROFILE == "cpu" and not HAS_CUDA:
 SIZES: dict[str, dict[str, dict]] = {
     "kv_cache": {
         "cpu": dict(n_tokens=32, prompt_len=16, n_layers=4, hidden=128, n_heads=4, n_kv_heads=2,
-                    intermediate=256, vocab=512, step_contexts=(32, 128, 512, 2048), timing_reps=3,
+                    intermediate=256, vocab=512, step_contexts=(16, 32, 64, 128, 256, 512, 1024),
+                    timing_reps=3, step_reps=15,
                     kernel_rows=37, kernel_slots=101, kernel_heads=3, kernel_dim=48,
                     n_requests=200, max_len=2048, block_size=16),
         "gpu": dict(n_tokens=256, prompt_len=64, n_layers=8, hidden=512, n_heads=8, n_kv_heads=2,
-                    intermediate=1408, vocab=32000, step_contexts=(256, 1024, 4096, 8192), timing_reps=10,
+                    intermediate=1408, vocab=32000, step_contexts=(16, 64, 256, 1024, 4096, 8192),
+                    timing_reps=10, step_reps=20,
                     kernel_rows=4096, kernel_slots=65536, kernel_heads=8, kernel_dim=128,
                     n_requests=2000, max_len=2048, block_size=16),
     },

@@ -47,9 +47,10 @@ CHECK_CALL = re.compile(r"\bex\.(check_\w+)\(([^()]*)\)")
 EXERCISES: dict[str, tuple[int, int, str]] = {
     # 01 KV cache
     "check_gqa_bytes": (1, 10, "KV-cache bytes of a GQA model"),
-    "check_kv_equals_weights": (2, 15, "context at which the cache outweighs the weights"),
+    "check_v3_crossover": (2, 15, "predict where DeepSeek-V3's cache outweighs its weights"),
     "check_reservation_waste": (1, 10, "waste of max-length reservation"),
-    "check_mla_bytes": (2, 15, "KV-cache bytes of an MLA model"),
+    "check_mla_equivalent_heads": (2, 15, "derive MLA's equivalent number of K/V heads"),
+    "check_kv_store_kernel": (3, 25, "a masked copy into cache slots, as a Triton kernel"),
     # 02 lab bench
     "check_parameter_count": (3, 25, "count a Llama's parameters"),
     "check_effective_context_length": (2, 15, "effective context length"),

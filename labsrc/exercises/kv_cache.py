@@ -2,16 +2,47 @@
 
 Each check calls the student's function on several seeded random configurations and compares it with
 :mod:`labsrc.kvmath`; it prints ``passed``, what is wrong (with a hint), or ``not solved yet`` when the
-function still raises ``NotImplementedError``. Expected answers are computed here, never printed.
+function still raises ``NotImplementedError``. Expected answers are computed here, never printed. A function
+that calls the :mod:`labsrc.kvmath` function it is asked to write (or any of its helpers that would do the
+work) fails: the exercise is the derivation, not the call.
 """
 from __future__ import annotations
 
 import torch
 
 from labsrc import kvmath
-from labsrc.exercises.core import Result, as_number, check_function, exercise, randint
+from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number,
+                                   check_function, check_value, exercise, hidden, randint)
+from labsrc.kernels._triton import HAS_TRITON
 
 
+# Names whose appearance in a student's code means it asks kvmath (or the kernel module) for the answer.
+_LIBRARY_NAMES = frozenset({
+    "kvmath", "kv_cache_bytes", "gqa_cache_bytes", "kv_bytes_per_token", "kv_equals_weights_context",
+    "mla_cache_bytes", "mla_equivalent_kv_heads", "mlkv_cache_bytes", "reservation_utilisation",
+    "paged_utilisation", "calculator", "PRESETS", "weight_bytes", "kv_store", "kv_store_ref", "_kv_store_kernel",
+})
+
+
+def _names_used(fn) -> set[str]:
+    """Global, attribute and closure names a function's code (nested functions and lambdas included) uses."""
+    fn = getattr(fn, "fn", fn)                                  # a Triton kernel: the Python function inside
+    code = getattr(fn, "__code__", None)
+    names, todo = set(), [code] if code is not None else []
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names + c.co_freevars)
+        todo.extend(k for k in c.co_consts if hasattr(k, "co_names"))
+    return names
+
+
+def _asks_library(name: str, fn, hint: str) -> Result | None:
+    """A failed result when ``fn`` calls the lab's own implementation instead of computing the answer."""
+    used = sorted(_names_used(fn) & _LIBRARY_NAMES)
+    if not used:
+        return None
+    return _report(Result(name, FAILED, _with_hint(
+        f"the function uses {', '.join(used)} from the lab; derive the answer yourself.", hint)))
 
 
 def _gqa_inputs(gen: torch.Generator) -> tuple:
@@ -28,29 +59,24 @@ def _gqa_reference(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtyp
 @exercise
 def check_gqa_bytes(fn) -> Result:
     """Check ``fn(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes) -> bytes`` of a GQA cache."""
-    return check_function("KV-cache bytes of a GQA model", as_number(fn), _gqa_reference, _gqa_inputs,
-                          trials=8, seed=11, rtol=1e-12, atol=0.5,
-                          hint="K and V are both cached, and only the K/V heads are, not the query heads.")
-
-
-def _crossover_inputs(gen: torch.Generator) -> tuple:
-    n_kv_heads = [1, 2, 4, 8][randint(gen, 0, 3)]
-    return (float(randint(gen, 1, 400)) * 1e9, [0.5, 1, 2][randint(gen, 0, 2)], randint(gen, 16, 128),
-            n_kv_heads, [64, 128][randint(gen, 0, 1)], [1, 2][randint(gen, 0, 1)], randint(gen, 1, 64))
-
-
-def _crossover_reference(n_params, weight_bytes_per_param, n_layers, n_kv_heads, head_dim, kv_dtype_bytes, batch):
-    per_token = kvmath.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, kv_dtype_bytes)
-    return kvmath.kv_equals_weights_context(n_params * weight_bytes_per_param, per_token, batch)
+    name, hint = ("KV-cache bytes of a GQA model",
+                  "K and V are both cached, and only the K/V heads are, not the query heads.")
+    refused = _asks_library(name, fn, hint)
+    return refused if refused is not None else check_function(
+        name, as_number(fn), _gqa_reference, _gqa_inputs, trials=8, seed=11, rtol=1e-12, atol=0.5, hint=hint)
 
 
 @exercise
-def check_kv_equals_weights(fn) -> Result:
-    """Check ``fn(n_params, weight_bytes_per_param, n_layers, n_kv_heads, head_dim, kv_dtype_bytes, batch)``:
-    the context length (tokens per sequence, a float) at which the batch's KV cache weighs as much as the weights."""
-    return check_function("context at which the KV cache equals the weights", as_number(fn), _crossover_reference,
-                          _crossover_inputs, trials=8, seed=12, rtol=1e-6,
-                          hint="Divide the weights' bytes by what one token of context adds for the whole batch.")
+def check_v3_crossover(fn) -> Result:
+    """Check ``fn() -> tokens``: the context at which DeepSeek-V3's bf16 cache (batch 1) weighs as much as its
+    bf16 weights, all 671B of them resident. The student computes it from the published shape, not from kvmath."""
+    name, hint = ("DeepSeek-V3: context at which the cache outweighs the weights",
+                  "Every expert's weights sit in memory, not only the 37B a token reads; MLA caches one latent "
+                  "and one RoPE key per layer and token, with no factor 2 for K and V.")
+    v3 = kvmath.PRESETS["DeepSeek-V3"]
+    expected = kvmath.kv_equals_weights_context(v3.weight_bytes(2), v3.kv_bytes_per_token(2))
+    refused = _asks_library(name, fn, hint)
+    return refused if refused is not None else check_value(name, fn, expected, rtol=2e-3, hint=hint)
 
 
 def _waste_inputs(gen: torch.Generator) -> tuple:
@@ -68,23 +94,148 @@ def _waste_reference(lengths, max_len):
 def check_reservation_waste(fn) -> Result:
     """Check ``fn(lengths, max_len) -> fraction`` of reserved slots left empty when each request reserves
     ``max_len`` slots and uses ``lengths[i]`` of them (``lengths`` is a 1-D int64 tensor)."""
-    return check_function("fraction wasted by max-length reservation", as_number(fn), _waste_reference,
-                          _waste_inputs, trials=8, seed=13, rtol=1e-6, atol=1e-9,
-                          hint="Wasted = reserved - used, as a fraction of reserved; it lies between 0 and 1.")
+    name, hint = ("fraction wasted by max-length reservation",
+                  "Wasted = reserved - used, as a fraction of reserved; it lies between 0 and 1.")
+    refused = _asks_library(name, fn, hint)
+    return refused if refused is not None else check_function(
+        name, as_number(fn), _waste_reference, _waste_inputs, trials=8, seed=13, rtol=1e-6, atol=1e-9, hint=hint)
 
 
-def _mla_inputs(gen: torch.Generator) -> tuple:
-    return (randint(gen, 1, 96), [128, 256, 512][randint(gen, 0, 2)], [32, 64][randint(gen, 0, 1)],
-            randint(gen, 1, 200_000), [1, 2][randint(gen, 0, 1)])
+def _mla_heads_inputs(gen: torch.Generator) -> tuple:
+    return ([128, 256, 384, 512, 1536][randint(gen, 0, 4)], [16, 32, 64][randint(gen, 0, 2)],
+            [64, 96, 128, 192][randint(gen, 0, 3)])
 
 
-def _mla_reference(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, dtype_bytes):
-    return kvmath.mla_cache_bytes(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, 1, dtype_bytes)
+def _mla_heads_reference(kv_lora_rank, qk_rope_head_dim, head_dim):
+    return kvmath.mla_equivalent_kv_heads(kv_lora_rank, qk_rope_head_dim, head_dim)
 
 
 @exercise
-def check_mla_bytes(fn) -> Result:
-    """Check ``fn(n_layers, kv_lora_rank, qk_rope_head_dim, seq_len, dtype_bytes) -> bytes`` of an MLA cache (batch 1)."""
-    return check_function("KV-cache bytes of an MLA model", as_number(fn), _mla_reference, _mla_inputs,
-                          trials=8, seed=14, rtol=1e-12, atol=0.5,
-                          hint="One latent serves both K and V; the RoPE key is shared by all heads.")
+def check_mla_equivalent_heads(fn) -> Result:
+    """Check ``fn(kv_lora_rank, qk_rope_head_dim, head_dim) -> heads``: how many GQA K/V heads of ``head_dim``
+    cost as many cache bytes per layer and token as one MLA latent plus its RoPE key (a float)."""
+    name, hint = ("MLA as an equivalent number of K/V heads",
+                  "Write the numbers one token adds to one layer's cache in both designs and set them equal; "
+                  "a GQA K/V head stores a key and a value.")
+    refused = _asks_library(name, fn, hint)
+    return refused if refused is not None else check_function(
+        name, as_number(fn), _mla_heads_reference, _mla_heads_inputs, trials=8, seed=14, rtol=1e-9, hint=hint)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kernel exercise: a masked copy of new K/V rows into cache slots, written as a @triton.jit kernel.
+KV_STORE_BLOCK = 32
+"""The ``BLOCK`` the check launches the student's kernel with: smaller than most of its row sizes and not a
+divisor of them, so a kernel without a mask (or with the wrong one) is caught."""
+
+
+class Skipped(Result):
+    """A check that could not run here (no Triton): it says so and neither passes nor fails."""
+
+    def __str__(self) -> str:
+        return f"⏭️ {self.name}: skipped. {self.message}"
+
+
+def _is_kernel(obj) -> bool:
+    """A Triton kernel (``@triton.jit``, compiled or interpreted) is launched as ``kernel[grid](...)``."""
+    return callable(getattr(obj, "__getitem__", None)) and hasattr(obj, "fn")
+
+
+def _library_kernel():
+    from labsrc.kernels.kv_store import _kv_store_kernel
+    return _kv_store_kernel
+
+
+def _store_inputs(gen: torch.Generator) -> tuple:
+    """One random store: odd, non-power-of-two row sizes (n_kv_heads x head_dim), distinct scattered slots of
+    either index dtype, every cache dtype; caches poisoned with NaN so a missing or stray write shows."""
+    heads, dim = randint(gen, 1, 5), [7, 24, 33, 48, 50][randint(gen, 0, 4)]
+    n_slots = randint(gen, 5, 60)
+    n_rows = randint(gen, 1, n_slots)
+    dtype = [torch.float32, torch.float16, torch.bfloat16][randint(gen, 0, 2)]
+    slot_dtype = [torch.int32, torch.int64][randint(gen, 0, 1)]
+    slots = torch.randperm(n_slots, generator=gen)[:n_rows].to(slot_dtype)
+    k_new = torch.randn(n_rows, heads, dim, generator=gen).to(dtype)
+    v_new = torch.randn(n_rows, heads, dim, generator=gen).to(dtype)
+    return n_slots, k_new, v_new, slots
+
+
+def _kernel_problem(kernel, n_slots, k_new, v_new, slots) -> str | None:
+    """Launch the student's kernel on one store and say what is wrong, or None when it matches kv_store_ref."""
+    from labsrc.kernels._triton import triton
+    from labsrc.kernels.kv_store import kv_store_ref
+
+    n_rows, heads, dim = k_new.shape
+    row_size = heads * dim
+    shape = (n_slots, heads, dim)
+    k_cache = torch.full(shape, float("nan"), dtype=k_new.dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=k_new.dtype)
+    k_ref, v_ref = kv_store_ref(k_cache.clone(), v_cache.clone(), k_new, v_new, slots)
+    grid = (n_rows, triton.cdiv(row_size, KV_STORE_BLOCK))
+    kernel[grid](k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK=KV_STORE_BLOCK)
+    for name, got, want in (("k_cache", k_cache, k_ref), ("v_cache", v_cache, v_ref)):
+        written = ~torch.isnan(want).all(dim=(1, 2))
+        if not torch.equal(got[written], want[written]):
+            bad = (got[written] != want[written]).any(dim=(1, 2)).sum()
+            return f"{int(bad)} of the {n_rows} slots that should hold a new row differ in {name}."
+        if not torch.isnan(got[~written]).all():
+            return f"{name} changed at slots that no new row was meant for."
+    return None
+
+
+def _not_implemented(err: BaseException) -> bool:
+    """The student build's stub raises NotImplementedError; Triton's interpreter re-raises it wrapped."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, NotImplementedError) or "NotImplementedError" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@exercise
+def check_kv_store_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK)`` that
+    copies ``k_new[i]``/``v_new[i]`` to ``k_cache[slots[i]]``/``v_cache[slots[i]]``, launched on the grid
+    ``(n_rows, cdiv(row_size, BLOCK))`` under the interpreter on random stores, against ``kv_store_ref``.
+
+    Without Triton (macOS, Windows) it says the exercise is skipped and neither passes nor fails.
+    """
+    name = "a masked copy into cache slots, as a Triton kernel"
+    hint = ("Program (row, block) copies elements block*BLOCK ... block*BLOCK+BLOCK-1 of row `row` to the same "
+            "elements of row `slots[row]`; the last block of a row runs past its end unless masked.")
+    if not HAS_TRITON:
+        result = Skipped(name, NOT_SOLVED, "Triton is not installed on this machine (it has Linux wheels only), "
+                                           "so the kernel cannot run; the rest of the chapter does not need it.")
+        print(result)
+        return result
+    if not _is_kernel(kernel):
+        try:
+            kernel()
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+        except Exception:  # noqa: BLE001 - any other outcome is the same failure: it is not a kernel
+            pass
+        return _report(Result(name, FAILED, _with_hint(
+            f"expected a @triton.jit kernel, got {type(kernel).__name__}.", hint)))
+    if kernel is _library_kernel():
+        return _report(Result(name, FAILED, _with_hint(
+            "this is the lab's own kernel; the kernel must do the copy itself.", hint)))
+    refused = _asks_library(name, kernel, hint)
+    if refused is not None:
+        return refused
+    trials = 6 * (2 if hidden() else 1)
+    gen = torch.Generator().manual_seed(15 + (1000 if hidden() else 0))
+    for trial in range(trials):
+        n_slots, k_new, v_new, slots = _store_inputs(gen)
+        try:
+            problem = _kernel_problem(kernel, n_slots, k_new, v_new, slots)
+        except Exception as err:  # noqa: BLE001 - a crash inside the student's kernel is reported, not raised
+            if _not_implemented(err):
+                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+            problem = f"the launch raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if problem:
+            what = (f"trial {trial + 1} ({k_new.shape[0]} rows of {tuple(k_new.shape[1:])} {k_new.dtype} into "
+                    f"{n_slots} slots, {slots.dtype} slots, BLOCK={KV_STORE_BLOCK})")
+            return _report(Result(name, FAILED, _with_hint(f"{what}: {problem}", hint)))
+    return _report(Result(name, PASSED, f"equal to kv_store_ref on {trials} random stores."))
