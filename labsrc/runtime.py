@@ -129,12 +129,13 @@ SIZES: dict[str, dict[str, dict]] = {
                     decode_lengths=(1024, 4096, 16384, 65536)),
     },
     "lab_bench": {
-        "cpu": dict(passkey_lengths=[128, 256, 512, 768, 1024], passkey_depths=[0.0, 0.5, 1.0], passkey_n=3,
-                    ppl_context=1024, ppl_windows=6, ppl_bucket=64, probe_n=6, ledger_n=2, ledger_ppl_windows=2,
-                    ledger_decode_tokens=32),
+        "cpu": dict(passkey_lengths=[128, 256, 512, 768, 1024], passkey_depths=[0.0, 0.5, 1.0], passkey_n=4,
+                    ppl_context=1024, ppl_windows=6, ppl_bucket=64, probe_n=16, ledger_n=2, ledger_ppl_windows=2,
+                    ledger_decode_tokens=32, decode_reps=5),
         "gpu": dict(passkey_lengths=[128, 256, 384, 512, 640, 768, 1024, 1536, 2048],
                     passkey_depths=[0.0, 0.25, 0.5, 0.75, 1.0], passkey_n=20, ppl_context=2048, ppl_windows=28,
-                    ppl_bucket=64, probe_n=50, ledger_n=10, ledger_ppl_windows=8, ledger_decode_tokens=128),
+                    ppl_bucket=64, probe_n=50, ledger_n=10, ledger_ppl_windows=8, ledger_decode_tokens=128,
+                    decode_reps=20),
     },
 }
 

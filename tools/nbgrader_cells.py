@@ -56,6 +56,7 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_effective_context_length": (2, 15, "effective context length"),
     "check_bucket_perplexity": (2, 15, "perplexity by position bucket"),
     "check_pareto_front": (2, 20, "the Pareto front"),
+    "check_keys_needed": (3, 20, "how many keys a clear pass needs"),
     # 03 FlashAttention
     "check_merge": (3, 25, "merge two partial softmax results"),
     "check_naive_bytes": (2, 15, "bytes moved by naive attention"),

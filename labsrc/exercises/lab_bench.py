@@ -8,7 +8,41 @@ from __future__ import annotations
 
 import torch
 
-from labsrc.exercises.core import Result, check_function, exercise, randint
+import math
+import types
+
+from labsrc.exercises.core import FAILED, Result, _report, check_function, exercise, randint
+
+
+# ---------------------------------------------------------------------------------- the library-call guard
+def _names_used(fn) -> set[str]:
+    """Every global or attribute name ``fn``'s code (and the code nested in it) refers to."""
+    code = getattr(fn, "__code__", None)
+    names, todo = set(), [code] if code is not None else []
+    while todo:
+        c = todo.pop()
+        names |= set(c.co_names)
+        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return names
+
+
+def _refuse_library(name: str, fn, banned_names: set[str], banned_modules: tuple[str, ...], what: str):
+    """A failed result if ``fn`` calls the library code it is asked to write, else None.
+
+    Catches a call by name (``perplexity_by_position``, ``Estimate``), by import inside the function, and
+    through a global alias (``f = tasks.perplexity_by_position`` outside it), by the object's module.
+    """
+    if not callable(fn):
+        return None
+    globs = getattr(fn, "__globals__", {})
+    for n in _names_used(fn) | {getattr(fn, "__name__", "")}:
+        obj = globs.get(n)
+        module = getattr(obj, "__module__", None) or getattr(obj, "__name__", "")
+        if n in banned_names or (obj is not None and not isinstance(obj, types.ModuleType)
+                                 and module.startswith(banned_modules)) or fn in _REFERENCES:
+            return _report(Result(name, FAILED, f"the answer calls the lab's own {what}; the exercise is to "
+                                                "compute it yourself (plain Python and torch are enough)."))
+    return None
 
 
 
@@ -34,6 +68,11 @@ def _llama_reference(cfg: dict) -> int:
 def check_parameter_count(fn) -> Result:
     """``fn(cfg: dict) -> int``: the parameters of a ``LlamaForCausalLM`` built from ``cfg`` (compared with a
     real model on random configurations, tied and untied embeddings, several GQA ratios)."""
+    refused = _refuse_library("parameter count of a Llama model", fn,
+                              {"_llama_reference", "LlamaForCausalLM", "numel", "num_parameters"},
+                              ("labsrc.exercises", "transformers"), "reference (or a real model's count)")
+    if refused is not None:
+        return refused
     return check_function("parameter count of a Llama model", fn, _llama_reference, _llama_inputs, trials=6,
                           hint="count embeddings, q/k/v/o (k and v have num_key_value_heads heads), the three "
                                "SwiGLU matrices, two RMSNorm weights per layer, the final norm, and the LM head "
@@ -61,6 +100,10 @@ def _ecl_inputs(gen: torch.Generator) -> tuple:
 @exercise
 def check_effective_context_length(fn) -> Result:
     """``fn(lengths, accuracy, threshold) -> int``: RULER's effective context length."""
+    refused = _refuse_library("effective context length", fn, {"effective_context_length_ref"},
+                              ("labsrc.exercises",), "reference function")
+    if refused is not None:
+        return refused
     return check_function("effective context length", fn, effective_context_length_ref, _ecl_inputs, trials=8,
                           hint="sort by length first; it is the longest length such that every length up to and "
                                "including it meets the threshold (0 if the shortest already fails).")
@@ -81,6 +124,11 @@ def _bucket_inputs(gen: torch.Generator) -> tuple:
 @exercise
 def check_bucket_perplexity(fn) -> Result:
     """``fn(nll, bucket) -> tensor``: perplexity per position bucket of a ``(windows, positions)`` loss table."""
+    refused = _refuse_library("perplexity by position bucket", fn,
+                              {"bucket_perplexity_ref", "perplexity_by_position"},
+                              ("labsrc.exercises", "labsrc.tasks"), "perplexity_by_position")
+    if refused is not None:
+        return refused
     return check_function("perplexity by position bucket", fn, bucket_perplexity_ref, _bucket_inputs, trials=6,
                           hint="average the loss over windows *and* over the positions of a bucket, then take "
                                "exp; the last bucket may be shorter than the others.")
@@ -105,9 +153,52 @@ def _pareto_inputs(gen: torch.Generator) -> tuple:
 @exercise
 def check_pareto_front(fn) -> Result:
     """``fn(points) -> list of indices``: the points no other point beats (less bytes *and* more accuracy)."""
+    refused = _refuse_library("Pareto front", fn, {"_pareto_ref", "pareto"},
+                              ("labsrc.exercises", "labsrc.ledger"), "Pareto front (Ledger.pareto)")
+    if refused is not None:
+        return refused
+
     def agrees(points):
         got = fn(points)
         return float(sorted(got) == _pareto_ref(points))
     return check_function("Pareto front", agrees, lambda points: 1.0, _pareto_inputs, trials=10,
                           hint="a point is dominated when another has x <= and y >= with at least one strict; "
                                "return the indices of the others in increasing order (ties both stay).")
+
+
+# -------------------------------------------------------------------------- 5. how many keys a verdict needs
+Z95 = 1.959963984540054  # the two-sided 95% normal quantile, as in labsrc.claims
+
+
+def keys_needed_ref(threshold: float) -> int:
+    """Smallest n such that n right out of n has a 95% Wilson interval whose lower end is >= threshold.
+
+    With k = n the Wilson lower end is n / (n + z^2), so n >= z^2 t / (1 - t).
+    """
+    n = max(1, math.ceil(Z95 ** 2 * threshold / (1 - threshold) - 1e-9))
+    while n / (n + Z95 ** 2) < threshold:   # guard the rounding of the closed form
+        n += 1
+    while n > 1 and (n - 1) / (n - 1 + Z95 ** 2) >= threshold:
+        n -= 1
+    return n
+
+
+def _keys_inputs(gen: torch.Generator) -> tuple:
+    return (round(0.5 + 0.49 * float(torch.rand((), generator=gen, dtype=torch.float64)), 4),)
+
+
+@exercise
+def check_keys_needed(fn) -> Result:
+    """``fn(threshold) -> int``: the fewest keys, all answered right, whose 95% Wilson interval lies wholly at
+    or above ``threshold`` (checked on random thresholds in [0.5, 0.99])."""
+    refused = _refuse_library("keys needed for a clear pass", fn, {"keys_needed_ref", "Estimate", "wilson"},
+                              ("labsrc.exercises", "labsrc.claims"), "Wilson interval (claims.Estimate)")
+    if refused is not None:
+        return refused
+    return check_function("keys needed for a clear pass", fn, keys_needed_ref, _keys_inputs, trials=8,
+                          hint="set k = n in the Wilson interval's lower end and simplify; then find the "
+                               "smallest whole n that clears the threshold (check n - 1 fails).")
+
+
+# The reference solutions themselves (passed in directly) are refused too.
+_REFERENCES = (effective_context_length_ref, bucket_perplexity_ref, _pareto_ref, _llama_reference, keys_needed_ref)
