@@ -189,3 +189,14 @@ def stub_block_kernel(Q, K, V, VIS, M, L, ACC, Tq, n_keys, D, qk_scale,
 @pytest.mark.skipif(not HAS_TRITON, reason="the kernel exercise needs Triton")
 def test_kernel_stub_is_not_solved_yet(lenient, capsys):
     assert ex.check_online_softmax_kernel(stub_block_kernel).status == "not solved yet"
+
+
+def test_tiled_causal_prediction_is_checked_against_a_measurement(lenient, capsys):
+    calls = []
+
+    def measure(T, D, block_m):  # stands for the chapter's tiled_attention byte count (fp32)
+        calls.append((T, D, block_m))
+        return right_tiled_causal(T, D, block_m, 4)
+
+    assert ex.check_tiled_causal_bytes(right_tiled_causal, measure=measure).passed and calls
+    assert ex.check_tiled_causal_bytes(wrong_tiled_causal_full_blocks, measure=measure).status == "failed"

@@ -10,6 +10,7 @@ unmasked offset outside the buffer (on a GPU that is an illegal memory access, o
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -93,14 +94,32 @@ def _tiled_causal_reference(T, D, block_m, dtype_bytes):
     return dtype_bytes * (2 * T * D + 2 * keys_read * D)
 
 
-@exercise
-def check_tiled_causal_bytes(fn) -> Result:
+def _measured_inputs(gen: torch.Generator) -> tuple:
+    """Sizes small enough to run the chapter's tiled_attention on: odd T, partial last query blocks."""
+    return randint(gen, 1, 150), randint(gen, 8, 48), [8, 16, 32][randint(gen, 0, 2)], 4
+
+
+def check_tiled_causal_bytes(fn, measure=None, *, hidden: bool = False) -> Result:
     """Check ``fn(T, D, block_m, dtype_bytes) -> bytes`` moved by tiled causal attention (Tq = Tk = T, one head):
-    Q read once, O written once, and each query block reads the K and V rows that any of its queries can see."""
-    return check_function("bytes moved by tiled causal attention", as_number(fn), _tiled_causal_reference,
-                          _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5,
-                          hint="Query block i holds rows [i*block_m, min((i+1)*block_m, T)); its last row sees "
-                               "keys up to and including itself. The last block may be partial.")
+    Q read once, O written once, and each query block reads the K and V rows that any of its queries can see.
+
+    With ``measure(T, D, block_m) -> bytes`` (the chapter's ``tiled_attention`` count, fp32) the prediction is
+    compared with that *measurement* on sizes the student has not seen; without it, with the closed form.
+    ``hidden=True`` runs the hidden case set, as for every check (see :func:`~labsrc.exercises.core.exercise`)."""
+    return exercise(functools.partial(_check_tiled_causal_bytes, measure=measure))(fn, hidden=hidden)
+
+
+def _check_tiled_causal_bytes(fn, measure) -> Result:
+    if measure is None:
+        return check_function("bytes moved by tiled causal attention", as_number(fn), _tiled_causal_reference,
+                              _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5,
+                              hint="Query block i holds rows [i*block_m, min((i+1)*block_m, T)); its last row "
+                                   "sees keys up to and including itself. The last block may be partial.")
+    return check_function("predicted vs measured bytes of tiled causal attention", as_number(fn),
+                          lambda T, D, block_m, dtype_bytes: measure(T, D, block_m) * dtype_bytes // 4,
+                          _measured_inputs, trials=6, seed=36, rtol=1e-12, atol=0.5,
+                          hint="Query block i holds rows [i*block_m, min((i+1)*block_m, T)); its last row "
+                               "sees keys up to and including itself. The last block may be partial.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
