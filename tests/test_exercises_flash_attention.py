@@ -200,3 +200,20 @@ def test_tiled_causal_prediction_is_checked_against_a_measurement(lenient, capsy
 
     assert ex.check_tiled_causal_bytes(right_tiled_causal, measure=measure).passed and calls
     assert ex.check_tiled_causal_bytes(wrong_tiled_causal_full_blocks, measure=measure).status == "failed"
+
+
+def _tiled_measurement(T, D, block_m):  # stands for the chapter's tiled_attention
+    return right_tiled_causal(T, D, block_m, 4)
+
+
+def _measure(T, D, block_m):
+    return _tiled_measurement(T, D, block_m)
+
+
+def test_tiled_causal_prediction_may_not_run_the_measurement(lenient, capsys):
+    def calls_the_measurement(T, D, block_m, dtype_bytes):
+        return _tiled_measurement(T, D, block_m) * dtype_bytes // 4
+
+    result = ex.check_tiled_causal_bytes(calls_the_measurement, measure=_measure)
+    assert result.status == "failed" and "_tiled_measurement" in result.message and "Hint:" in result.message
+    assert ex.check_tiled_causal_bytes(right_tiled_causal, measure=_measure).passed

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import torch
 
@@ -109,7 +110,30 @@ def check_tiled_causal_bytes(fn, measure=None, *, hidden: bool = False) -> Resul
     return exercise(functools.partial(_check_tiled_causal_bytes, measure=measure))(fn, hidden=hidden)
 
 
+def _referenced_functions(fn) -> dict:
+    """``{name: object}`` of the Python functions (and modules) that ``fn``'s code names through its globals."""
+    fn = getattr(fn, "__wrapped__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(x for x in c.co_consts if hasattr(x, "co_names"))
+    glb = getattr(fn, "__globals__", {})
+    return {n: glb[n] for n in names if isinstance(glb.get(n), types.FunctionType)}
+
+
 def _check_tiled_causal_bytes(fn, measure) -> Result:
+    if measure is not None:
+        # A prediction must not run the measurement: refuse a call to it or to what it runs (tiled_attention).
+        forbidden = {id(measure)} | {id(f) for f in _referenced_functions(measure).values()}
+        used = sorted(n for n, f in _referenced_functions(fn).items() if id(f) in forbidden)
+        if used:
+            return _report(Result("predicted vs measured bytes of tiled causal attention", FAILED,
+                                  f"it calls {', '.join(used)}, which is the measurement. Hint: predict the count "
+                                  "from the block structure alone: which key rows does each query block read?"))
     if measure is None:
         return check_function("bytes moved by tiled causal attention", as_number(fn), _tiled_causal_reference,
                               _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5,
