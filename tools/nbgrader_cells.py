@@ -60,8 +60,9 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     # 03 FlashAttention
     "check_merge": (3, 25, "merge two partial softmax results"),
     "check_naive_bytes": (2, 15, "bytes moved by naive attention"),
-    "check_tiled_causal_bytes": (3, 25, "bytes moved by tiled causal attention"),
+    "check_tiled_causal_bytes": (3, 25, "predict, then measure, the bytes of tiled causal attention"),
     "check_key_tile": (2, 15, "find the bug in a masked load (Triton)"),
+    "check_online_softmax_kernel": (5, 40, "the online-softmax update of one key block (Triton kernel)"),
     # 04 RoPE
     "check_wavelength": (1, 10, "wavelength of a RoPE pair"),
     "check_position_interpolation": (1, 10, "position interpolation"),

@@ -10,11 +10,14 @@ unmasked offset outside the buffer (on a GPU that is an illegal memory access, o
 """
 from __future__ import annotations
 
+import functools
 import math
+import types
 
 import torch
 
-from labsrc.exercises.core import Result, as_number, check_function, exercise, randint
+from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, as_number, check_function, exercise,
+                                   randint)
 
 
 
@@ -92,14 +95,55 @@ def _tiled_causal_reference(T, D, block_m, dtype_bytes):
     return dtype_bytes * (2 * T * D + 2 * keys_read * D)
 
 
-@exercise
-def check_tiled_causal_bytes(fn) -> Result:
+def _measured_inputs(gen: torch.Generator) -> tuple:
+    """Sizes small enough to run the chapter's tiled_attention on: odd T, partial last query blocks."""
+    return randint(gen, 1, 150), randint(gen, 8, 48), [8, 16, 32][randint(gen, 0, 2)], 4
+
+
+def check_tiled_causal_bytes(fn, measure=None, *, hidden: bool = False) -> Result:
     """Check ``fn(T, D, block_m, dtype_bytes) -> bytes`` moved by tiled causal attention (Tq = Tk = T, one head):
-    Q read once, O written once, and each query block reads the K and V rows that any of its queries can see."""
-    return check_function("bytes moved by tiled causal attention", as_number(fn), _tiled_causal_reference,
-                          _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5,
-                          hint="Query block i holds rows [i*block_m, min((i+1)*block_m, T)); its last row sees "
-                               "keys up to and including itself. The last block may be partial.")
+    Q read once, O written once, and each query block reads the K and V rows that any of its queries can see.
+
+    With ``measure(T, D, block_m) -> bytes`` (the chapter's ``tiled_attention`` count, fp32) the prediction is
+    compared with that *measurement* on sizes the student has not seen; without it, with the closed form.
+    ``hidden=True`` runs the hidden case set, as for every check (see :func:`~labsrc.exercises.core.exercise`)."""
+    return exercise(functools.partial(_check_tiled_causal_bytes, measure=measure))(fn, hidden=hidden)
+
+
+def _referenced_functions(fn) -> dict:
+    """``{name: object}`` of the Python functions (and modules) that ``fn``'s code names through its globals."""
+    fn = getattr(fn, "__wrapped__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return {}
+    names, stack = set(), [code]
+    while stack:
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(x for x in c.co_consts if hasattr(x, "co_names"))
+    glb = getattr(fn, "__globals__", {})
+    return {n: glb[n] for n in names if isinstance(glb.get(n), types.FunctionType)}
+
+
+def _check_tiled_causal_bytes(fn, measure) -> Result:
+    if measure is not None:
+        # A prediction must not run the measurement: refuse a call to it or to what it runs (tiled_attention).
+        forbidden = {id(measure)} | {id(f) for f in _referenced_functions(measure).values()}
+        used = sorted(n for n, f in _referenced_functions(fn).items() if id(f) in forbidden)
+        if used:
+            return _report(Result("predicted vs measured bytes of tiled causal attention", FAILED,
+                                  f"it calls {', '.join(used)}, which is the measurement. Hint: predict the count "
+                                  "from the block structure alone: which key rows does each query block read?"))
+    if measure is None:
+        return check_function("bytes moved by tiled causal attention", as_number(fn), _tiled_causal_reference,
+                              _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5,
+                              hint="Query block i holds rows [i*block_m, min((i+1)*block_m, T)); its last row "
+                                   "sees keys up to and including itself. The last block may be partial.")
+    return check_function("predicted vs measured bytes of tiled causal attention", as_number(fn),
+                          lambda T, D, block_m, dtype_bytes: measure(T, D, block_m) * dtype_bytes // 4,
+                          _measured_inputs, trials=6, seed=36, rtol=1e-12, atol=0.5,
+                          hint="Query block i holds rows [i*block_m, min((i+1)*block_m, T)); its last row "
+                               "sees keys up to and including itself. The last block may be partial.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -159,3 +203,157 @@ def check_key_tile(fn) -> Result:
                           trials=12, seed=34, rtol=0.0, atol=0.0,
                           hint="A lane is valid only if its row is inside the matrix AND its column is; in a "
                                "flattened row-major buffer, column D of row r is column 0 of row r + 1.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exercise: write the online-softmax update of one key block as a Triton kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+# The kernel the student writes is launched with these block sizes: tl.dot needs every dimension >= 16.
+KERNEL_BLOCK_M = 16
+_KERNEL_SKIPPED = ("skipped: Triton is not installed here (it ships Linux wheels only), so the kernel cannot "
+                   "run; the exercise runs wherever Triton is installed, on a CPU through its interpreter.")
+
+
+def _block_update_reference(q, k, v, vis, m, l, acc, qk_scale):
+    """Eq. (eq-fa-online) for one key block, in float64: the new (m, l, acc) stacked as (rows, 2 + D).
+
+    Key j is visible to row i iff j < vis[i]; a row that has seen only invisible keys keeps m = -inf, l = 0,
+    acc = 0 (the -inf rule: a set of scores that are all -inf adds nothing)."""
+    q, k, v, m, l, acc = (t.double() for t in (q, k, v, m, l, acc))
+    s = q @ k.T * qk_scale
+    visible = torch.arange(k.shape[0])[None, :] < vis[:, None]
+    s = s.masked_fill(~visible, float("-inf"))
+    m_new = torch.maximum(m, s.max(dim=1).values)
+    m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - m_safe)
+    p = torch.exp(s - m_safe[:, None])
+    l_new = alpha * l + p.sum(1)
+    acc_new = alpha[:, None] * acc + p @ v
+    return torch.cat([m_new[:, None], l_new[:, None], acc_new], 1).float()
+
+
+def _block_update_inputs(gen: torch.Generator, all_masked: bool = False) -> tuple:
+    """One key block (1..block_n keys) and the running state of Tq rows: either fresh (m = -inf, l = 0,
+    acc = 0, as before the first block) or left by an earlier block, with some rows that saw nothing."""
+    tq, d = randint(gen, 1, 45), randint(gen, 1, 40)
+    block_n = [16, 32][randint(gen, 0, 1)]
+    n_keys = randint(gen, 1, block_n)
+    q = torch.randn(tq, d, generator=gen)
+    k = torch.randn(n_keys, d, generator=gen) * 2
+    v = torch.randn(n_keys, d, generator=gen)
+    vis = torch.randint(0, n_keys + 1, (tq,), generator=gen, dtype=torch.int32)
+    vis[torch.rand(tq, generator=gen) < 0.25] = 0  # rows for which this whole block is masked (-inf scores)
+    scale = 1 / math.sqrt(d)
+    if all_masked or randint(gen, 0, 2) == 0:  # the first block: nothing seen yet
+        m = torch.full((tq,), float("-inf"))
+        l, acc = torch.zeros(tq), torch.zeros(tq, d)
+        if all_masked or randint(gen, 0, 1) == 0:
+            vis.zero_()  # every score of the block is -inf: the state must stay (-inf, 0, 0), never NaN
+    else:  # the state an earlier block of keys left, with scores far from this block's
+        n0 = randint(gen, 1, 30)
+        k0, v0 = torch.randn(n0, d, generator=gen) * 4, torch.randn(n0, d, generator=gen)
+        vis0 = torch.randint(0, n0 + 1, (tq,), generator=gen, dtype=torch.int32)
+        state = _block_update_reference(q, k0, v0, vis0, torch.full((tq,), float("-inf")), torch.zeros(tq),
+                                        torch.zeros(tq, d), scale)
+        m, l, acc = state[:, 0].contiguous(), state[:, 1].contiguous(), state[:, 2:].contiguous()
+    return q, k, v, vis, m, l, acc, scale, block_n
+
+
+def _library_names(fn) -> list[str]:
+    """Names of the lab's own attention kernels/helpers that ``fn``'s code refers to (a call to them would
+    hand in the library's answer instead of the student's)."""
+    from labsrc.show import _unwrap
+    import labsrc.kernels.attention as lib
+
+    code = getattr(_unwrap(fn), "__code__", None)
+    if code is None:
+        return []
+    names, stack = set(), [code]
+    while stack:  # nested code objects too (a helper defined inside the kernel)
+        c = stack.pop()
+        names.update(c.co_names)
+        stack.extend(x for x in c.co_consts if hasattr(x, "co_names"))
+    glb = getattr(_unwrap(fn), "__globals__", {})
+    own = {id(_unwrap(obj)) for obj in vars(lib).values()
+           if getattr(_unwrap(obj), "__module__", None) == lib.__name__ and callable(_unwrap(obj))}
+    found = [name for name in sorted(names)
+             if name in glb and (glb[name] is lib or id(_unwrap(glb[name])) in own)]
+    return found
+
+
+def _launcher(kernel):
+    """Launch the student's kernel like the chapter does and return the updated state (rows, 2 + D)."""
+    from labsrc import runtime
+
+    def run(q, k, v, vis, m, l, acc, scale, block_n):
+        dev = runtime.DEVICE
+        # copies: the kernel updates m, l, acc in place, and the reference still needs the originals
+        q, k, v, vis, m, l, acc = (t.to(dev).clone().contiguous() for t in (q, k, v, vis, m, l, acc))
+        tq, d = q.shape
+        block_d = max(16, 1 << (d - 1).bit_length())
+        grid = (-(-tq // KERNEL_BLOCK_M),)
+        try:
+            kernel[grid](q, k, v, vis, m, l, acc, tq, k.shape[0], d, scale,
+                         BLOCK_M=KERNEL_BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d)
+        except NotImplementedError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a compiled stub reports its NotImplementedError inside
+            if "NotImplementedError" in repr(err) or "NotImplementedError" in str(err.__cause__):
+                raise NotImplementedError from err
+            print(f"  (the kernel raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})")
+            return torch.full((tq, 2 + d), float("nan"))
+        return torch.cat([m[:, None], l[:, None], acc], 1).cpu()
+    return run
+
+
+def _is_kernel(fn) -> bool:
+    from labsrc.kernels._triton import triton
+
+    return isinstance(fn, (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction))
+
+
+@exercise
+def check_online_softmax_kernel(kernel) -> Result:
+    """Check the student's ``@triton.jit`` kernel ``kernel(Q, K, V, VIS, M, L, ACC, Tq, n_keys, D, qk_scale,
+    BLOCK_M, BLOCK_N, BLOCK_D)``: for each block of BLOCK_M query rows it folds one block of ``n_keys`` keys
+    into the running ``(m, l, acc)`` in place (key j visible to row i iff j < VIS[i]; natural-log units).
+
+    It is launched on ``cdiv(Tq, 16)`` programs over random odd sizes, fresh and carried-over states, and blocks
+    whose scores are all -inf, and compared with a float64 PyTorch reference. Without Triton it is skipped."""
+    from labsrc import runtime
+
+    name = "the online-softmax update of one key block (Triton kernel)"
+    if not runtime.HAS_TRITON:
+        print(f"⏭ {name}: {_KERNEL_SKIPPED}")
+        return Result(name, NOT_SOLVED, _KERNEL_SKIPPED)
+    if not callable(kernel) and not _is_kernel(kernel):
+        return _report(Result(name, FAILED, "expected a kernel. Hint: decorate the function with @triton.jit."))
+    used = _library_names(kernel)
+    if used:
+        return _report(Result(name, FAILED, f"it calls the lab's own {', '.join(used)}. Hint: write the update "
+                                            "with tl.load, tl.dot, tl.max, tl.exp and tl.where yourself."))
+    if not _is_kernel(kernel):
+        try:  # the stub of the student build raises before anything else
+            kernel()
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        except Exception:  # noqa: BLE001
+            pass
+        return _report(Result(name, FAILED, "this is a Python function, not a kernel. Hint: decorate it with "
+                                            "@triton.jit and launch nothing yourself; the check launches it."))
+    calls = iter(range(1 << 30))
+
+    def make_inputs(gen):  # the first case of every run is a first block whose scores are all -inf
+        return _block_update_inputs(gen, all_masked=next(calls) == 0)
+
+    atol = 1e-4 if runtime.INTERPRETED else 2e-2  # a GPU's fp32 tl.dot may use TF32 unless told "ieee"
+    return check_function(name, _launcher(kernel), _block_update_reference_launch, make_inputs,
+                          trials=10, seed=35, rtol=1e-4, atol=atol,
+                          hint="Mask the keys a row may not see to -inf before the row max; when a row's new max "
+                               "is still -inf, subtract 0 instead so exp gives 0, not exp(-inf - -inf) = NaN; "
+                               "rescale the old l and acc by exp(m_old - m_new) before adding the block.")
+
+
+def _block_update_reference_launch(q, k, v, vis, m, l, acc, scale, block_n):
+    return _block_update_reference(q, k, v, vis, m, l, acc, scale)
