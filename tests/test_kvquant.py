@@ -611,9 +611,9 @@ def _group_range_ref(x, g, stats=None):
 def test_group_range_matches_a_loop(t, g):
     gen = torch.Generator().manual_seed(t * 131 + g)
     x = torch.randn(2, 3, t, 6, generator=gen) * torch.linspace(0.5, 4, 6) + 1.5
-    st = kq.ChannelStats(torch.randn(3, 6, generator=gen), torch.rand(3, 6, generator=gen) + 0.5)
+    stats = kq.ChannelStats(torch.randn(3, 6, generator=gen), torch.rand(3, 6, generator=gen) + 0.5)
     torch.testing.assert_close(kq.group_range(x, g), _group_range_ref(x, g))
-    torch.testing.assert_close(kq.group_range(x, g, st), _group_range_ref(x, g, st))
+    torch.testing.assert_close(kq.group_range(x, g, stats), _group_range_ref(x, g, stats))
     # A transposed view gives the same as its contiguous copy.
     xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)
     torch.testing.assert_close(kq.group_range(xt, g), _group_range_ref(x, g))
