@@ -760,7 +760,8 @@ def collect_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model(input_ids=ids.to(device), use_cache=True)
-    cache = out.past_key_values
+    # transformers 5 names the returned cache `cache` (reading `past_key_values` warns that it is deprecated).
+    cache = out["cache"] if "cache" in out else out.past_key_values
     return [(layer.keys.detach(), layer.values.detach()) for layer in cache.layers]
 
 

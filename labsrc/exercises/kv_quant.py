@@ -183,11 +183,12 @@ def _launch_unpack(kernel, qt) -> torch.Tensor:
 
     t, d = qt.shape
     dp = d // 2
-    out = torch.full((t, d), float("nan"), dtype=torch.float32)
+    dev = runtime.DEVICE  # the GPU where there is one (compiled), else the CPU (interpreted)
+    out = torch.full((t, d), float("nan"), dtype=torch.float32, device=dev)
     grid = (triton.cdiv(t, UNPACK_BLOCK_T),)
-    kernel[grid](qt.packed, qt.scale.reshape(-1), qt.zero.reshape(-1), out, t, dp, qt.group_size,
-                 BLOCK_T=UNPACK_BLOCK_T, BLOCK_DP=triton.next_power_of_2(dp))
-    return out
+    kernel[grid](qt.packed.to(dev), qt.scale.reshape(-1).to(dev), qt.zero.reshape(-1).to(dev), out, t, dp,
+                 qt.group_size, BLOCK_T=UNPACK_BLOCK_T, BLOCK_DP=triton.next_power_of_2(dp))
+    return out.cpu()
 
 
 def _unsolved_cause(err: BaseException) -> bool:
