@@ -570,6 +570,37 @@ def var_ratio(x: torch.Tensor) -> torch.Tensor:
     return v.amax(-1) / v.amin(-1).clamp_min(torch.finfo(torch.float32).tiny)
 
 
+def group_range(x: torch.Tensor, group_size: int, stats: ChannelStats | None = None) -> torch.Tensor:
+    """The range (max - min) of each block of ``group_size`` tokens by all channels: what one shared step spans.
+
+    ``x`` is ``(..., T, D)``; with ``stats`` every channel is first normalised, ``(x - mean) / std`` (the
+    statistics stored in fp16, as the quantizer uses them), so the range is in units of each channel's
+    standard deviation. ``group_size=1`` gives each token's range over its channels (the per-token
+    quantizer's). A trailing partial group is a group. Returns ``(..., ceil(T / group_size))`` in fp32; a
+    block holding NaN gives NaN.
+    """
+    x = _check_x(x).float()
+    group_size = _check_group_size(group_size)
+    t = x.shape[-2]
+    if t == 0:
+        raise ValueError("x has no tokens (shape (..., 0, head_dim)), so it has no groups")
+    if stats is not None:
+        if not isinstance(stats, ChannelStats):
+            raise TypeError(f"stats must be a ChannelStats, got {type(stats).__name__}")
+        if stats.mean.shape[-1] != x.shape[-1]:
+            raise ValueError(f"stats have {stats.mean.shape[-1]} channels but x has head_dim {x.shape[-1]}")
+        st = stats.to(x.device)
+        x = (x - st.mean.float().unsqueeze(-2)) / st.std.float().unsqueeze(-2)
+    n_groups = -(-t // group_size)
+    pad = n_groups * group_size - t
+    if pad:
+        # Pad with copies of the last token: they change neither the max nor the min of the last group.
+        x = torch.cat([x, x[..., -1:, :].expand(*x.shape[:-2], pad, x.shape[-1])], dim=-2)
+    blocks = x.reshape(*x.shape[:-2], n_groups, group_size * x.shape[-1])
+    out = blocks.amax(-1) - blocks.amin(-1)
+    return torch.where(torch.isnan(blocks).any(-1), torch.full_like(out, float("nan")), out)
+
+
 def mse(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean squared error of ``y`` against ``x`` (a 0-d fp32 tensor)."""
     for name, t in (("x", x), ("y", y)):
@@ -729,7 +760,8 @@ def collect_kv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch
     device = next(model.parameters()).device
     with torch.no_grad():
         out = model(input_ids=ids.to(device), use_cache=True)
-    cache = out.past_key_values
+    # transformers 5 names the returned cache `cache` (reading `past_key_values` warns that it is deprecated).
+    cache = out["cache"] if "cache" in out else out.past_key_values
     return [(layer.keys.detach(), layer.values.detach()) for layer in cache.layers]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import labsrc  # noqa: F401
 from labsrc import kvquant as kq
@@ -593,3 +595,57 @@ def test_helpers_refuse_non_tensors_and_accept_numpy_ints():
         kq.kv_bytes(300, 1, 2, 64, bits=4, group_size=128)
     qt = kq.quantize(_x((1, 9, 8)), bits=4, group_size=np.int64(4), normalize=False)
     assert type(qt.group_size) is int and qt.scale.shape == (1, 3, 1)
+
+
+# ------------------------------------------------------------------------------------------- group_range
+def _group_range_ref(x, g, stats=None):
+    """Loop over the groups: max - min of each block of g tokens by all channels."""
+    if stats is not None:
+        x = (x - stats.mean.float()[..., None, :]) / stats.std.float()[..., None, :]
+    t = x.shape[-2]
+    return torch.stack([x[..., i:i + g, :].amax((-1, -2)) - x[..., i:i + g, :].amin((-1, -2))
+                        for i in range(0, t, g)], dim=-1)
+
+
+@pytest.mark.parametrize("t,g", [(1, 1), (7, 3), (37, 8), (64, 64), (65, 64), (5, 128)])
+def test_group_range_matches_a_loop(t, g):
+    gen = torch.Generator().manual_seed(t * 131 + g)
+    x = torch.randn(2, 3, t, 6, generator=gen) * torch.linspace(0.5, 4, 6) + 1.5
+    stats = kq.ChannelStats(torch.randn(3, 6, generator=gen), torch.rand(3, 6, generator=gen) + 0.5)
+    torch.testing.assert_close(kq.group_range(x, g), _group_range_ref(x, g))
+    torch.testing.assert_close(kq.group_range(x, g, stats), _group_range_ref(x, g, stats))
+    # A transposed view gives the same as its contiguous copy.
+    xt = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    torch.testing.assert_close(kq.group_range(xt, g), _group_range_ref(x, g))
+
+
+def test_group_range_per_token_is_the_token_range_and_nan_marks_its_group():
+    x = torch.randn(9, 4, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(kq.group_range(x, 1), x.amax(-1) - x.amin(-1))
+    x[4, 2] = float("nan")
+    r = kq.group_range(x, 4)
+    assert torch.isnan(r[1]) and not torch.isnan(r[0]) and not torch.isnan(r[2])
+
+
+def test_group_range_errors_name_the_argument():
+    x = torch.randn(4, 6)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        kq.group_range([1.0], 2)
+    with pytest.raises(ValueError, match="group_size"):
+        kq.group_range(x, 0)
+    with pytest.raises(ValueError, match="no tokens"):
+        kq.group_range(torch.randn(0, 6), 2)
+    with pytest.raises(ValueError, match="stats have 5 channels"):
+        kq.group_range(x, 2, kq.ChannelStats(torch.zeros(5), torch.ones(5)))
+    with pytest.raises(TypeError, match="stats must be a ChannelStats"):
+        kq.group_range(x, 2, (torch.zeros(6), torch.ones(6)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(t=st.integers(1, 40), d=st.integers(1, 9), g=st.integers(1, 50), seed=st.integers(0, 10_000))
+def test_group_range_property(t, d, g, seed):
+    x = torch.randn(t, d, generator=torch.Generator().manual_seed(seed)) * 3
+    r = kq.group_range(x, g)
+    assert r.shape == (-(-t // g),)
+    torch.testing.assert_close(r, _group_range_ref(x, g))
+    assert float(r.max()) <= float(x.max() - x.min()) + 1e-6

@@ -72,6 +72,7 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_scale_zero": (1, 10, "step and zero point of a group"),
     "check_mse_ratio": (2, 20, "predict the gain of normalisation"),
     "check_cache_bytes": (2, 20, "bytes of a KVarN cache"),
+    "check_unpack_kernel": (3, 30, "INT4 unpack and dequantize (Triton)"),
     # 06 eviction (the last two cells each check two functions)
     "check_scores": (2, 20, "value-aware scores"),
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),

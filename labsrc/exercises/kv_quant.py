@@ -7,13 +7,68 @@ or ``not solved yet`` while the function still raises ``NotImplementedError``. A
 * :func:`check_scale_zero` -- ``fn(group, bits) -> (scale, zero)`` of one quantization group.
 * :func:`check_mse_ratio` -- ``fn(channel_var, per_channel_steps) -> float``, the predicted MSE ratio.
 * :func:`check_cache_bytes` -- ``fn(n_tokens, n_layers, n_kv_heads, head_dim, bits, group_size) -> bytes``.
+* :func:`check_unpack_kernel` -- a ``@triton.jit`` kernel that unpacks INT4 codes and dequantizes them,
+  launched here under the interpreter on odd sizes; skipped, with a message, where Triton is unavailable.
+
+The checks refuse an answer that calls the :mod:`labsrc` function it is asked to write (the answer has to be
+the student's own), and their hints name the idea to use, never the value or the formula.
 """
 from __future__ import annotations
 
+import inspect
+import types
+
 import torch
 
-from labsrc import kvquant
-from labsrc.exercises.core import Result, as_number, check_function, exercise, randint
+from labsrc import kvquant, runtime
+from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, _with_hint, as_number, check_function,
+                                   exercise, hidden, randint)
+
+
+# ------------------------------------------------------------------------------------------- own work only
+def _names_used(code: types.CodeType) -> set[str]:
+    """Every global and attribute name a function's code (nested functions included) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_used(const)
+    return names
+
+
+def _calls_library(fn, forbidden: tuple) -> str | None:
+    """The name of a :mod:`labsrc.kvquant` function ``fn`` would call in place of its own code, or None.
+
+    Looks at the names the student's code refers to (``kq.kv_bytes``, ``kv_bytes`` after a ``from`` import,
+    an alias bound in the notebook or in an enclosing function to the same function object)."""
+    target = getattr(fn, "fn", fn)  # a Triton kernel wraps the Python function
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return None
+    used = _names_used(code)
+    glb = getattr(target, "__globals__", {})
+    closure = []
+    for cell in getattr(target, "__closure__", None) or ():
+        try:
+            closure.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    for lib_fn in forbidden:
+        name = lib_fn.__name__
+        # By name (``kq.kv_bytes`` or a ``from`` import), unless the name is the student's own function;
+        # by identity (an alias in the notebook or in an enclosing function).
+        by_name = name in used and glb.get(name, lib_fn) is lib_fn
+        if by_name or any(glb.get(n) is lib_fn for n in used) or any(c is lib_fn for c in closure):
+            return name
+    return None
+
+
+def _own_work(name: str, fn, forbidden: tuple) -> Result | None:
+    """A failed result when ``fn`` calls one of the ``forbidden`` library functions, else None."""
+    used = _calls_library(fn, forbidden)
+    if used is None:
+        return None
+    return _report(Result(name, FAILED, f"your function calls labsrc's {used}(); the exercise is to write it "
+                                        "yourself from the definition in the text."))
 
 
 
@@ -51,6 +106,9 @@ def check_scale_zero(fn) -> Result:
     Convention of the chapter: ``z`` is the value code 0 stands for, ``x_hat = q * s + z`` with ``q`` in
     ``[0, 2**bits - 1]``, and the grid spans exactly the group's range (no fp16 rounding here).
     """
+    refused = _own_work("step and zero point of a group", fn, (kvquant.scale_zero, kvquant.quantize))
+    if refused is not None:
+        return refused
     return check_function("step and zero point of a group", _pair_as_tensor(fn), _scale_zero_reference,
                           _group_inputs, trials=8, seed=21, rtol=1e-9, atol=1e-12,
                           hint="One step and one zero point cover the whole group (all its tokens and channels); "
@@ -67,6 +125,9 @@ def _ratio_inputs(gen: torch.Generator) -> tuple:
 @exercise
 def check_mse_ratio(fn) -> Result:
     """Check ``fn(channel_var, per_channel_steps) -> float``: predicted MSE without / with normalisation."""
+    refused = _own_work("predicted gain of variance normalisation", fn, (kvquant.predicted_mse_ratio,))
+    if refused is not None:
+        return refused
     return check_function("predicted gain of variance normalisation", as_number(fn),
                           lambda v, per: kvquant.predicted_mse_ratio(v, per_channel_steps=per), _ratio_inputs,
                           trials=10, seed=22, rtol=1e-9,
@@ -93,8 +154,106 @@ def check_cache_bytes(fn) -> Result:
     One sequence; K and V in every layer and KV head: packed codes, an fp16 step and fp16 zero point per
     group of ``group_size`` tokens (a trailing partial group is a group), and fp16 mean and std per channel.
     """
+    refused = _own_work("bytes of a KVarN cache", fn, (kvquant.kv_bytes, kvquant.kvarn_bytes_source))
+    if refused is not None:
+        return refused
     return check_function("bytes of a KVarN cache", as_number(fn), _bytes_reference, _bytes_inputs,
                           trials=10, seed=23, rtol=1e-12, atol=0.5,
-                          hint="Count per layer, per KV head, for K and for V: codes (bits/8 bytes each), "
-                               "2 + 2 bytes per group (ceil(n / g) groups) and 2 + 2 bytes per channel for "
-                               "the statistics.")
+                          hint="Count what one K/V head of one layer stores (codes, the per-group "
+                               "parameters, the statistics), then multiply. Check the rounding: "
+                               "codes share bytes, and a partial group still stores its parameters.")
+
+
+# ------------------------------------------------------------------------------------------- INT4 unpack kernel
+UNPACK_KERNEL = "INT4 unpack-and-dequantize kernel"
+UNPACK_BLOCK_T = 16  # tokens per program when the check launches the student's kernel
+
+
+def _unpack_inputs(gen: torch.Generator) -> tuple:
+    """One head's INT4 cache of odd size: T tokens, D = 2 * DP channels with DP odd, a random group size."""
+    t = randint(gen, 1, 97) | 1
+    dp = randint(gen, 1, 12) * 2 + 1
+    g = [1, 3, 8, 32, 64][randint(gen, 0, 4)]
+    x = torch.randn(t, 2 * dp, generator=gen) * (float(torch.rand(1, generator=gen)) * 4 + 0.1) \
+        + float(torch.randn(1, generator=gen)) * 3
+    return x, g
+
+
+def _launch_unpack(kernel, qt) -> torch.Tensor:
+    """Launch the student's kernel on one head's packed INT4 cache ``qt``; the output starts as NaN so an
+    element the kernel never writes shows."""
+    from labsrc.kernels._triton import triton
+
+    t, d = qt.shape
+    dp = d // 2
+    dev = runtime.DEVICE  # the GPU where there is one (compiled), else the CPU (interpreted)
+    out = torch.full((t, d), float("nan"), dtype=torch.float32, device=dev)
+    grid = (triton.cdiv(t, UNPACK_BLOCK_T),)
+    kernel[grid](qt.packed.to(dev), qt.scale.reshape(-1).to(dev), qt.zero.reshape(-1).to(dev), out, t, dp,
+                 qt.group_size, BLOCK_T=UNPACK_BLOCK_T, BLOCK_DP=triton.next_power_of_2(dp))
+    return out.cpu()
+
+
+def _unsolved_cause(err: BaseException) -> bool:
+    """True when ``err`` (possibly the interpreter's wrapper) comes from ``raise NotImplementedError``."""
+    while err is not None:
+        if isinstance(err, NotImplementedError):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+@exercise
+def check_unpack_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(p_ptr, scale_ptr, zero_ptr, out_ptr, T, DP, GROUP, BLOCK_T,
+    BLOCK_DP)`` that unpacks one head's INT4 codes and dequantizes them.
+
+    ``p_ptr``: uint8 ``(T, DP)``, channel ``j`` in the low nibble of byte ``j`` and channel ``j + DP`` in the
+    high nibble; ``scale_ptr``, ``zero_ptr``: fp16, one per group of ``GROUP`` tokens; ``out_ptr``: fp32
+    ``(T, 2 * DP)``. The check launches one program per ``BLOCK_T`` tokens on random odd sizes and compares
+    with :func:`labsrc.kernels.kvquant.dequantize_unpack_ref`. Without Triton (macOS, Windows) it prints
+    that the kernel exercise is skipped and returns without failing.
+    """
+    from labsrc.kernels import kvquant as kk
+
+    if not runtime.HAS_TRITON:
+        message = (f"⏭ {UNPACK_KERNEL}: skipped, Triton is unavailable on this machine (it ships Linux wheels "
+                   "only), so the kernel cannot be launched here; run this notebook on Linux to check it.")
+        print(message)
+        return Result(UNPACK_KERNEL, NOT_SOLVED, "skipped: Triton is unavailable")
+    from triton.runtime.jit import KernelInterface
+
+    if not isinstance(kernel, KernelInterface):
+        return _report(Result(UNPACK_KERNEL, FAILED, "expected a Triton kernel (a function decorated with "
+                                                     f"@triton.jit), got {type(kernel).__name__}."))
+    refused = _own_work(UNPACK_KERNEL, kernel, (kk.dequantize_unpack, kk.dequantize_unpack_ref))
+    if refused is not None:
+        return refused
+    hint = ("Each byte holds two codes: mask with 0xF for one, shift right by 4 for the other; token t uses "
+            "the step and zero point of group t // GROUP; mask the tokens past T and the byte columns past DP.")
+    trials, seed = (12, 1025) if hidden() else (6, 25)
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        x, g = _unpack_inputs(gen)
+        qt = kk.quantize_pack_ref(x, 4, g)
+        try:
+            got = _launch_unpack(kernel, qt)
+        except Exception as err:  # noqa: BLE001 - a student's kernel may fail in many ways; report which
+            if _unsolved_cause(err):
+                return _report(Result(UNPACK_KERNEL, NOT_SOLVED,
+                                      "Fill in the kernel above, then run this cell again."))
+            return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
+                f"trial {trial + 1} (T={x.shape[0]}, D={x.shape[1]}, group {g}): the launch raised "
+                f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}", hint)))
+        expected = kk.dequantize_unpack_ref(qt).float()
+        if torch.isnan(got).any():
+            return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
+                f"trial {trial + 1} (T={x.shape[0]}, D={x.shape[1]}, group {g}): "
+                f"{int(torch.isnan(got).sum())} output element(s) were never written.", hint)))
+        if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+            bad = ~torch.isclose(got, expected, rtol=1e-5, atol=1e-6)
+            t0, c0 = (int(i) for i in bad.nonzero()[0])
+            return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
+                f"trial {trial + 1} (T={x.shape[0]}, D={x.shape[1]}, group {g}): {int(bad.sum())} of "
+                f"{bad.numel()} elements differ, the first at token {t0}, channel {c0}.", hint)))
+    return _report(Result(UNPACK_KERNEL, "passed", f"agrees with the reference on {trials} random odd sizes."))
