@@ -177,6 +177,16 @@ def judge(holds: bool, *, separable: bool = True, trend_only: bool = False) -> s
 # ------------------------------------------------------------------------------------------------------------
 # Rows: write, read back, render.
 # ------------------------------------------------------------------------------------------------------------
+class Row(dict):
+    """A recorded claim row: a plain ``dict`` of its fields that a notebook displays as one sentence.
+
+    A cell that ends with ``claims.record(...)`` would otherwise echo the whole dict onto the page.
+    """
+
+    def _repr_markdown_(self) -> str:
+        return f"Claims ledger, {self['section']}: **{self['verdict']}** ({self['basis']}; `{self['id']}`)."
+
+
 def _text(name: str, value) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name} must be a non-empty string, got {value!r}")
@@ -255,7 +265,7 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
         cite = [cite]
     if anchor is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", str(anchor)):
         raise ValueError(f"anchor must be a lowercase MyST label like 'kv-quant-table', got {anchor!r}")
-    row = dict(id=claim_id, claim=claim, section=section, measured=measured, verdict=verdict, notebook=notebook,
+    row = Row(id=claim_id, claim=claim, section=section, measured=measured, verdict=verdict, notebook=notebook,
                rule=rule, basis=basis, profile=runtime.PROFILE, n=n,
                interval=[float(interval[0]), float(interval[1])] if interval is not None else None,
                cite=list(cite) if cite else None, anchor=anchor)

@@ -31,6 +31,8 @@ def test_record_load_and_render(ledger):
     rows = claims.load()
     assert [r["id"] for r in rows] == ["kv-a", "kv-c", "kv-d", "kv-b"], "sorted by section number, not as text"
     assert rows[0] == row and row["profile"] in ("cpu", "gpu")
+    assert row._repr_markdown_() == "Claims ledger, 10.1.1: **reproduced** (exact; `kv-a`).", \
+        "a cell ending in record() shows one sentence, not the dict"
     assert rows[1]["n"] == 20 and rows[1]["interval"] == pytest.approx(list(claims.wilson(3, 20)))
     table = claims.render_markdown(rows)
     assert "4 claims checked" in table
