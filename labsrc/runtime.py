@@ -98,11 +98,14 @@ SIZES: dict[str, dict[str, dict]] = {
                     kernel_shape=(4, 32, 8, 1024, 128), table_rows=4096),
     },
     "kv_eviction": {
-        "cpu": dict(ctx=256, n=8, ppl_len=152, ppl_prefill=128, ablation_n=4, gqa_n=4,
+        # n: pass keys per policy and rate (the probe lab-target solves, so the one that ranks policies);
+        # screen_n: samples of the probes the full cache is only checked on; diag_n: the recency diagnosis.
+        "cpu": dict(ctx=256, n=24, screen_n=8, diag_n=8, ppl_len=152, ppl_prefill=128, ablation_n=8, gqa_n=8,
                     bf_tokens=14, bf_budget=7, bf_future=6, bf_slices=12, draws=400, cv_samples=2,
                     overhead_prompt=256, overhead_tokens=16, survival_chunk=16, anim_frames=8,
                     ledger_ctx=256, ledger_n=1, ledger_windows=1, ledger_decode=16),
-        "gpu": dict(ctx=512, n=20, ppl_len=512, ppl_prefill=256, ablation_n=20, gqa_n=20,
+        "gpu": dict(ctx=512, n=64, screen_n=20, diag_n=20, ppl_len=512, ppl_prefill=256, ablation_n=32,
+                    gqa_n=32,
                     bf_tokens=16, bf_budget=8, bf_future=8, bf_slices=48, draws=4000, cv_samples=16,
                     overhead_prompt=512, overhead_tokens=64, survival_chunk=16, anim_frames=12,
                     ledger_ctx=512, ledger_n=10, ledger_windows=4, ledger_decode=64),

@@ -1,4 +1,6 @@
 """The eviction chapter's exercise checks: a right answer passes, a wrong one fails, a stub is 'not solved'."""
+import math
+
 import pytest
 import torch
 
@@ -88,16 +90,30 @@ def test_check_probabilities():
     assert ex.check_probabilities(stub).status == "not solved yet"
 
 
-def student_systematic(p, u):
-    c = torch.cumsum(p, 0)
+def unclamped_systematic(p, u):
+    c = torch.cumsum(p.double(), 0)
     hits = torch.floor(c - u) - torch.floor(torch.cat([torch.zeros(1, dtype=c.dtype), c[:-1]]) - u)
     return torch.nonzero(hits > 0).flatten()
+
+
+def student_systematic(p, u):
+    c = torch.cumsum(p.double(), 0)
+    k = round(float(c[-1]))
+    c = c * (k / float(c[-1]))
+    upper = torch.floor(c - u).clamp(max=k - 1 if u > 0 else k)
+    lower = torch.cat([torch.tensor([float(math.floor(-u))], dtype=c.dtype), upper[:-1]])
+    return torch.nonzero(upper > lower).flatten()
 
 
 def test_check_systematic():
     assert ex.check_systematic(student_systematic).passed
     off_by_u = lambda p, u: student_systematic(p, 0.5 * u)  # noqa: E731
     assert ex.check_systematic(off_by_u).status == "failed"
+    # The formula without the cap keeps K + 1 items for a tiny u: the check's edge offsets catch it.
+    p = ev.inclusion_probabilities(torch.tensor([1.0, 1.2, 1.1, 1.3, 1.05, 1.15], dtype=torch.float64), 2)
+    assert unclamped_systematic(p, 1e-300).numel() == 3
+    result = ex.check_systematic(unclamped_systematic)
+    assert result.status == "failed" and "Hint:" in result.message
     assert ex.check_systematic(lambda p, u: torch.topk(p, round(float(p.sum()))).indices.sort().values).status == "failed"
     assert ex.check_systematic(stub).status == "not solved yet"
 
@@ -118,3 +134,64 @@ def test_checks_never_print_the_answer(capsys):
     dropped = [i for i in range(16) if i not in keep.tolist()]
     truth = max(dropped, key=lambda i: float(chain["future"][i]))
     assert "failed" in out and f" {truth} " not in out and f"{truth}." not in out
+
+
+def student_ever_kept(scores, budget, rounds):
+    return 1.0 - (1.0 - student_probabilities(scores, budget)) ** rounds
+
+
+def test_check_ever_kept():
+    assert ex.check_ever_kept(student_ever_kept).passed
+    uncapped = lambda s, k, r: 1.0 - (1.0 - torch.clamp(k * s / s.sum(), max=1.0)) ** r  # noqa: E731
+    assert ex.check_ever_kept(uncapped).status == "failed"
+    once = lambda s, k, r: student_probabilities(s, k)  # noqa: E731
+    assert ex.check_ever_kept(once).status == "failed"
+    expected_count = lambda s, k, r: r * student_probabilities(s, k)  # noqa: E731
+    assert ex.check_ever_kept(expected_count).status == "failed"
+    assert ex.check_ever_kept(stub).status == "not solved yet"
+
+
+def test_ever_kept_prediction_matches_simulation():
+    """The quantity Exercise 4 predicts is what repeated stochastic_keep draws measure."""
+    s = torch.tensor([30.0, 8, 4, 3, 2, 2, 1, 1, 0.5, 0.5, 0.2, 0.1], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    trials, rounds = 1500, 4
+    ever = torch.zeros(len(s), dtype=torch.float64)
+    for _ in range(trials):
+        kept = torch.zeros(len(s), dtype=torch.bool)
+        for _ in range(rounds):
+            kept[ev.stochastic_keep(s, 5, gen)] = True
+        ever += kept.double()
+    ever /= trials
+    predicted = student_ever_kept(s, 5, rounds)
+    se = torch.sqrt(predicted * (1 - predicted) / trials).clamp_min(1e-3)
+    assert float(((ever - predicted).abs() / se).max()) < 4.5
+
+
+@pytest.mark.parametrize("check, library, args", [
+    (ex.check_scores, lambda a, v, al, be, ga, la: ev.value_aware_scores(a, v, al, be, ga, la), None),
+    (ex.check_lru_keep, lambda attn, b, thr: ev.LRU(threshold=thr).select(
+        ev.TokenStats.from_attention(attn[None], torch.ones(attn.shape[1], 1), threshold=thr), b), None),
+    (ex.check_probabilities, ev.inclusion_probabilities, None),
+    (ex.check_probabilities, lambda s, k: ev.inclusion_probabilities(s, k).clone(), None),
+    (ex.check_systematic, ev.systematic_indices, None),
+    (ex.check_systematic, lambda p, u: ev.systematic_indices(p, u), None),
+    (ex.check_ever_kept, lambda s, k, r: 1 - (1 - ev.inclusion_probabilities(s, k)) ** r, None),
+])
+def test_checks_refuse_a_call_to_the_library_function(check, library, args, capsys):
+    result = check(library)
+    assert result.status == "failed" and "labsrc.evict" in result.message and "Hint:" in result.message
+
+
+def test_nested_helper_calling_the_library_is_refused():
+    def answer(p, u):
+        def helper(q):
+            return ev.systematic_indices(q, u)
+        return helper(p)
+    assert ex.check_systematic(answer).status == "failed"
+
+
+def test_refusal_does_not_leak_the_answer(capsys):
+    ex.check_systematic(ev.systematic_indices)
+    out = capsys.readouterr().out
+    assert "floor" not in out.split("Hint:")[0] and "clamp" not in out

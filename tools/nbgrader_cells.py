@@ -77,6 +77,7 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_scores": (2, 20, "value-aware scores"),
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
     "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
+    "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
 }
 
 

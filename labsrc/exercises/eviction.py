@@ -8,17 +8,51 @@ and prints passed / failed / not solved yet without revealing the answer.
 * :func:`check_lru_keep` and :func:`check_wrongly_dropped`: LRU on a reasoning chain
   (:func:`reasoning_chain`), and the premise token it drops although the verification step needs it.
 * :func:`check_probabilities` and :func:`check_systematic`: the budget correction (capping at 1 and
-  redistributing) and the systematic sampler that keeps exactly the budget.
+  redistributing) and the systematic sampler that keeps exactly the budget, including a ``u`` so small that
+  ``K - u`` rounds to ``K``.
+* :func:`check_ever_kept`: a prediction, the chance that a token is kept at least once over several
+  independent re-evictions, which the chapter then measures by simulation.
+
+Every check refuses an answer whose code calls the :mod:`labsrc.evict` function the exercise asks the
+student to write (:func:`refuses_library`): the point is to write it.
 """
 from __future__ import annotations
+
+import types
 
 import torch
 
 from labsrc import evict as ev
-from labsrc.exercises.core import Result, check_function, check_value, exercise
+from labsrc.exercises.core import FAILED, Result, _report, check_function, check_value, exercise, randint
 
 __all__ = ["hand_case", "check_scores", "reasoning_chain", "check_lru_keep", "check_wrongly_dropped",
-           "check_probabilities", "check_systematic"]
+           "check_probabilities", "check_systematic", "check_ever_kept", "refuses_library"]
+
+
+def _names_used(code: types.CodeType) -> set[str]:
+    """Every global and attribute name a code object (and the functions nested in it) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_used(const)
+    return names
+
+
+def refuses_library(name: str, fn, forbidden: tuple[str, ...]) -> Result | None:
+    """A failed Result when ``fn`` is, or its code refers to, one of the ``forbidden`` names of
+    :mod:`labsrc.evict` (the function the exercise asks for); None when the answer is the student's own.
+
+    The test reads the names the function's code uses (``ev.systematic_indices(...)`` refers to the name
+    ``systematic_indices``), so renaming the module does not hide the call."""
+    if any(fn is getattr(ev, f, None) for f in forbidden):
+        used = set(forbidden)
+    else:
+        code = getattr(fn, "__code__", None)
+        used = _names_used(code) & set(forbidden) if code is not None else set()
+    if not used:
+        return None
+    return _report(Result(name, FAILED, "the answer calls labsrc.evict's own " + ", ".join(sorted(used))
+                          + ", which this exercise asks you to write. Hint: use torch operations only."))
 
 
 def _as(dtype):
@@ -68,6 +102,9 @@ def check_scores(fn) -> Result:
     def reference(attn, values, alpha, beta, gamma, lam):
         return ev.value_aware_scores(attn, values, alpha, beta, gamma, lam)
 
+    refused = refuses_library("value-aware scores", fn, ("value_aware_scores", "ValueAware", "recency"))
+    if refused is not None:
+        return refused
     return check_function("value-aware scores", _as(torch.float32)(fn), reference, make, trials=6, rtol=1e-4,
                           atol=1e-6, hint="sum attn over heads and window queries; R_i uses (N - i) / N with "
                                           "i counted from 0 for the oldest token; ||V_i|| is the L2 norm.")
@@ -134,6 +171,10 @@ def check_lru_keep(fn) -> Result:
             return chain["attn"], chain["budget"], chain["threshold"]
         return _lru_inputs(gen)
 
+    refused = refuses_library("LRU keep", fn, ("LRU", "make_policy", "TokenStats"))
+    if refused is not None:
+        return refused
+
     return check_function("LRU keep", _as(torch.int64)(fn), _lru_keep_reference, make, trials=6,
                           hint="last_used[i] = max(i, latest query position t with attn[t, i] > threshold); "
                                "keep the budget largest, newer first on ties, and return them sorted.")
@@ -166,6 +207,9 @@ def check_probabilities(fn) -> Result:
     """``fn(scores, budget)`` must return keep-probabilities (compared in float64 to float32 precision)
     proportional to ``scores``, capped at
     1 and summing exactly to ``budget`` (cap, then share the remaining budget among the uncapped, repeat)."""
+    refused = refuses_library("capped keep probabilities", fn, ("inclusion_probabilities",))
+    if refused is not None:
+        return refused
     return check_function("capped keep probabilities", _as(torch.float64)(fn), ev.inclusion_probabilities,
                           _prob_inputs, trials=8, rtol=1e-5, atol=1e-6,
                           hint="min(1, K s_i / sum s) sums to less than K when a cap binds: fix the capped "
@@ -179,10 +223,57 @@ def _systematic_inputs(gen: torch.Generator):
     return p, u
 
 
+# Offsets a uniform draw reaches only rarely but a check must cover: u = 0, and u so small that K - u rounds
+# to K (where counting points with floor(C - u) alone finds a (K+1)-th point that does not exist).
+_EDGE_U = (1e-300, 0.0, 1e-17)
+
+
 @exercise
 def check_systematic(fn) -> Result:
     """``fn(p, u)`` must return the sorted int64 indices chosen by systematic sampling: item i is kept when
-    one of the points u, u + 1, u + 2, ... falls in [C_{i-1}, C_i), C the cumulative sum of ``p``."""
-    return check_function("systematic sampling", _as(torch.int64)(fn), ev.systematic_indices, _systematic_inputs,
-                          trials=8, hint="count the points below each edge: floor(C_i - u) - floor(C_{i-1} - u) "
-                                         "is 1 exactly when item i is kept.")
+    one of the points u, u + 1, ..., u + K - 1 (K = sum p) falls in [C_{i-1}, C_i), C the cumulative sum
+    of ``p``. Besides random cases the check tries offsets at the edge of [0, 1)."""
+    edges = list(_EDGE_U)
+
+    def make(gen):
+        p, u = _systematic_inputs(gen)
+        if not edges:
+            return p, u
+        # Uncapped probabilities (no edge C_i is an exact integer before the last): there the only count
+        # that can go wrong at a tiny u is the (K+1)-th point.
+        n = randint(gen, 6, 15)
+        scores = 1.0 + torch.rand(n, generator=gen, dtype=torch.float64)
+        return ev.inclusion_probabilities(scores, randint(gen, 1, 2)), edges.pop(0)
+
+    refused = refuses_library("systematic sampling", fn, ("systematic_indices", "stochastic_keep"))
+    if refused is not None:
+        return refused
+    return check_function("systematic sampling", _as(torch.int64)(fn), ev.systematic_indices, make,
+                          trials=8 + len(_EDGE_U), hint="count the points below each edge: floor(C_i - u) - floor(C_{i-1} - u) "
+                                         "is 1 exactly when item i is kept, and there are only K points: "
+                                         "check how many items you keep when u is tiny.")
+
+
+def _ever_kept_reference(scores: torch.Tensor, budget: int, rounds: int) -> torch.Tensor:
+    return 1.0 - (1.0 - ev.inclusion_probabilities(scores, budget)) ** rounds
+
+
+def _ever_kept_inputs(gen: torch.Generator):
+    scores, budget = _prob_inputs(gen)
+    return scores, budget, int(torch.randint(1, 12, (1,), generator=gen))
+
+
+@exercise
+def check_ever_kept(fn) -> Result:
+    """``fn(scores, budget, rounds)`` must return, for each token, the probability (float64) that the
+    stochastic keep (capped probabilities, systematic sampling) keeps it at least once over ``rounds``
+    independent re-evictions of the same scores, each with a fresh draw."""
+    refused = refuses_library("kept at least once", fn,
+                              ("inclusion_probabilities", "retention_frequencies", "stochastic_keep"))
+    if refused is not None:
+        return refused
+    return check_function("kept at least once", _as(torch.float64)(fn), _ever_kept_reference,
+                          _ever_kept_inputs, trials=8, rtol=1e-5, atol=1e-6,
+                          hint="one draw keeps token i with probability p_i (the capped probabilities, "
+                               "not K s_i / sum s); the draws are independent, so think about the "
+                               "chance of being dropped every time.")
