@@ -193,8 +193,8 @@ def inclusion_probabilities(scores: torch.Tensor, budget: int) -> torch.Tensor:
 
 
 def systematic_indices(p: torch.Tensor, u: float) -> torch.Tensor:
-    """Systematic sampling: the indices i whose interval [C_{i-1}, C_i) of the cumulative sum of ``p``
-    contains one of the points u, u + 1, u + 2, ...
+    """Systematic sampling: the indices i whose interval (C_{i-1}, C_i] of the cumulative sum of ``p``
+    contains one of the points u, u + 1, ..., u + K - 1 (for u = 0, the points 1, ..., K).
 
     With sum(p) = K (an integer) and u uniform in [0, 1) this selects exactly K distinct items and item i
     with probability exactly p_i (its interval has length p_i <= 1, so it holds at most one point, and a
@@ -225,13 +225,20 @@ def systematic_indices(p: torch.Tensor, u: float) -> torch.Tensor:
         raise ValueError(f"p must sum to an integer, got {total}")
     if k == 0:
         return torch.zeros(0, dtype=torch.int64, device=p.device)   # nothing to keep (and no drift to remove)
-    c = c * (k / total)                     # remove the float drift so the last edge is exactly K
-    upper = torch.floor(c - u)
-    # The K points are u, u + 1, ..., u + K - 1, so no edge counts more than K - 1 of them below it when
-    # u > 0 (K when u = 0). Without the clamp a tiny u (say 1e-300) loses itself in K - u, which rounds to K,
-    # and the last item collects a (K+1)-th point that does not exist: K + 1 items kept instead of K.
-    upper = upper.clamp_(max=k - 1 if u > 0 else k)
-    lower = torch.cat([upper.new_full((1,), math.floor(-u)), upper[:-1]])
+    # Capped probabilities (p_i = 1) put edges on integers, and float sums land them a hair to either side
+    # (0.99999999255 for a float32 p; 1.0000000000000002): snap every edge within the sum's own tolerance of
+    # an integer onto it, or the interval it closes would gain or lose a point.
+    near = c.round()
+    c = torch.where((c - near).abs() <= 1e-6, near, c)
+    # Item i is kept when its interval (C_{i-1}, C_i] holds one of the points v, v + 1, ..., v + K - 1, with
+    # v = u (v = 1 when u = 0, the same grid shifted by a whole step). Writing C_i = m_i + f_i (integer part,
+    # fraction), exactly m_i + [v <= f_i] points lie at or below C_i. Comparing v with f_i, rather than
+    # rounding C_i - u, keeps the count exact when u is lost in that subtraction (u = 1e-300, or
+    # u = 1 - 2e-16 against C_i = 3), where the rounded count kept K + 1 or K - 1 items.
+    v = u if u > 0 else 1.0
+    whole = torch.floor(c)
+    upper = (whole + (c - whole >= v).to(c.dtype)).clamp_(0, k)
+    lower = torch.cat([upper.new_zeros(1), upper[:-1]])
     return torch.nonzero(upper > lower).flatten()
 
 

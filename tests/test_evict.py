@@ -683,6 +683,18 @@ def test_systematic_indices_tiny_u_keeps_exactly_k():
         assert ev.systematic_indices(torch.tensor([0.25, 1.0, 0.75, 0.0, 1.0]), u).numel() == 3
 
 
+@pytest.mark.parametrize("u", [0.0, 5e-324, 1e-300, 1e-17, 0.5, 1 - 1e-16])
+def test_systematic_indices_keeps_k_when_an_edge_is_an_integer(u):
+    """A capped p_i = 1 puts a cumulative edge exactly on an integer; with a vanishing u the floor-based count
+    kept K - 1 items ([0] here, for K = 2). Every item of probability 1 must be kept, and exactly K in all."""
+    p = torch.tensor([1.0, 0.4, 0.4, 0.2])
+    got = ev.systematic_indices(p, u).tolist()
+    assert len(got) == 2 and 0 in got
+    q = torch.tensor([0.3, 1.0, 0.7, 1.0, 0.0, 1.0])
+    got = ev.systematic_indices(q, u).tolist()
+    assert len(got) == 4 and {1, 3, 5} <= set(got) and 4 not in got
+
+
 def test_page_scores_refuses_a_non_tensor():
     pool = ev.PagedEvictionPool(num_pages=4, page_size=4)
     pool.append("a", 5)
