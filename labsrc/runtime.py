@@ -90,7 +90,7 @@ SIZES: dict[str, dict[str, dict]] = {
                     n_requests=2000, max_len=2048, block_size=16),
     },
     "rope": {
-        "cpu": dict(lengths=(512, 1024, 2048), bucket=128, n_windows=2, passkey_n=2,
+        "cpu": dict(lengths=(512, 1024, 2048), bucket=128, n_windows=2, passkey_n=3,
                     passkey_depths=(0.1, 0.5, 0.9), ft_steps=6, ft_batch=1, ft_lr=1e-4,
                     kernel_shape=(2, 4, 2, 37, 40), table_rows=96),
         "gpu": dict(lengths=(512, 1024, 2048, 4096), bucket=128, n_windows=12, passkey_n=10,

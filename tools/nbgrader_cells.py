@@ -68,6 +68,8 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_position_interpolation": (1, 10, "position interpolation"),
     "check_ntk_base": (2, 15, "the NTK-aware base"),
     "check_yarn_unscaled": (3, 25, "which pairs YaRN leaves alone"),
+    "check_unseen_pairs": (2, 20, "predict the pairs that leave the trained range"),
+    "check_rope_kernel": (3, 30, "rotate one head in a Triton kernel"),
     # 05 KV quantization
     "check_scale_zero": (1, 10, "step and zero point of a group"),
     "check_mse_ratio": (2, 20, "predict the gain of normalisation"),

@@ -10,19 +10,28 @@ still raises ``NotImplementedError``. Expected answers are computed here, never 
 * :func:`check_ntk_base` -- ``fn(base, factor, head_dim)``: the NTK-aware base for a factor ``s``.
 * :func:`check_yarn_unscaled` -- ``fn(head_dim, base, factor, original_max_position, beta_fast, beta_slow)``:
   the indices of the pairs YaRN leaves unscaled.
+* :func:`check_unseen_pairs` -- ``fn(head_dim, base, train_length, new_length)``: the pairs whose angles at the
+  new length were never reached in training (a prediction the student then checks on the lab model).
+* :func:`check_rope_kernel` -- a ``@triton.jit`` kernel that rotates one head, one program per token, launched
+  by the check on odd sizes under Triton's interpreter and compared with :func:`labsrc.rope.apply_rope_ref`.
+
+A check refuses an answer that calls the :mod:`labsrc.rope` function the exercise asks the student to write
+(the call is detected while the answer runs, however the function was imported).
 """
 from __future__ import annotations
 
 import numbers
+import sys
 
 import numpy as np
 import torch
 
-from labsrc import rope
+from labsrc import rope, runtime
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   as_number, check_function, exercise, hidden)
+                                   as_number, check_function, exercise, hidden, randint, tolerance)
 
-__all__ = ["check_wavelength", "check_position_interpolation", "check_ntk_base", "check_yarn_unscaled"]
+__all__ = ["check_wavelength", "check_position_interpolation", "check_ntk_base", "check_yarn_unscaled",
+           "check_unseen_pairs", "check_rope_kernel"]
 
 _HEAD_DIMS = (32, 64, 80, 96, 128)
 _BASES = (10000.0, 500000.0, 1000000.0)
@@ -30,6 +39,38 @@ _BASES = (10000.0, 500000.0, 1000000.0)
 
 def _pick(gen: torch.Generator, options):
     return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+
+def _library_call(fn, args, forbidden) -> str | None:
+    """The name of the first function of ``forbidden`` that ``fn(*args)`` calls (directly or not), else None.
+
+    Watched with a profile hook on the functions' code objects, so ``from labsrc.rope import ntk_base`` or an
+    alias is caught as well as ``rope.ntk_base``. Any exception of ``fn`` is left to the check proper."""
+    codes = {f.__code__: f.__name__ for f in forbidden}
+    seen: list[str] = []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code in codes and not seen:
+            seen.append(codes[frame.f_code])
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - a stub or a wrong answer is reported by the check itself
+        pass
+    finally:
+        sys.setprofile(previous)
+    return seen[0] if seen else None
+
+
+def _refuse_library(name, fn, make_inputs, seed, forbidden, hint) -> Result | None:
+    """A failed result when the answer calls one of ``forbidden`` on the check's first inputs, else None."""
+    called = _library_call(fn, make_inputs(torch.Generator().manual_seed(seed)), forbidden)
+    if called is None:
+        return None
+    return _report(Result(name, FAILED, f"your function calls labsrc.rope.{called}, which computes the answer "
+                                        f"this exercise asks you to derive. Hint: {hint}"))
 
 
 
@@ -48,9 +89,12 @@ def _wavelength_reference(i, head_dim, base):
 @exercise
 def check_wavelength(fn) -> Result:
     """Check ``fn(i, head_dim, base) -> float``: how many tokens pair ``i`` needs for one full turn."""
-    return check_function("wavelength of pair i", as_number(fn), _wavelength_reference, _wavelength_inputs,
-                          trials=8, seed=21, rtol=1e-5,
-                          hint="pair i turns by theta_i = base**(-2i/head_dim) radians per token.")
+    hint = "pair i turns by theta_i = base**(-2i/head_dim) radians per token."
+    refused = _refuse_library("wavelength of pair i", fn, _wavelength_inputs, 21, (rope.wavelengths,), hint)
+    if refused is not None:   # a Result is falsy unless passed: test for None
+        return refused
+    return check_function("wavelength of pair i", as_number(fn), _wavelength_reference,
+                                     _wavelength_inputs, trials=8, seed=21, rtol=1e-5, hint=hint)
 
 
 # -------------------------------------------------------------------------------- position interpolation
@@ -78,8 +122,12 @@ def _as_float32(fn):
 def check_position_interpolation(fn) -> Result:
     """Check ``fn(head_dim, base, factor) -> tensor (head_dim // 2,)``: the inverse frequencies that squeeze
     positions ``0 .. factor * L`` into the trained range ``0 .. L``."""
-    return check_function("position interpolation", _as_float32(fn), _pi_reference, _pi_inputs, trials=6, seed=22,
-                          hint="rotating position m/s by theta_i is the same as rotating position m by what?")
+    hint = "rotating position m/s by theta_i is the same as rotating position m by what?"
+    refused = _refuse_library("position interpolation", fn, _pi_inputs, 22, (rope.linear_frequencies,), hint)
+    if refused is not None:   # a Result is falsy unless passed: test for None
+        return refused
+    return check_function("position interpolation", _as_float32(fn), _pi_reference, _pi_inputs,
+                                     trials=6, seed=22, hint=hint)
 
 
 # ----------------------------------------------------------------------------------------------- NTK base
@@ -96,10 +144,14 @@ def _ntk_reference(base, factor, head_dim):
 def check_ntk_base(fn) -> Result:
     """Check ``fn(base, factor, head_dim) -> float``: the base for which the slowest pair is slowed by exactly
     ``factor`` while pair 0 keeps its frequency."""
-    return check_function("NTK-aware base", as_number(fn), _ntk_reference, _ntk_inputs, trials=8, seed=23,
-                          rtol=1e-6,
-                          hint="write theta_i with the new base b' and require theta'_last = theta_last / s for "
-                               "the last pair, i = head_dim/2 - 1; solve for b'.")
+    hint = ("write theta_i with the new base b' and require theta'_last = theta_last / s for the last pair, "
+            "i = head_dim/2 - 1; solve for b'.")
+    refused = _refuse_library("NTK-aware base", fn, _ntk_inputs, 23,
+                              (rope.ntk_base, rope.ntk_frequencies, rope.dynamic_frequencies), hint)
+    if refused is not None:   # a Result is falsy unless passed: test for None
+        return refused
+    return check_function("NTK-aware base", as_number(fn), _ntk_reference, _ntk_inputs, trials=8,
+                                     seed=23, rtol=1e-6, hint=hint)
 
 
 # ------------------------------------------------------------------------------------------ YaRN unscaled
@@ -152,6 +204,10 @@ def check_yarn_unscaled(fn) -> Result:
     hint = ("count how many full turns each pair makes over the original context; YaRN keeps the pairs that "
             "turn at least beta_fast times.")
     seed, trials = 24, 8
+    refused = _refuse_library(name, fn, _yarn_inputs, seed,
+                              (rope.yarn_correction_range, rope.yarn_frequencies), hint)
+    if refused is not None:
+        return refused
     if hidden():
         seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
     gen = torch.Generator().manual_seed(seed)
@@ -172,3 +228,152 @@ def check_yarn_unscaled(fn) -> Result:
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} with inputs {args}: {problem} Hint: {hint}"))
     return _report(Result(name, PASSED, f"right on {trials} random configurations."))
+
+
+
+# ------------------------------------------------------------------------------------------- unseen pairs
+
+def _unseen_inputs(gen):
+    train = _pick(gen, (256, 512, 1000, 2048, 4096))
+    return (_pick(gen, _HEAD_DIMS), _pick(gen, _BASES), train,
+            int(train * _pick(gen, (1.0, 1.5, 2.0, 4.0, 8.0, 32.0, 256.0))))
+
+
+def _unseen_reference(head_dim, base, train_length, new_length) -> list[int]:
+    # float64 frequencies: no pair of these configurations sits within float32 rounding of the 2 pi boundary
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    unseen = rope.max_angles(inv_freq, train_length, new_length).unseen
+    return [int(i) for i in torch.nonzero(unseen).flatten()]
+
+
+@exercise
+def check_unseen_pairs(fn) -> Result:
+    """Check ``fn(head_dim, base, train_length, new_length)``: the indices of the pairs whose rotation angles at
+    positions ``< new_length`` include angles no position ``< train_length`` produced (a list of ints or a
+    boolean mask over the pairs)."""
+    name = "pairs that leave the trained range"
+    hint = ("a pair that completed a full turn in training has seen every angle on the circle; one that did not "
+            "has seen only the arc up to its largest trained angle.")
+    seed, trials = 25, 10
+    refused = _refuse_library(name, fn, _unseen_inputs, seed, (rope.max_angles,), hint)
+    if refused is not None:
+        return refused
+    if hidden():
+        seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        args = _unseen_inputs(gen)
+        try:
+            got = fn(*args)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        indices, problem = _as_indices(got, args[0] // 2)
+        if indices is not None:
+            expected = _unseen_reference(*args)
+            if indices != expected:
+                extra, missing = set(indices) - set(expected), set(expected) - set(indices)
+                problem = " and ".join(
+                    text for text, wrong in (("your answer lists pairs whose angles were all seen in training",
+                                              extra),
+                                             ("it misses pairs that reach new angles", missing)) if wrong) + "."
+        if problem:
+            return _report(Result(name, FAILED, f"trial {trial + 1} with inputs {args}: {problem} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"right on {trials} random configurations."))
+
+
+# ------------------------------------------------------------------------------------------ the kernel
+
+# (T, HALF): odd token counts, and half-dims that are not powers of two, so that a missing mask shows.
+_KERNEL_SIZES = ((7, 20), (13, 3), (1, 5), (22, 12), (9, 1), (31, 33), (5, 64), (17, 7))
+_GUARD = 64   # NaN elements before and after every buffer: a load or store outside the tensor shows up
+
+
+def _guarded(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(view, storage)``: ``values`` copied into the middle of a NaN-filled buffer, and that buffer."""
+    storage = torch.full((values.numel() + 2 * _GUARD,), float("nan"), dtype=values.dtype)
+    storage[_GUARD:_GUARD + values.numel()] = values.flatten()
+    return storage[_GUARD:_GUARD + values.numel()].view(values.shape), storage
+
+
+def _kernel_case(gen, size):
+    T, half = size
+    D = 2 * half
+    rows = T + randint(gen, 3, 60)
+    inv_freq = _pick(gen, _BASES) ** (-torch.arange(0, D, 2, dtype=torch.float32) / D)
+    cos, sin = rope.rope_cos_sin(inv_freq, rows, attention_scaling=_pick(gen, (1.0, 1.2)))
+    x = torch.randn(T, D, generator=gen)
+    positions = torch.randint(0, rows, (T,), generator=gen).to(_pick(gen, (torch.int64, torch.int32)))
+    return x, cos, sin, positions
+
+
+def _run_kernel(kernel, x, cos, sin, positions):
+    """Launch the student's kernel as the exercise states; return ``(out, problem)``."""
+    import triton  # only reached when Triton is installed
+
+    T, D = x.shape
+    xg, x_store = _guarded(x)
+    out, out_store = _guarded(torch.full_like(x, float("nan")))
+    kernel[(T,)](xg, out, cos, sin, positions, HALF=D // 2, BLOCK=triton.next_power_of_2(D // 2))
+    if not torch.equal(xg, x):
+        return out, "the kernel changed its input x."
+    guards = torch.cat([out_store[:_GUARD], out_store[-_GUARD:]])
+    if not bool(torch.isnan(guards).all()):
+        return out, "the kernel wrote outside the output tensor (a lane past D/2 stored without a mask?)."
+    return out, None
+
+
+@exercise
+def check_rope_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, HALF, BLOCK)`` that
+    rotates one head ``x (T, D)`` into ``out``, one program per token (grid ``(T,)``), against
+    :func:`labsrc.rope.apply_rope_ref`. ``x``, ``out``, ``cos``, ``sin`` are contiguous float32, ``D = 2 * HALF``,
+    ``BLOCK`` the next power of two >= ``HALF``, positions int32 or int64. Sizes are odd and ``HALF`` is
+    rarely a power of two. Without Triton (macOS, Windows) the check says it is skipped."""
+    name = "RoPE kernel for one head"
+    if not runtime.HAS_TRITON:
+        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
+               "the other exercises do not need it.")
+        # Not a pass and not a failure: say so in words (a Result prints as passed/failed/not solved yet).
+        print(f"⏭ {name}: skipped. {why}")
+        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    hint = ("pair i is (x[i], x[i + HALF]); the first half gets x1*cos - x2*sin and the second x2*cos + x1*sin, "
+            "with cos and sin from row p of the tables; every load and store needs the mask d < HALF.")
+    seed, sizes = 26, _KERNEL_SIZES
+    if hidden():
+        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, h + 4) for t, h in sizes)
+    if not hasattr(kernel, "__getitem__"):   # a plain function: the stub, or a kernel without @triton.jit
+        try:
+            kernel()
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+        except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
+            pass
+        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
+                                            f"@triton.jit so that kernel[(T,)](...) launches it."))
+    gen = torch.Generator().manual_seed(seed)
+    rtol, atol = tolerance(torch.float32)
+    for trial, size in enumerate(sizes):
+        x, cos, sin, positions = _kernel_case(gen, size)
+        try:
+            out, problem = _run_kernel(kernel, x, cos, sin, positions)
+        except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
+            cause = err.__cause__ or err.__context__
+            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
+                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+            return _report(Result(name, FAILED, f"trial {trial + 1} (T={size[0]}, D={2 * size[1]}): the launch "
+                                                f"raised {type(cause or err).__name__}: {cause or err}. "
+                                                f"Hint: {hint}"))
+        if problem is None:
+            expected = rope.apply_rope_ref(x[None, None], x[None, None], cos, sin, positions)[0][0, 0]
+            if torch.isnan(out).any():
+                problem = f"{int(torch.isnan(out).sum())} output element(s) were never written."
+            elif not torch.allclose(out, expected, rtol=rtol, atol=atol):
+                bad = ~torch.isclose(out, expected, rtol=rtol, atol=atol)
+                t, d = (int(i) for i in bad.nonzero()[0])
+                half = "first" if d < size[1] else "second"
+                problem = (f"{int(bad.sum())} of {bad.numel()} elements differ; the first at token {t}, column "
+                           f"{d} (the {half} half).")
+        if problem:
+            return _report(Result(name, FAILED, f"trial {trial + 1} (T={size[0]}, D={2 * size[1]}): {problem} "
+                                                f"Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to apply_rope_ref on {len(sizes)} launches with odd sizes."))
