@@ -38,7 +38,8 @@ _MAX_ROW_SIZE = 2 ** 31 - 1
 @triton.jit
 def _kv_store_kernel(k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    # int64 offsets: slot * row_size overflows int32 for caches above 2^31 elements (e.g. 64K slots x 8 x 128 x 32).
+    # int64 offsets: slot * row_size overflows int32 for a cache above 2^31 elements (one layer of 2M slots x 8
+    # K/V heads x 128 dims).
     slot = tl.load(slots + row).to(tl.int64)
     src_row = row.to(tl.int64) * row_size
     dst_row = slot * row_size

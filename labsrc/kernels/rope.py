@@ -14,7 +14,7 @@ decode step at position 4711 passes ``positions=torch.tensor([4711])`` and nothi
 One program handles one token ``(b, t)``: it reads its position, loads that row of cos and sin once, and
 rotates every head of ``q`` (first launch) or ``k`` (second launch) at that token, a ``BLOCK_H x D/2`` tile
 at a time. The kernel does one multiply-add per element loaded, so it is bound by memory bandwidth: its
-figure of merit is GB/s (see ``kernels/bench_rope.py``). Arithmetic is fp32 whatever the storage dtype
+figure of merit is GB/s (see ``labsrc/bench/rope.py``). Arithmetic is fp32 whatever the storage dtype
 (fp32, fp16, bf16); the outputs have the dtype of ``q``/``k``.
 
 The outputs are **new tensors** by default. ``out_q``/``out_k`` let the caller give the output buffers; they
