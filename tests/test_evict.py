@@ -650,7 +650,8 @@ def test_property_systematic_indices_keeps_exactly_k(scores, frac, u):
        bad=st.one_of(st.just(NAN), st.just(float("inf")), st.just(-float("inf")), st.floats(-10, -1e-9),
                      st.floats(1 + 1e-9, 10)))
 def test_property_systematic_indices_refuses_bad_probabilities(n, at, bad):
-    p = torch.full((n,), 0.5)
+    # float64: in float32 a "bad" 1 + 1e-9 rounds to exactly 1.0, a valid probability
+    p = torch.full((n,), 0.5, dtype=torch.float64)
     p[at % n] = bad
     with pytest.raises(ValueError, match=r"p must hold probabilities in \[0, 1\]"):
         ev.systematic_indices(p, 0.5)
