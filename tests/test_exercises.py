@@ -130,3 +130,107 @@ def test_every_chapter_check_has_a_hidden_case_set(module):
     assert checks
     for check in checks:
         assert "hidden" in inspect.signature(check, follow_wrapped=False).parameters, f"{module}.{check.__name__} lacks hidden="
+
+
+# ------------------------------------------------------------------------------ the one library-call guard
+from labsrc import kvmath  # noqa: E402
+from labsrc.exercises.core import library_use, refuse_library  # noqa: E402
+from labsrc.kernels._triton import HAS_TRITON, tl, triton  # noqa: E402
+
+_LIB = (kvmath.gqa_cache_bytes, kvmath.mla_equivalent_kv_heads)
+_gqa_alias = kvmath.gqa_cache_bytes       # an alias bound in the notebook's globals
+
+
+def test_library_use_by_name_alias_closure_nested_and_import_inside():
+    def by_name(*a):
+        return kvmath.gqa_cache_bytes(*a)
+
+    def by_alias(*a):
+        return _gqa_alias(*a)
+
+    closed = kvmath.mla_equivalent_kv_heads
+
+    def by_closure(*a):
+        return closed(*a)
+
+    def nested(*a):
+        def helper():
+            return kvmath.mla_equivalent_kv_heads(*a)
+        return helper()
+
+    def import_inside(*a):
+        from labsrc.kvmath import gqa_cache_bytes as g
+        return g(*a)
+
+    assert library_use(by_name, _LIB) == ["gqa_cache_bytes"]
+    assert library_use(by_alias, _LIB) == ["_gqa_alias"]           # named as the answer names it
+    assert library_use(by_closure, _LIB) == ["closed"]
+    assert library_use(nested, _LIB) == ["mla_equivalent_kv_heads"]
+    assert library_use(import_inside, _LIB) == ["gqa_cache_bytes"]
+    assert library_use(by_name, (kvmath,)) == ["kvmath"]            # a forbidden module
+    # a function reached through a forbidden module is reported once, by the module's name
+    assert library_use(by_name, (kvmath, *_LIB)) == ["kvmath"]
+
+
+def test_library_use_leaves_the_students_own_work_alone():
+    namespace = {}
+    exec("def gqa_cache_bytes(*a):\n    return 0\n"
+         "def answer(*a):\n    return gqa_cache_bytes(*a)\n", namespace)
+    assert library_use(namespace["answer"], _LIB) == [], "their own function of the library's name"
+
+    def own(n_layers, head_dim):
+        return 2 * n_layers * head_dim
+
+    assert library_use(own, _LIB) == []
+    assert library_use(42, _LIB) == [] and library_use(print, _LIB) == []   # no Python code to read
+
+
+def test_library_use_refuses_the_library_function_itself_and_unwraps_decorators():
+    import functools
+
+    assert library_use(kvmath.gqa_cache_bytes, _LIB) == ["gqa_cache_bytes"]
+
+    @functools.wraps(kvmath.mla_equivalent_kv_heads)
+    def wrapper(*a):
+        return 0
+
+    assert library_use(wrapper, _LIB) == ["mla_equivalent_kv_heads"], "what __wrapped__ wraps is read"
+
+
+def test_library_use_with_args_sees_an_indirect_call():
+    def indirect(d, b, s):                  # rope_frequencies(..., "linear") calls linear_frequencies
+        from labsrc import rope
+        return rope.rope_frequencies(d, b, "linear", factor=s)[0]
+
+    from labsrc import rope
+    assert library_use(indirect, (rope.linear_frequencies,)) == []  # not in the answer's own code
+    assert library_use(indirect, (rope.linear_frequencies,), args=(64, 10000.0, 4.0)) == ["linear_frequencies"]
+
+
+@triton.jit
+def _kernel_calling_the_lab(X, BLOCK: tl.constexpr):
+    from labsrc.kernels import attention as attention_kernels  # noqa: F401 - read, never launched
+    m = tl.load(X + tl.arange(0, BLOCK))
+    attention_kernels._online_softmax_step(m, m, m[:, None])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_library_use_unwraps_triton_kernels():
+    from labsrc.kernels import attention as attention_kernels
+    from labsrc.kernels.kv_store import _kv_store_kernel
+
+    assert library_use(_kv_store_kernel, (_kv_store_kernel,)) == ["_kv_store_kernel"], "the kernel itself"
+    assert library_use(_kernel_calling_the_lab, (attention_kernels._online_softmax_step,)) == ["_online_softmax_step"]
+    assert library_use(_kernel_calling_the_lab, (_kv_store_kernel,)) == []
+
+
+def test_refuse_library_reports_what_was_used(capsys):
+    def by_name(*a):
+        return kvmath.gqa_cache_bytes(*a)
+
+    result = refuse_library("bytes", by_name, _LIB, "count the bytes.", owner="labsrc.kvmath")
+    assert result.status == "failed"
+    assert result.message == ("the answer calls labsrc.kvmath's own gqa_cache_bytes, which this exercise asks you "
+                              "to write. Hint: count the bytes.")
+    assert "gqa_cache_bytes" in capsys.readouterr().out
+    assert refuse_library("bytes", lambda n: 2 * n, _LIB, "count the bytes.") is None

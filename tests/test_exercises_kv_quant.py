@@ -9,6 +9,7 @@ import torch
 from labsrc import kvquant as kq
 from labsrc import runtime
 from labsrc.exercises import ExerciseFailed
+from labsrc.exercises.core import library_use
 from labsrc.exercises import kv_quant as ex
 from labsrc.kernels._triton import tl, triton
 
@@ -108,7 +109,7 @@ def test_unpack_kernel_refuses_a_python_function_and_a_library_call():
 
     result = ex.check_unpack_kernel(not_a_kernel)
     assert result.status == "failed" and "@triton.jit" in result.message
-    assert ex._calls_library(not_a_kernel, (kk.dequantize_unpack,)) == "dequantize_unpack"
+    assert library_use(not_a_kernel, (kk.dequantize_unpack,)) == ["dequantize_unpack"]
 
 
 def test_unpack_kernel_is_skipped_with_a_message_without_triton(monkeypatch, capsys):
@@ -160,5 +161,5 @@ def test_a_students_own_function_of_the_same_name_is_not_refused():
          "    return 2 * layers * heads * (-(-n * d * bits // 8) + -(-n // g) * 4 + 4 * d)\n"
          "def answer(n, layers, heads, d, bits, g):\n"
          "    return kv_bytes(n, layers, heads, d, bits, g)\n", namespace)
-    assert ex._calls_library(namespace["answer"], (kq.kv_bytes,)) is None
+    assert library_use(namespace["answer"], (kq.kv_bytes,)) == []
     assert ex.check_cache_bytes(namespace["answer"]).passed

@@ -25,8 +25,10 @@ import contextvars
 import functools
 import math
 import os
+import sys
+import types
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -255,3 +257,130 @@ def check_raises(name: str, fn: Callable, exception: type[BaseException], *args:
     except Exception as err:  # noqa: BLE001 - we report which exception it was
         return _report(Result(name, FAILED, _with_hint(f"raised {type(err).__name__}, expected {exception.__name__}.", hint)))
     return _report(Result(name, FAILED, _with_hint(f"raised nothing, expected {exception.__name__}.", hint)))
+
+
+# ------------------------------------------------------------------------------------ the library-call guard
+def _plain(obj: Any) -> Any:
+    """The Python object behind ``obj``: a Triton kernel's function (``labsrc.show._unwrap``), then what a
+    ``functools.wraps`` decorator wrapped."""
+    from labsrc.show import _unwrap
+
+    try:
+        for _ in range(4):
+            obj = _unwrap(obj)
+            inner = getattr(obj, "__wrapped__", None)
+            if inner is None or inner is obj:
+                break
+            obj = inner
+    except Exception:  # noqa: BLE001 - a notebook object whose attribute lookup fails is just not a wrapper
+        pass
+    return obj
+
+
+def _short_name(obj: Any) -> str:
+    """The name code uses for ``obj``: a function's or class's ``__name__``, a module's last dotted part."""
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__.rpartition(".")[2]
+    return getattr(_plain(obj), "__name__", "") or ""
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    """Every global, attribute, imported and closure name ``code`` and the code nested in it (inner functions,
+    lambdas, comprehensions) refers to."""
+    names, todo = set(), [code]
+    while todo:
+        c = todo.pop()
+        names.update(c.co_names + c.co_freevars)
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return names
+
+
+def _runtime_calls(fn: Callable, args: tuple, codes: dict) -> set[str]:
+    """Names of the functions whose code is in ``codes`` that ``fn(*args)`` calls, directly or not (a profile
+    hook watches every call). Any exception of ``fn`` is left to the check proper."""
+    seen: set[str] = set()
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            seen.add(codes[frame.f_code])
+
+    previous = sys.getprofile()
+    sys.setprofile(hook)
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - a stub or a wrong answer is reported by the check itself
+        pass
+    finally:
+        sys.setprofile(previous)
+    return seen
+
+
+def library_use(fn: Any, forbidden: Iterable[Any], *, args: tuple | None = None) -> list[str]:
+    """The sorted names of the ``forbidden`` objects (functions, Triton kernels, classes, modules) that the
+    answer ``fn`` is or refers to; an empty list when the answer is the student's own work.
+
+    The code of ``fn`` (a Triton kernel's function, what ``__wrapped__`` wraps) and of every function nested in
+    it is read, not run: each global, attribute or imported name is looked up in ``fn``'s globals and closure.
+
+    * A name bound to a forbidden object counts under the name the answer uses: an alias in the notebook
+      (``f = kq.kv_bytes``) or in an enclosing function is caught.
+    * A name equal to a forbidden object's own name that the globals and closure do not bind to something
+      else counts too: ``kq.kv_bytes(...)``, or ``from labsrc.rope import max_angles`` inside the function.
+      A student's own function that happens to share the library's name is bound to it, so it does not.
+    * A forbidden object reached through a forbidden module the answer names (``kvmath.gqa_cache_bytes``)
+      is reported once, by the module's name.
+    * ``fn`` itself being forbidden counts.
+
+    With ``args``, ``fn(*args)`` is also run under a profile hook, which adds the forbidden Python functions
+    it calls indirectly (``rope.rope_frequencies(..., "linear")`` calls ``linear_frequencies``), which no
+    reading of the answer's own code can see."""
+    forbidden = [f for f in forbidden if f is not None]
+    plain = {id(_plain(f)): f for f in forbidden}
+    by_name = {_short_name(f): f for f in forbidden if _short_name(f)}
+    for f in forbidden:                  # a module is also named by its full dotted name in an import
+        if isinstance(f, types.ModuleType):
+            by_name[f.__name__] = f
+    target = _plain(fn)
+    found: dict[str, Any] = {}           # reported name -> forbidden object
+    if id(target) in plain:
+        found[_short_name(plain[id(target)]) or "the answer itself"] = plain[id(target)]
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        glb = getattr(target, "__globals__", {}) or {}
+        bound: dict[str, Any] = dict(glb)
+        for name, cell in zip(code.co_freevars, getattr(target, "__closure__", None) or ()):
+            try:
+                bound[name] = cell.cell_contents
+            except ValueError:           # an empty cell: a closure variable not assigned yet
+                pass
+        for name in _code_names(code):
+            if name in bound:
+                obj = plain.get(id(_plain(bound[name])))
+                if obj is not None:
+                    found[name] = obj
+            elif name in by_name:
+                found[name] = by_name[name]
+        modules = {id(obj) for obj in found.values() if isinstance(obj, types.ModuleType)}
+        found = {name: obj for name, obj in found.items()
+                 if isinstance(obj, types.ModuleType) or name in bound
+                 or id(sys.modules.get(getattr(_plain(obj), "__module__", None) or "")) not in modules}
+    if args is not None and callable(fn):
+        codes = {getattr(_plain(f), "__code__", None): _short_name(f) for f in forbidden}
+        codes.pop(None, None)
+        for name in _runtime_calls(fn, args, codes):
+            found.setdefault(name, None)
+    return sorted(found)
+
+
+def refuse_library(title: str, fn: Any, forbidden: Iterable[Any], hint: str = "", *, owner: str = "labsrc",
+                   args: tuple | None = None) -> Result | None:
+    """A failed, reported Result when the answer ``fn`` is or calls one of the ``forbidden`` library objects
+    (see :func:`library_use`), naming what it used; None when the answer is the student's own.
+
+    The message reads "the answer calls <owner>'s own <names>, which this exercise asks you to write", then
+    the ``hint``: the point of the exercise is to write it."""
+    used = library_use(fn, forbidden, args=args)
+    if not used:
+        return None
+    return _report(Result(title, FAILED, _with_hint(
+        f"the answer calls {owner}'s own {', '.join(used)}, which this exercise asks you to write.", hint)))

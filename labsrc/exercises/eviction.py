@@ -18,41 +18,20 @@ student to write (:func:`refuses_library`): the point is to write it.
 """
 from __future__ import annotations
 
-import types
-
 import torch
 
 from labsrc import evict as ev
-from labsrc.exercises.core import FAILED, Result, _report, check_function, check_value, exercise, randint
+from labsrc.exercises.core import Result, check_function, check_value, exercise, randint, refuse_library
 
 __all__ = ["hand_case", "check_scores", "reasoning_chain", "check_lru_keep", "check_wrongly_dropped",
            "check_probabilities", "check_systematic", "check_ever_kept", "refuses_library"]
 
 
-def _names_used(code: types.CodeType) -> set[str]:
-    """Every global and attribute name a code object (and the functions nested in it) refers to."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names_used(const)
-    return names
-
-
-def refuses_library(name: str, fn, forbidden: tuple[str, ...]) -> Result | None:
-    """A failed Result when ``fn`` is, or its code refers to, one of the ``forbidden`` names of
-    :mod:`labsrc.evict` (the function the exercise asks for); None when the answer is the student's own.
-
-    The test reads the names the function's code uses (``ev.systematic_indices(...)`` refers to the name
-    ``systematic_indices``), so renaming the module does not hide the call."""
-    if any(fn is getattr(ev, f, None) for f in forbidden):
-        used = set(forbidden)
-    else:
-        code = getattr(fn, "__code__", None)
-        used = _names_used(code) & set(forbidden) if code is not None else set()
-    if not used:
-        return None
-    return _report(Result(name, FAILED, "the answer calls labsrc.evict's own " + ", ".join(sorted(used))
-                          + ", which this exercise asks you to write. Hint: use torch operations only."))
+def refuses_library(name: str, fn, forbidden: tuple) -> Result | None:
+    """A failed Result when ``fn`` is, or its code refers to, one of the ``forbidden`` objects of
+    :mod:`labsrc.evict` (what the exercise asks for); None when the answer is the student's own
+    (:func:`labsrc.exercises.core.refuse_library`)."""
+    return refuse_library(name, fn, forbidden, "use torch operations only.", owner="labsrc.evict")
 
 
 def _as(dtype):
@@ -102,7 +81,7 @@ def check_scores(fn) -> Result:
     def reference(attn, values, alpha, beta, gamma, lam):
         return ev.value_aware_scores(attn, values, alpha, beta, gamma, lam)
 
-    refused = refuses_library("value-aware scores", fn, ("value_aware_scores", "ValueAware", "recency"))
+    refused = refuses_library("value-aware scores", fn, (ev.value_aware_scores, ev.ValueAware, ev.recency))
     if refused is not None:
         return refused
     return check_function("value-aware scores", _as(torch.float32)(fn), reference, make, trials=6, rtol=1e-4,
@@ -171,7 +150,7 @@ def check_lru_keep(fn) -> Result:
             return chain["attn"], chain["budget"], chain["threshold"]
         return _lru_inputs(gen)
 
-    refused = refuses_library("LRU keep", fn, ("LRU", "make_policy", "TokenStats"))
+    refused = refuses_library("LRU keep", fn, (ev.LRU, ev.make_policy, ev.TokenStats))
     if refused is not None:
         return refused
 
@@ -207,7 +186,7 @@ def check_probabilities(fn) -> Result:
     """``fn(scores, budget)`` must return keep-probabilities (compared in float64 to float32 precision)
     proportional to ``scores``, capped at
     1 and summing exactly to ``budget`` (cap, then share the remaining budget among the uncapped, repeat)."""
-    refused = refuses_library("capped keep probabilities", fn, ("inclusion_probabilities",))
+    refused = refuses_library("capped keep probabilities", fn, (ev.inclusion_probabilities,))
     if refused is not None:
         return refused
     return check_function("capped keep probabilities", _as(torch.float64)(fn), ev.inclusion_probabilities,
@@ -245,7 +224,7 @@ def check_systematic(fn) -> Result:
         scores = 1.0 + torch.rand(n, generator=gen, dtype=torch.float64)
         return ev.inclusion_probabilities(scores, randint(gen, 1, 2)), edges.pop(0)
 
-    refused = refuses_library("systematic sampling", fn, ("systematic_indices", "stochastic_keep"))
+    refused = refuses_library("systematic sampling", fn, (ev.systematic_indices, ev.stochastic_keep))
     if refused is not None:
         return refused
     return check_function("systematic sampling", _as(torch.int64)(fn), ev.systematic_indices, make,
@@ -269,7 +248,7 @@ def check_ever_kept(fn) -> Result:
     stochastic keep (capped probabilities, systematic sampling) keeps it at least once over ``rounds``
     independent re-evictions of the same scores, each with a fresh draw."""
     refused = refuses_library("kept at least once", fn,
-                              ("inclusion_probabilities", "retention_frequencies", "stochastic_keep"))
+                              (ev.inclusion_probabilities, ev.retention_frequencies, ev.stochastic_keep))
     if refused is not None:
         return refused
     return check_function("kept at least once", _as(torch.float64)(fn), _ever_kept_reference,

@@ -16,8 +16,8 @@ import types
 
 import torch
 
-from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, as_number, check_function, exercise,
-                                   randint)
+from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _code_names, _report, as_number, check_function,
+                                   exercise, randint, refuse_library)
 
 
 
@@ -110,30 +110,24 @@ def check_tiled_causal_bytes(fn, measure=None, *, hidden: bool = False) -> Resul
     return exercise(functools.partial(_check_tiled_causal_bytes, measure=measure))(fn, hidden=hidden)
 
 
-def _referenced_functions(fn) -> dict:
-    """``{name: object}`` of the Python functions (and modules) that ``fn``'s code names through its globals."""
-    fn = getattr(fn, "__wrapped__", fn)
+def _functions_named_by(fn) -> list:
+    """The Python functions ``fn``'s code names through its globals (what a measurement runs)."""
     code = getattr(fn, "__code__", None)
-    if code is None:
-        return {}
-    names, stack = set(), [code]
-    while stack:
-        c = stack.pop()
-        names.update(c.co_names)
-        stack.extend(x for x in c.co_consts if hasattr(x, "co_names"))
     glb = getattr(fn, "__globals__", {})
-    return {n: glb[n] for n in names if isinstance(glb.get(n), types.FunctionType)}
+    names = _code_names(code) if code is not None else set()
+    return [glb[n] for n in sorted(names) if isinstance(glb.get(n), types.FunctionType)]
 
 
 def _check_tiled_causal_bytes(fn, measure) -> Result:
     if measure is not None:
         # A prediction must not run the measurement: refuse a call to it or to what it runs (tiled_attention).
-        forbidden = {id(measure)} | {id(f) for f in _referenced_functions(measure).values()}
-        used = sorted(n for n, f in _referenced_functions(fn).items() if id(f) in forbidden)
-        if used:
-            return _report(Result("predicted vs measured bytes of tiled causal attention", FAILED,
-                                  f"it calls {', '.join(used)}, which is the measurement. Hint: predict the count "
-                                  "from the block structure alone: which key rows does each query block read?"))
+        # The answer itself is left out: a measurement may well be built on the student's own function.
+        refused = refuse_library("predicted vs measured bytes of tiled causal attention", fn,
+                                 (measure, *(f for f in _functions_named_by(measure) if f is not fn)),
+                                 "predict the count from the block structure alone: which key rows does each "
+                                 "query block read?", owner="the measurement")
+        if refused is not None:
+            return refused
     if measure is None:
         return check_function("bytes moved by tiled causal attention", as_number(fn), _tiled_causal_reference,
                               _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5,
@@ -260,26 +254,14 @@ def _block_update_inputs(gen: torch.Generator, all_masked: bool = False) -> tupl
     return q, k, v, vis, m, l, acc, scale, block_n
 
 
-def _library_names(fn) -> list[str]:
-    """Names of the lab's own attention kernels/helpers that ``fn``'s code refers to (a call to them would
-    hand in the library's answer instead of the student's)."""
+def _library_objects() -> tuple:
+    """The lab's own attention kernels module and the kernels and helpers it defines: a call to them would hand
+    in the library's answer instead of the student's."""
     from labsrc.show import _unwrap
     import labsrc.kernels.attention as lib
 
-    code = getattr(_unwrap(fn), "__code__", None)
-    if code is None:
-        return []
-    names, stack = set(), [code]
-    while stack:  # nested code objects too (a helper defined inside the kernel)
-        c = stack.pop()
-        names.update(c.co_names)
-        stack.extend(x for x in c.co_consts if hasattr(x, "co_names"))
-    glb = getattr(_unwrap(fn), "__globals__", {})
-    own = {id(_unwrap(obj)) for obj in vars(lib).values()
-           if getattr(_unwrap(obj), "__module__", None) == lib.__name__ and callable(_unwrap(obj))}
-    found = [name for name in sorted(names)
-             if name in glb and (glb[name] is lib or id(_unwrap(glb[name])) in own)]
-    return found
+    return (lib, *(obj for obj in vars(lib).values()
+                   if getattr(_unwrap(obj), "__module__", None) == lib.__name__ and callable(_unwrap(obj))))
 
 
 def _launcher(kernel):
@@ -329,10 +311,10 @@ def check_online_softmax_kernel(kernel) -> Result:
         return Result(name, NOT_SOLVED, _KERNEL_SKIPPED)
     if not callable(kernel) and not _is_kernel(kernel):
         return _report(Result(name, FAILED, "expected a kernel. Hint: decorate the function with @triton.jit."))
-    used = _library_names(kernel)
-    if used:
-        return _report(Result(name, FAILED, f"it calls the lab's own {', '.join(used)}. Hint: write the update "
-                                            "with tl.load, tl.dot, tl.max, tl.exp and tl.where yourself."))
+    refused = refuse_library(name, kernel, _library_objects(), "write the update with tl.load, tl.dot, tl.max, "
+                             "tl.exp and tl.where yourself.", owner="the lab")
+    if refused is not None:
+        return refused
     if not _is_kernel(kernel):
         try:  # the stub of the student build raises before anything else
             kernel()

@@ -12,37 +12,26 @@ import torch
 
 from labsrc import kvmath
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number,
-                                   check_function, check_value, exercise, hidden, randint)
+                                   check_function, check_value, exercise, hidden, randint, refuse_library)
 from labsrc.kernels._triton import HAS_TRITON
 
 
-# Names whose appearance in a student's code means it asks kvmath (or the kernel module) for the answer.
-_LIBRARY_NAMES = frozenset({
-    "kvmath", "kv_cache_bytes", "gqa_cache_bytes", "kv_bytes_per_token", "kv_equals_weights_context",
-    "mla_cache_bytes", "mla_equivalent_kv_heads", "mlkv_cache_bytes", "reservation_utilisation",
-    "paged_utilisation", "calculator", "PRESETS", "weight_bytes", "kv_store", "kv_store_ref", "_kv_store_kernel",
-})
+def _library() -> tuple:
+    """What a student's code may not use: :mod:`labsrc.kvmath` and the functions that would do the work, and
+    the lab's own KV-store kernel (its module is imported only where Triton is)."""
+    found = [kvmath, kvmath.kv_cache_bytes, kvmath.gqa_cache_bytes, kvmath.kv_bytes_per_token,
+             kvmath.kv_equals_weights_context, kvmath.mla_cache_bytes, kvmath.mla_equivalent_kv_heads,
+             kvmath.mlkv_cache_bytes, kvmath.reservation_utilisation, kvmath.paged_utilisation, kvmath.calculator,
+             kvmath.PRESETS, kvmath.ModelPreset.weight_bytes, kvmath.ModelPreset.kv_bytes_per_token]
+    if HAS_TRITON:
+        from labsrc.kernels import kv_store
+        found += [kv_store, kv_store.kv_store, kv_store.kv_store_ref, kv_store._kv_store_kernel]
+    return tuple(found)
 
 
-def _names_used(fn) -> set[str]:
-    """Global, attribute and closure names a function's code (nested functions and lambdas included) uses."""
-    fn = getattr(fn, "fn", fn)                                  # a Triton kernel: the Python function inside
-    code = getattr(fn, "__code__", None)
-    names, todo = set(), [code] if code is not None else []
-    while todo:
-        c = todo.pop()
-        names.update(c.co_names + c.co_freevars)
-        todo.extend(k for k in c.co_consts if hasattr(k, "co_names"))
-    return names
-
-
-def _asks_library(name: str, fn, hint: str) -> Result | None:
+def _asks_library(name: str, fn, hint: str, what: str = "derive the answer yourself") -> Result | None:
     """A failed result when ``fn`` calls the lab's own implementation instead of computing the answer."""
-    used = sorted(_names_used(fn) & _LIBRARY_NAMES)
-    if not used:
-        return None
-    return _report(Result(name, FAILED, _with_hint(
-        f"the function uses {', '.join(used)} from the lab; derive the answer yourself.", hint)))
+    return refuse_library(name, fn, _library(), f"{what}. {hint}")
 
 
 def _gqa_inputs(gen: torch.Generator) -> tuple:
@@ -141,11 +130,6 @@ def _is_kernel(obj) -> bool:
     return callable(getattr(obj, "__getitem__", None)) and hasattr(obj, "fn")
 
 
-def _library_kernel():
-    from labsrc.kernels.kv_store import _kv_store_kernel
-    return _kv_store_kernel
-
-
 def _store_inputs(gen: torch.Generator) -> tuple:
     """One random store: odd, non-power-of-two row sizes (n_kv_heads x head_dim), distinct scattered slots of
     either index dtype, every cache dtype; caches poisoned with NaN so a missing or stray write shows."""
@@ -218,10 +202,7 @@ def check_kv_store_kernel(kernel) -> Result:
             pass
         return _report(Result(name, FAILED, _with_hint(
             f"expected a @triton.jit kernel, got {type(kernel).__name__}.", hint)))
-    if kernel is _library_kernel():
-        return _report(Result(name, FAILED, _with_hint(
-            "this is the lab's own kernel; the kernel must do the copy itself.", hint)))
-    refused = _asks_library(name, kernel, hint)
+    refused = _asks_library(name, kernel, hint, "the kernel must do the copy itself")
     if refused is not None:
         return refused
     trials = 6 * (2 if hidden() else 1)

@@ -15,62 +15,18 @@ the student's own), and their hints name the idea to use, never the value or the
 """
 from __future__ import annotations
 
-import inspect
-import types
 
 import torch
 
 from labsrc import kvquant, runtime
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, _with_hint, as_number, check_function,
-                                   exercise, hidden, randint)
+                                   exercise, hidden, randint, refuse_library)
 
 
 # ------------------------------------------------------------------------------------------- own work only
-def _names_used(code: types.CodeType) -> set[str]:
-    """Every global and attribute name a function's code (nested functions included) refers to."""
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names_used(const)
-    return names
-
-
-def _calls_library(fn, forbidden: tuple) -> str | None:
-    """The name of a :mod:`labsrc.kvquant` function ``fn`` would call in place of its own code, or None.
-
-    Looks at the names the student's code refers to (``kq.kv_bytes``, ``kv_bytes`` after a ``from`` import,
-    an alias bound in the notebook or in an enclosing function to the same function object)."""
-    target = getattr(fn, "fn", fn)  # a Triton kernel wraps the Python function
-    code = getattr(target, "__code__", None)
-    if code is None:
-        return None
-    used = _names_used(code)
-    glb = getattr(target, "__globals__", {})
-    closure = []
-    for cell in getattr(target, "__closure__", None) or ():
-        try:
-            closure.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            pass
-    for lib_fn in forbidden:
-        name = lib_fn.__name__
-        # By name (``kq.kv_bytes`` or a ``from`` import), unless the name is the student's own function;
-        # by identity (an alias in the notebook or in an enclosing function).
-        by_name = name in used and glb.get(name, lib_fn) is lib_fn
-        if by_name or any(glb.get(n) is lib_fn for n in used) or any(c is lib_fn for c in closure):
-            return name
-    return None
-
-
 def _own_work(name: str, fn, forbidden: tuple) -> Result | None:
     """A failed result when ``fn`` calls one of the ``forbidden`` library functions, else None."""
-    used = _calls_library(fn, forbidden)
-    if used is None:
-        return None
-    return _report(Result(name, FAILED, f"your function calls labsrc's {used}(); the exercise is to write it "
-                                        "yourself from the definition in the text."))
-
-
+    return refuse_library(name, fn, forbidden, "write it yourself from the definition in the text.")
 
 
 # ------------------------------------------------------------------------------------------- scale and zero

@@ -9,41 +9,16 @@ from __future__ import annotations
 import torch
 
 import math
-import types
 
-from labsrc.exercises.core import FAILED, Result, _report, check_function, exercise, randint
+from labsrc.exercises.core import Result, check_function, exercise, randint, refuse_library
 
 
 # ---------------------------------------------------------------------------------- the library-call guard
-def _names_used(fn) -> set[str]:
-    """Every global or attribute name ``fn``'s code (and the code nested in it) refers to."""
-    code = getattr(fn, "__code__", None)
-    names, todo = set(), [code] if code is not None else []
-    while todo:
-        c = todo.pop()
-        names |= set(c.co_names)
-        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-    return names
-
-
-def _refuse_library(name: str, fn, banned_names: set[str], banned_modules: tuple[str, ...], what: str):
-    """A failed result if ``fn`` calls the library code it is asked to write, else None.
-
-    Catches a call by name (``perplexity_by_position``, ``Estimate``), by import inside the function, and
-    through a global alias (``f = tasks.perplexity_by_position`` outside it), by the object's module.
-    """
-    if not callable(fn):
-        return None
-    globs = getattr(fn, "__globals__", {})
-    for n in _names_used(fn) | {getattr(fn, "__name__", "")}:
-        obj = globs.get(n)
-        module = getattr(obj, "__module__", None) or getattr(obj, "__name__", "")
-        if n in banned_names or (obj is not None and not isinstance(obj, types.ModuleType)
-                                 and module.startswith(banned_modules)) or fn in _REFERENCES:
-            return _report(Result(name, FAILED, f"the answer calls the lab's own {what}; the exercise is to "
-                                                "compute it yourself (plain Python and torch are enough)."))
-    return None
-
+def _refuse_library(name: str, fn, forbidden: tuple):
+    """A failed result if ``fn`` is or calls the library code it is asked to write (or one of this module's
+    reference solutions), else None: see :func:`labsrc.exercises.core.refuse_library`."""
+    return refuse_library(name, fn, forbidden + _REFERENCES,
+                          "compute it yourself (plain Python and torch are enough).", owner="the lab")
 
 
 # -------------------------------------------------------------------------- 1. parameters of a Llama model
@@ -68,9 +43,12 @@ def _llama_reference(cfg: dict) -> int:
 def check_parameter_count(fn) -> Result:
     """``fn(cfg: dict) -> int``: the parameters of a ``LlamaForCausalLM`` built from ``cfg`` (compared with a
     real model on random configurations, tied and untied embeddings, several GQA ratios)."""
+    import transformers
+
     refused = _refuse_library("parameter count of a Llama model", fn,
-                              {"_llama_reference", "LlamaForCausalLM", "numel", "num_parameters"},
-                              ("labsrc.exercises", "transformers"), "reference (or a real model's count)")
+                              (transformers, transformers.LlamaForCausalLM, transformers.LlamaModel,
+                               transformers.AutoModelForCausalLM, transformers.AutoModel,
+                               transformers.PreTrainedModel.num_parameters, torch.Tensor.numel))
     if refused is not None:
         return refused
     return check_function("parameter count of a Llama model", fn, _llama_reference, _llama_inputs, trials=6,
@@ -100,8 +78,7 @@ def _ecl_inputs(gen: torch.Generator) -> tuple:
 @exercise
 def check_effective_context_length(fn) -> Result:
     """``fn(lengths, accuracy, threshold) -> int``: RULER's effective context length."""
-    refused = _refuse_library("effective context length", fn, {"effective_context_length_ref"},
-                              ("labsrc.exercises",), "reference function")
+    refused = _refuse_library("effective context length", fn, (effective_context_length_ref,))
     if refused is not None:
         return refused
     return check_function("effective context length", fn, effective_context_length_ref, _ecl_inputs, trials=8,
@@ -124,9 +101,9 @@ def _bucket_inputs(gen: torch.Generator) -> tuple:
 @exercise
 def check_bucket_perplexity(fn) -> Result:
     """``fn(nll, bucket) -> tensor``: perplexity per position bucket of a ``(windows, positions)`` loss table."""
-    refused = _refuse_library("perplexity by position bucket", fn,
-                              {"bucket_perplexity_ref", "perplexity_by_position"},
-                              ("labsrc.exercises", "labsrc.tasks"), "perplexity_by_position")
+    from labsrc import tasks
+
+    refused = _refuse_library("perplexity by position bucket", fn, (tasks, tasks.perplexity_by_position))
     if refused is not None:
         return refused
     return check_function("perplexity by position bucket", fn, bucket_perplexity_ref, _bucket_inputs, trials=6,
@@ -153,8 +130,9 @@ def _pareto_inputs(gen: torch.Generator) -> tuple:
 @exercise
 def check_pareto_front(fn) -> Result:
     """``fn(points) -> list of indices``: the points no other point beats (less bytes *and* more accuracy)."""
-    refused = _refuse_library("Pareto front", fn, {"_pareto_ref", "pareto"},
-                              ("labsrc.exercises", "labsrc.ledger"), "Pareto front (Ledger.pareto)")
+    from labsrc import ledger
+
+    refused = _refuse_library("Pareto front", fn, (ledger, ledger.Ledger.pareto))
     if refused is not None:
         return refused
 
@@ -191,8 +169,9 @@ def _keys_inputs(gen: torch.Generator) -> tuple:
 def check_keys_needed(fn) -> Result:
     """``fn(threshold) -> int``: the fewest keys, all answered right, whose 95% Wilson interval lies wholly at
     or above ``threshold`` (checked on random thresholds in [0.5, 0.99])."""
-    refused = _refuse_library("keys needed for a clear pass", fn, {"keys_needed_ref", "Estimate", "wilson"},
-                              ("labsrc.exercises", "labsrc.claims"), "Wilson interval (claims.Estimate)")
+    from labsrc import claims
+
+    refused = _refuse_library("keys needed for a clear pass", fn, (claims, claims.Estimate, claims.wilson))
     if refused is not None:
         return refused
     return check_function("keys needed for a clear pass", fn, keys_needed_ref, _keys_inputs, trials=8,

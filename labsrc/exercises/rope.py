@@ -16,19 +16,19 @@ still raises ``NotImplementedError``. Expected answers are computed here, never 
   by the check on odd sizes under Triton's interpreter and compared with :func:`labsrc.rope.apply_rope_ref`.
 
 A check refuses an answer that calls the :mod:`labsrc.rope` function the exercise asks the student to write
-(the call is detected while the answer runs, however the function was imported).
+(read in the answer's code, and watched while the answer runs, however the function was imported).
 """
 from __future__ import annotations
 
 import numbers
-import sys
 
 import numpy as np
 import torch
 
 from labsrc import rope, runtime
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   as_number, check_function, exercise, hidden, randint, tolerance)
+                                   as_number, check_function, exercise, hidden, randint, refuse_library,
+                                   tolerance)
 
 __all__ = ["check_wavelength", "check_position_interpolation", "check_ntk_base", "check_yarn_unscaled",
            "check_unseen_pairs", "check_rope_kernel"]
@@ -41,37 +41,12 @@ def _pick(gen: torch.Generator, options):
     return options[int(torch.randint(len(options), (1,), generator=gen))]
 
 
-def _library_call(fn, args, forbidden) -> str | None:
-    """The name of the first function of ``forbidden`` that ``fn(*args)`` calls (directly or not), else None.
-
-    Watched with a profile hook on the functions' code objects, so ``from labsrc.rope import ntk_base`` or an
-    alias is caught as well as ``rope.ntk_base``. Any exception of ``fn`` is left to the check proper."""
-    codes = {f.__code__: f.__name__ for f in forbidden}
-    seen: list[str] = []
-
-    def hook(frame, event, arg):
-        if event == "call" and frame.f_code in codes and not seen:
-            seen.append(codes[frame.f_code])
-
-    previous = sys.getprofile()
-    sys.setprofile(hook)
-    try:
-        fn(*args)
-    except Exception:  # noqa: BLE001 - a stub or a wrong answer is reported by the check itself
-        pass
-    finally:
-        sys.setprofile(previous)
-    return seen[0] if seen else None
-
-
 def _refuse_library(name, fn, make_inputs, seed, forbidden, hint) -> Result | None:
-    """A failed result when the answer calls one of ``forbidden`` on the check's first inputs, else None."""
-    called = _library_call(fn, make_inputs(torch.Generator().manual_seed(seed)), forbidden)
-    if called is None:
-        return None
-    return _report(Result(name, FAILED, f"your function calls labsrc.rope.{called}, which computes the answer "
-                                        f"this exercise asks you to derive. Hint: {hint}"))
-
+    """A failed result when the answer refers to one of ``forbidden``, or calls it (directly or not) on the
+    check's first inputs, else None (:func:`labsrc.exercises.core.refuse_library`; the run catches a call
+    through another library function, ``rope_frequencies(..., "linear")`` calling ``linear_frequencies``)."""
+    return refuse_library(name, fn, forbidden, hint, owner="labsrc.rope",
+                          args=make_inputs(torch.Generator().manual_seed(seed)))
 
 
 # ------------------------------------------------------------------------------------------- wavelength
