@@ -171,6 +171,33 @@ def _as_indices(got, n_pairs) -> tuple[list[int] | None, str]:
     return sorted(int(i) for i in items), ""
 
 
+def _check_pair_set(name, fn, make_inputs, reference, seed, trials, hint, forbidden, *, extra, missing):
+    """The check shared by the exercises whose answer is a set of pair indices: ``fn(*inputs)`` against
+    ``reference(*inputs)`` on ``trials`` random configurations, saying which way a wrong set is off
+    (``extra``: it lists pairs it should not; ``missing``: it leaves some out), never which pairs."""
+    refused = _refuse_library(name, fn, make_inputs, seed, forbidden, hint)
+    if refused is not None:
+        return refused
+    if hidden():
+        seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        args = make_inputs(gen)
+        try:
+            got = fn(*args)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        indices, problem = _as_indices(got, args[0] // 2)
+        if indices is not None:
+            expected = reference(*args)
+            if indices != expected:
+                wrong = ((extra, set(indices) - set(expected)), (missing, set(expected) - set(indices)))
+                problem = " and ".join(text for text, pairs in wrong if pairs) + "."
+        if problem:
+            return _report(Result(name, FAILED, f"trial {trial + 1} with inputs {args}: {problem} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"right on {trials} random configurations."))
+
+
 @exercise
 def check_yarn_unscaled(fn) -> Result:
     """Check ``fn(head_dim, base, factor, original_max_position, beta_fast, beta_slow)``: the indices of the
@@ -178,31 +205,10 @@ def check_yarn_unscaled(fn) -> Result:
     name = "pairs YaRN leaves unscaled"
     hint = ("count how many full turns each pair makes over the original context; YaRN keeps the pairs that "
             "turn at least beta_fast times.")
-    seed, trials = 24, 8
-    refused = _refuse_library(name, fn, _yarn_inputs, seed,
-                              (rope.yarn_correction_range, rope.yarn_frequencies), hint)
-    if refused is not None:
-        return refused
-    if hidden():
-        seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
-    gen = torch.Generator().manual_seed(seed)
-    for trial in range(trials):
-        args = _yarn_inputs(gen)
-        try:
-            got = fn(*args)
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
-        indices, problem = _as_indices(got, args[0] // 2)
-        if indices is not None:
-            expected = _yarn_reference(*args)
-            if indices != expected:
-                extra, missing = set(indices) - set(expected), set(expected) - set(indices)
-                problem = " and ".join(
-                    text for text, wrong in (("your answer lists pairs that YaRN does scale", extra),
-                                             ("it misses pairs that YaRN leaves alone", missing)) if wrong) + "."
-        if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} with inputs {args}: {problem} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"right on {trials} random configurations."))
+    return _check_pair_set(name, fn, _yarn_inputs, _yarn_reference, 24, 8, hint,
+                           (rope.yarn_correction_range, rope.yarn_frequencies),
+                           extra="your answer lists pairs that YaRN does scale",
+                           missing="it misses pairs that YaRN leaves alone")
 
 
 
@@ -229,31 +235,9 @@ def check_unseen_pairs(fn) -> Result:
     name = "pairs that leave the trained range"
     hint = ("a pair that completed a full turn in training has seen every angle on the circle; one that did not "
             "has seen only the arc up to its largest trained angle.")
-    seed, trials = 25, 10
-    refused = _refuse_library(name, fn, _unseen_inputs, seed, (rope.max_angles,), hint)
-    if refused is not None:
-        return refused
-    if hidden():
-        seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
-    gen = torch.Generator().manual_seed(seed)
-    for trial in range(trials):
-        args = _unseen_inputs(gen)
-        try:
-            got = fn(*args)
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
-        indices, problem = _as_indices(got, args[0] // 2)
-        if indices is not None:
-            expected = _unseen_reference(*args)
-            if indices != expected:
-                extra, missing = set(indices) - set(expected), set(expected) - set(indices)
-                problem = " and ".join(
-                    text for text, wrong in (("your answer lists pairs whose angles were all seen in training",
-                                              extra),
-                                             ("it misses pairs that reach new angles", missing)) if wrong) + "."
-        if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} with inputs {args}: {problem} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"right on {trials} random configurations."))
+    return _check_pair_set(name, fn, _unseen_inputs, _unseen_reference, 25, 10, hint, (rope.max_angles,),
+                           extra="your answer lists pairs whose angles were all seen in training",
+                           missing="it misses pairs that reach new angles")
 
 
 # ------------------------------------------------------------------------------------------ the kernel
