@@ -65,3 +65,26 @@ def test_environment_yml_solves():
     out = subprocess.run([solver, "env", "create", "--dry-run", "-n", "lclab-check", "-f",
                           str(ROOT / "environment.yml")], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_changing_torch_spec_reinstalls_torch(tmp_path):
+    """The venv remembers the TORCH_SPEC it was built with; only a new spec reinstalls torch."""
+    log = tmp_path / "pip.log"
+    fake = tmp_path / "venv" / "bin" / "python"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
+    fake.chmod(0o755)
+
+    def setup(spec):
+        before = log.read_text() if log.exists() else ""
+        out = subprocess.run(["make", "-C", str(ROOT), f"VENV={tmp_path / 'venv'}", f"PY={fake}",
+                              f"TORCH_SPEC={spec}", str(tmp_path / "venv" / ".ready")],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return log.read_text()[len(before):] if log.exists() else ""
+
+    first = setup("torch==2.13.0")
+    assert "--force-reinstall --no-deps torch==2.13.0" in first and "install -q -e .[dev,book]" in first
+    assert setup("torch==2.13.0") == "", "the same spec again installs nothing"
+    assert "--force-reinstall --no-deps torch" in setup("torch"), "a new spec reinstalls torch"
