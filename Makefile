@@ -27,7 +27,7 @@ LABSRC      := $(shell find labsrc -name '*.py' -o -name '*.json' -o -name '*.sa
 EXECUTED    := _executed/chapters/.stamp
 HTML        := _build/html
 
-.PHONY: FORCE setup test test-unit execute student test-student bench-smoke book test-browser lab clean help
+.PHONY: FORCE release setup test test-unit execute student test-student bench-smoke book test-browser lab clean help
 
 help:
 	@sed -n '1,12p' Makefile
@@ -76,6 +76,12 @@ $(EXECUTED): $(CHAPTERS) $(LABSRC) $(VENV)/.ready
 
 # Release notebooks: the real `nbgrader generate_assignment`, in a temporary course it lays out
 # (labsrc/exercises/student.py writes its nbgrader_config.py). Solutions become stubs, hidden tests go.
+# The release notebooks the book's launch buttons open, committed under release/chapters/ (a test checks that
+# they are what `make student` would write from chapters/): run after changing a chapter.
+release: setup
+	rm -rf release/chapters
+	$(PY) -m labsrc.exercises.student chapters release/chapters
+
 student: setup
 	rm -rf _build/student
 	$(PY) -m labsrc.exercises.student chapters _build/student
