@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 BEGIN_SOLUTION = "### BEGIN SOLUTION"
 BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
-HIDDEN_NOTE = "# The same checks on cases students do not see; here a failure raises in any environment."
+HIDDEN_NOTE = "# The same checks on cases students do not see; a failure here raises anywhere."
 CHECK_CALL = re.compile(r"\bex\.(check_\w+)\(([^()]*)\)")
 
 # Points, estimated minutes and a short title of each exercise, by the first check its test cell calls (the

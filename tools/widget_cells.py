@@ -35,12 +35,19 @@ KV_NEW_IMPORTS = ("import html\n\nimport ipywidgets as widgets\nfrom IPython.dis
                   + CAPTURE_IMPORT)
 KV_OLD_DISPLAY = "display(calculator)\n"
 KV_NEW_DISPLAY = '''\
-# One output, two views: a notebook shows the live widget; a page without a kernel (the book, GitHub) shows
-# the report for the starting settings, captured here, instead of an inert widget.
+# One output, two views: a notebook shows the live widget; a page without a kernel (the
+# book, GitHub) shows the report for the starting settings, captured here, instead of an
+# inert widget.
 with capture_output() as starting_view:
     describe(**calculator.kwargs)
-display({**calculator._repr_mimebundle_(), "text/html": f"<pre>{html.escape(starting_view.stdout)}</pre>",
-         "text/plain": starting_view.stdout}, raw=True)
+display(
+    {
+        **calculator._repr_mimebundle_(),
+        "text/html": f"<pre>{html.escape(starting_view.stdout)}</pre>",
+        "text/plain": starting_view.stdout,
+    },
+    raw=True,
+)
 '''
 
 ROPE_OLD_DISPLAY = '''\
@@ -49,10 +56,16 @@ display(widgets.interactive(draw_angles, factor=widgets.FloatSlider(value=2.0, m
 draw_angles(4.0)  # the static snapshot
 '''
 ROPE_NEW_DISPLAY = '''\
-angle_widget = widgets.interactive(draw_angles, ax=widgets.fixed(None),
-                                  factor=widgets.FloatSlider(value=4.0, min=1.0, max=16.0, step=0.5, description="factor s"))
-# One output, two views: a notebook shows the live widget; a page without a kernel (the book, GitHub) shows
-# the figure for the starting factor (the static snapshot at s = 4), captured here, instead of an inert widget.
+angle_widget = widgets.interactive(
+    draw_angles,
+    ax=widgets.fixed(None),
+    factor=widgets.FloatSlider(
+        value=4.0, min=1.0, max=16.0, step=0.5, description="factor s"
+    ),
+)
+# One output, two views: a notebook shows the live widget; a page without a kernel (the
+# book, GitHub) shows the figure for the starting factor (the static snapshot at s = 4),
+# captured here, instead of an inert widget.
 with capture_output() as starting_view:
     draw_angles(**angle_widget.kwargs)
 display({**angle_widget._repr_mimebundle_(), **starting_view.outputs[-1].data},
@@ -67,7 +80,7 @@ EDITS: dict[str, list[tuple[str, list[tuple[str, str]]]]] = {
     "chapters/04_rope.ipynb": [
         # the chapter imports everything in its first code cell
         ("import ipywidgets as widgets\n", [(ROPE_IMPORT_ANCHOR, ROPE_IMPORT_ANCHOR + CAPTURE_IMPORT)]),
-        ("widgets.interactive(draw_angles", [(ROPE_OLD_DISPLAY, ROPE_NEW_DISPLAY)]),
+        ('description="factor s"', [(ROPE_OLD_DISPLAY, ROPE_NEW_DISPLAY)]),
     ],
 }
 
