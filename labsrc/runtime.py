@@ -14,6 +14,7 @@ Every size a notebook uses comes from :func:`sizes`, never from constants scatte
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import platform
 import random
@@ -29,6 +30,29 @@ HAS_CUDA: bool = torch.cuda.is_available()
 if not HAS_CUDA and "triton" not in sys.modules:
     # Must happen before the first `import triton`; a user who sets it to 0 on purpose keeps 0.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+class _KnownLibraryNoise(logging.Filter):
+    """Drop two log records that torchao's import emits on a machine without its CUDA extensions.
+
+    ``transformers`` imports torchao whenever it is installed (its quantizer registry does, on the first
+    ``from_pretrained``), and torchao then logs, once per process: "Failed to load .../torchao/_C_*.so"
+    (CUDA-only extensions that a CPU machine cannot load; torchao falls back to Python and works) and, from
+    torch's ``_pytree``, that registering an Enum as a pytree constant is deprecated (torchao's call, not ours).
+    Neither concerns the lab, and both would print on every chapter's page. Only these two exact messages are
+    dropped; every other record of these loggers passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("torchao") and record.getMessage().startswith("Failed to load "):
+            return "Could not load this library" not in record.getMessage()
+        if record.name == "torch.utils._pytree":
+            return "is an Enum subclass and is now natively supported" not in record.getMessage()
+        return True
+
+
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).addFilter(_KnownLibraryNoise())
+
 
 def _triton_installed() -> bool:
     """Whether ``import triton`` can work here, without importing it (that is the kernel modules' job)."""

@@ -74,3 +74,32 @@ def test_cpu_profile_uses_one_thread_unless_told_otherwise():
     assert out.stdout.split() == ["2"], out.stderr
     out = run_python("import labsrc", LAB_TORCH_THREADS="many")
     assert "LAB_TORCH_THREADS must be a positive integer" in out.stderr
+
+
+def test_known_library_noise_is_dropped_and_nothing_else():
+    import logging
+
+    from labsrc.runtime import _KnownLibraryNoise
+
+    noise = _KnownLibraryNoise()
+
+    def record(name, msg):
+        return logging.LogRecord(name, logging.WARNING, __file__, 1, msg, None, None)
+
+    assert not noise.filter(record("torchao", "Failed to load /x/_C_mxfp8.so: Could not load this library: /x"))
+    assert not noise.filter(record("torch.utils._pytree", "<enum 'K'> is an Enum subclass and is now natively "
+                                                         "supported by torch.compile as an opaque value type."))
+    assert noise.filter(record("torchao", "Failed to load /x.so: undefined symbol foo")), "other failures pass"
+    assert noise.filter(record("torchao", "something else"))
+    assert noise.filter(record("torch.utils._pytree", "another warning"))
+
+
+def test_importing_torchao_after_labsrc_prints_nothing():
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    out = subprocess.run([sys.executable, "-c", "import labsrc, torchao, torchao.prototype.mx_formats"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Failed to load" not in out.stderr and "Enum subclass" not in out.stderr, out.stderr
