@@ -76,11 +76,10 @@ class Scheduled:
     seq: Sequence
     start: int
     n: int
+    samples: bool = field(init=False)  # the step ends at the sequence's last token: its logits give a new one
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step ends at the sequence's last token, so that its logits give a new token."""
-        return self.start + self.n == len(self.seq.tokens)
+    def __post_init__(self):
+        self.samples = self.start + self.n == len(self.seq.tokens)
 
 
 class Scheduler:
