@@ -1,6 +1,6 @@
 """Paged attention: decode (and chunked prefill) over a KV cache stored in fixed-size blocks.
 
-A paged KV cache (PagedAttention, {cite}`kwon2023pagedattention`) keeps one pool per layer,
+A paged KV cache (PagedAttention, {cite}`kwon2023paged`) keeps one pool per layer,
 ``(num_blocks, block_size, n_kv_heads, head_dim)``, and gives each sequence a *block table*: the ids of the
 blocks that hold its tokens, in order. Token ``n`` of sequence ``b`` lives in block
 ``block_tables[b, n // block_size]`` at offset ``n % block_size``. The blocks of one sequence lie anywhere

@@ -1,6 +1,6 @@
 """The block manager: fixed-size KV blocks, block tables, reference counts, copy-on-write and prefix caching.
 
-A paged KV cache (PagedAttention, {cite}`kwon2023pagedattention`) stores the keys and values of every
+A paged KV cache (PagedAttention, {cite}`kwon2023paged`) stores the keys and values of every
 sequence in fixed-size *blocks* of ``block_size`` token slots taken from one shared pool. A sequence owns a
 *block table*: the list of the blocks that hold its tokens, in order. Token ``p`` of a sequence lives in slot
 ``table[p // block_size] * block_size + p % block_size`` of the pool (:func:`slot_of`). A sequence of ``n``

@@ -262,7 +262,12 @@ class Engine:
             prefill_tokens=sum(s.n for s in scheduled if not _is_decode(s)),
             decode_seqs=sum(1 for s in scheduled if _is_decode(s)),
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-            free_blocks=self.blocks.num_free_blocks, seconds=now - t0))
+            free_blocks=self.blocks.num_free_blocks,
+            # slots that hold a token vs slots in the blocks the running sequences hold
+            tokens_held=sum(self.blocks.num_tokens(q.seq_id) for q in self.scheduler.running),
+            slots_held=self.block_size * len({b for q in self.scheduler.running
+                                             for b in self.blocks.block_table(q.seq_id)}),
+            seconds=now - t0))
         return results
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

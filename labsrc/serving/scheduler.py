@@ -1,7 +1,7 @@
 """The scheduler: iteration-level (continuous) batching with a token budget, chunked prefill and preemption.
 
 Every engine step the scheduler decides which sequences run and how many of their tokens. It follows vLLM's
-v1 scheduler in spirit ({cite}`kwon2023pagedattention`, continuous batching {cite}`yu2022orca`): one token
+v1 scheduler in spirit ({cite}`kwon2023paged`, continuous batching {cite}`yu2022orca`): one token
 budget per step (``max_num_batched_tokens``) shared by decodes and prefill chunks, so a long prompt is
 split into chunks that run alongside the decodes of other sequences (*chunked prefill*) instead of
 stalling them.
