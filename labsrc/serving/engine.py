@@ -208,6 +208,14 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def reset(self) -> None:
+        """Drop every request (their blocks go back to the pool); the pools and the prefix cache stay."""
+        for seq in self.scheduler.running:
+            self.blocks.free(seq.seq_id)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self.seqs.clear()
+
     @torch.inference_mode()
     def step(self) -> list[tuple[int, int, bool]]:
         """Run one step; return ``(request id, new token, finished)`` for every token sampled in it."""

@@ -99,6 +99,7 @@ def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id = None  # run past EOS, as the engine does with ignore_eos
     config.pad_token_id = 1
-    out = model.generate(torch.tensor([prompt], device=device), generation_config=config, do_sample=False,
-                         max_new_tokens=max_tokens)
+    config.do_sample = False
+    config.max_new_tokens = max_tokens
+    out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
     return out[0, len(prompt):].tolist()
