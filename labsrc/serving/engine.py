@@ -117,7 +117,7 @@ def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> int:
         sorted_p, order = probs.sort(descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))  # the generator lives on the CPU
 
 
 class Engine:
