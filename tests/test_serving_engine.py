@@ -118,3 +118,15 @@ def test_requests_that_can_never_run_are_refused(lab):
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="policy"):
         Scheduler(BlockManager(4, 4), 8, 2, policy="fifo")
+
+
+def test_finishes_on_eos_like_generate(lab):
+    model, tok = lab
+    prompt = tok("The passkey is 1234. Remember it.")["input_ids"]  # greedy output ends in EOS within 60
+    want = reference(model, [prompt], 60)[0]
+    assert want[-1] == tok.eos_token_id and len(want) < 60
+    eng = Engine(model, num_blocks=16, block_size=8, tokenizer=tok, kernels="torch")
+    got = eng.generate([prompt], SamplingParams(max_tokens=60))[0]
+    assert got["token_ids"] == want and got["finish_reason"] == "stop"
+    more = eng.generate([prompt], SamplingParams(max_tokens=len(want) + 3, ignore_eos=True))[0]
+    assert more["token_ids"][:len(want)] == want and more["finish_reason"] == "length"
