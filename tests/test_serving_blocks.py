@@ -213,3 +213,20 @@ def test_fuzz_block_manager_against_a_model_of_the_pool(seed, num_blocks, block_
 def test_fuzz_hits_the_prefix_cache_and_runs_out():
     bm = run_ops(7, 600, 12, 2, True)
     assert bm.cache_hits > 0
+
+
+def test_dropping_blocks_frees_them_and_stops_publishing():
+    bm = BlockManager(8, 2)
+    bm.allocate("a", [1, 2, 3, 4, 5, 6, 7])  # 4 blocks, the last partly filled
+    bm.mark_computed("a", 7)
+    table = bm.block_table("a")
+    assert bm.drop_blocks("a", [1, 2]) == sorted(table[1:3])
+    assert bm.block_table("a") == [table[0], table[3]] and bm.num_tokens("a") == 3
+    assert bm.num_free_blocks == 6  # the two dropped blocks were published: evictable, still cached
+    bm.append_slot("a", 8)
+    bm.append_slot("a", 9)
+    bm.mark_computed("a", 5)
+    assert bm.num_cached_blocks == 3  # nothing new published from an evicted table
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="never the last"):
+        bm.drop_blocks("a", [2])

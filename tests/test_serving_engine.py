@@ -130,3 +130,53 @@ def test_finishes_on_eos_like_generate(lab):
     assert got["token_ids"] == want and got["finish_reason"] == "stop"
     more = eng.generate([prompt], SamplingParams(max_tokens=len(want) + 3, ignore_eos=True))[0]
     assert more["token_ids"][:len(want)] == want and more["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("policy", ["value", "random"])
+def test_evicting_blocks_equals_masking_those_positions(lab, policy):
+    """Eviction in pages (10.3.10): after dropping whole blocks, later tokens attend to the kept keys only, at
+    their true positions. The same computation in transformers: a 4-D mask that hides the dropped positions
+    from every query after the eviction point (the earlier queries saw everything, as in the engine)."""
+    model, tok = lab
+    prompt = prompts_of(8, [40])[0]
+    eng = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=39, max_num_seqs=1, tokenizer=tok,
+                 kernels="torch")
+    eng.record_queries = 8
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=6))
+    eng.step()  # all but the last prompt token
+    table = eng.blocks.block_table(rid)
+    freed = eng.evict_blocks(rid, 3, policy=policy, generator=torch.Generator().manual_seed(0))
+    gone = [i for i, b in enumerate(table) if b in freed]
+    assert len(gone) == 3 and 0 not in gone and len(table) - 1 not in gone
+    assert eng.blocks.num_free_blocks == 16 - (len(table) - 3)
+    while eng.has_unfinished():
+        eng.step()
+    eng.blocks.check_invariants()
+    hidden = torch.zeros(80, dtype=torch.bool)
+    for i in gone:
+        hidden[i * 4:(i + 1) * 4] = True
+    ids = list(prompt)
+    for _ in range(6):
+        t = len(ids)
+        visible = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        visible[39:, :] &= ~hidden[:t]
+        mask = torch.zeros(1, 1, t, t).masked_fill(~visible, float("-inf"))
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), attention_mask=mask).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    assert eng.seqs[rid].output == ids[40:]
+
+
+def test_eviction_refuses_protected_blocks(lab):
+    model, tok = lab
+    eng = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=11, tokenizer=tok, kernels="torch")
+    rid = eng.add_request(prompts_of(9, [12])[0], SamplingParams(max_tokens=2))
+    eng.step()
+    with pytest.raises(ValueError, match="n_blocks must lie"):
+        eng.evict_blocks(rid, 2, policy="random")  # 3 blocks: the first and the last are protected
+    with pytest.raises(ValueError, match="policy"):
+        eng.evict_blocks(rid, 1, policy="lru")
+    with pytest.raises(ValueError, match="recorded queries"):
+        eng.evict_blocks(rid, 1, policy="value")
+    with pytest.raises(ValueError, match="never the last"):
+        eng.blocks.drop_blocks(rid, [2])

@@ -67,6 +67,7 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)  # every token that has a slot
     hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks so far
     computed: int = 0  # tokens whose K/V is known to be written (published blocks lie below this)
+    evicted: bool = False  # blocks were dropped: the table no longer spells a prefix, publish nothing
 
 
 class BlockManager:
@@ -232,7 +233,7 @@ class BlockManager:
             s.table[-1] = new
             self._copies.append((old, new))
         s.tokens.append(int(token_id))
-        if len(s.tokens) % bs == 0:
+        if len(s.tokens) % bs == 0 and not s.evicted:
             s.hashes.append(hash((s.hashes[-1] if s.hashes else None, tuple(s.tokens[-bs:]))))
         return slot_of(s.table, pos, bs)
 
@@ -242,7 +243,7 @@ class BlockManager:
         s = self._seq(seq_id)
         if not 0 <= num_computed <= len(s.tokens):
             raise ValueError(f"num_computed must lie in [0, {len(s.tokens)}], got {num_computed}")
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and not s.evicted:
             for i in range(s.computed // self.block_size, num_computed // self.block_size):
                 block, h = s.table[i], s.hashes[i]
                 if self.block_hash[block] is None and h not in self._cached:
@@ -250,6 +251,33 @@ class BlockManager:
                     self.block_tokens[block] = tuple(s.tokens[i * self.block_size:(i + 1) * self.block_size])
                     self._cached[h] = block
         s.computed = max(s.computed, num_computed)
+
+    def drop_blocks(self, seq_id, indices) -> list[int]:
+        """Evict whole blocks from a sequence: remove entries ``indices`` of its table (full blocks, never the
+        last) and release them; return the block ids. The sequence's cache then holds fewer tokens than it
+        has seen: it stops publishing blocks for prefix caching, since its table no longer spells a prefix.
+        (A block another table still names stays with that table; a cached block goes to the LRU pool.)"""
+        s = self._seq(seq_id)
+        idx = sorted({int(i) for i in indices})
+        if idx and (idx[0] < 0 or idx[-1] >= len(s.table) - 1):
+            raise ValueError(f"indices must name blocks 0..{len(s.table) - 2} (never the last), got {idx}")
+        bs = self.block_size
+        dropped = []
+        for i in reversed(idx):
+            block = s.table.pop(i)
+            del s.tokens[i * bs:(i + 1) * bs]
+            self.ref_count[block] -= 1
+            if self.ref_count[block] == 0:
+                if self.block_hash[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+            dropped.append(block)
+        if idx:
+            s.evicted = True
+            s.hashes = []
+            s.computed = min(s.computed, len(s.tokens))
+        return sorted(dropped)
 
     def fork(self, parent_id, child_id) -> None:
         """Make ``child_id`` a copy of ``parent_id`` that shares every block (no K/V is copied now)."""

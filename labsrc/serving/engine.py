@@ -44,8 +44,9 @@ class _Batch:
         at = 0
         for item in scheduled:
             table = engine.blocks.block_table(item.seq.seq_id)
-            slots += slot_mapping(table, item.start, item.start + item.n, bs)
-            entry = (at, item.n, item.start + item.n, table)  # (first row, rows, context length, table)
+            kv = item.start - item.seq.dropped  # where the chunk goes in the cache (positions stay item.start..)
+            slots += slot_mapping(table, kv, kv + item.n, bs)
+            entry = (at, item.n, kv + item.n, table, item.seq.seq_id)  # (first row, rows, keys, table, id)
             (self.decode if item.n == 1 else self.prefill).append(entry)
             at += item.n
         self.slots = torch.tensor(slots, dtype=torch.int64, device=dev)
@@ -83,9 +84,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
         out[batch.decode_rows] = dec(q_dec, k_pool, v_pool, batch.decode_tables, batch.decode_lens,
                                      sm_scale=scaling)
     pre = _pa.paged_prefill_attention if eng.kernels == "triton" else _pa.paged_prefill_attention_ref
-    for at, n, ctx, table in batch.prefill:
+    for at, n, ctx, table, seq_id in batch.prefill:
         tab = torch.tensor(table, dtype=torch.int32, device=q.device)
         out[at:at + n] = pre(q[:, at:at + n], k_pool, v_pool, tab, ctx, sm_scale=scaling).transpose(0, 1)
+        if eng.record_queries:  # the chunk's last queries, for eviction scores (Engine.evict_blocks)
+            eng.recorded[(seq_id, module.layer_idx)] = (q[:, at + max(0, n - eng.record_queries):at + n].clone(),
+                                                         ctx, scaling)
     return out[None], None
 
 
@@ -164,6 +168,8 @@ class Engine:
             eos = tokenizer.eos_token_id
         self.eos = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
         self._next_id = 0
+        self.record_queries = 0  # > 0: keep each prefill chunk's last queries per layer (eviction scores)
+        self.recorded: dict = {}
         self.seqs: dict[int, Sequence] = {}
         self.step_log: list[dict] = []  # one row per step: the batch composition, for the timeline plot
 
@@ -204,6 +210,61 @@ class Engine:
         self.seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def block_scores(self, request_id: int, alpha: float = 1.0, beta: float = 0.5, gamma: float = 0.3):
+        """Chapter 6's value-aware score of every cached token, averaged per block: ``(n_blocks,)``.
+
+        Per layer and K/V head, :func:`labsrc.evict.value_aware_scores` of the recorded last queries' attention
+        (``record_queries`` must be set before the prefill) over the cached keys; each layer's scores are
+        normalised to sum 1 and summed over layers and heads, and a block scores the mean of its tokens."""
+        from labsrc.evict import value_aware_scores
+
+        seq = self.seqs[request_id]
+        table = self.blocks.block_table(request_id)
+        n = seq.num_computed - seq.dropped
+        total = torch.zeros(n)
+        for layer in range(len(self.k_pools)):
+            if (request_id, layer) not in self.recorded:
+                raise ValueError("no recorded queries: set engine.record_queries = W before the prefill")
+            q, ctx, scale = self.recorded[(request_id, layer)]
+            k, v = _pa.gather_kv(self.k_pools[layer], self.v_pools[layer], torch.tensor(table), ctx)
+            hkv, group = k.shape[0], q.shape[0] // k.shape[0]
+            w = q.shape[1]
+            scores = torch.einsum("hwd,hnd->hwn", q.float(), k.float().repeat_interleave(group, 0)) * scale
+            visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - w, ctx)[:, None]  # causal, bottom-right
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            layer_scores = sum(value_aware_scores(probs[h * group:(h + 1) * group], v[h].float(), alpha, beta,
+                                                  gamma) for h in range(hkv))
+            total[:ctx] += (layer_scores / layer_scores.sum()).cpu()[:n]
+        bs = self.block_size
+        return torch.stack([total[i * bs:(i + 1) * bs].mean() for i in range(-(-n // bs))])
+
+    def evict_blocks(self, request_id: int, n_blocks: int, policy: str = "value", protect: int = 1,
+                     generator=None) -> list[int]:
+        """Drop ``n_blocks`` whole blocks from a running request's cache and free them to the pool (10.3.10).
+
+        ``policy="value"`` drops the blocks with the lowest :meth:`block_scores`; ``"random"`` drops random
+        ones (the baseline). The first ``protect`` blocks (the start of the prompt: instructions, attention
+        sinks) and the last block (being written) are never dropped. Positions do not change: later tokens
+        keep their true positions, only the cache holds fewer keys. Returns the freed block ids."""
+        seq = self.seqs[request_id]
+        n_table = len(self.blocks.block_table(request_id))
+        candidates = list(range(protect, n_table - 1))
+        if not 0 <= n_blocks <= len(candidates):
+            raise ValueError(f"n_blocks must lie in [0, {len(candidates)}] (blocks that may be dropped), got "
+                             f"{n_blocks}")
+        if policy == "value":
+            scores = self.block_scores(request_id)
+            order = sorted(candidates, key=lambda i: float(scores[i]))
+        elif policy == "random":
+            perm = torch.randperm(len(candidates), generator=generator).tolist()
+            order = [candidates[i] for i in perm]
+        else:
+            raise ValueError(f"policy must be 'value' or 'random', got {policy!r}")
+        victims = order[:n_blocks]
+        freed = self.blocks.drop_blocks(request_id, victims)
+        seq.dropped += len(victims) * self.block_size
+        return freed
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -247,7 +308,7 @@ class Engine:
         for s in scheduled:
             seq = s.seq
             seq.num_computed = s.start + s.n
-            self.blocks.mark_computed(seq.seq_id, seq.num_computed)
+            self.blocks.mark_computed(seq.seq_id, seq.num_computed - seq.dropped)
             if not s.samples:
                 continue
             token = _sample(logits[row].float(), seq.params, seq.generator)

@@ -57,7 +57,8 @@ class Sequence:
     params: SamplingParams
     arrival: float = 0.0
     output: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose K/V is in the pool
+    num_computed: int = 0  # tokens whose K/V has been computed (positions 0 .. num_computed - 1)
+    dropped: int = 0  # tokens evicted from the cache in whole blocks: the cache holds tokens - dropped
     status: str = "waiting"  # waiting | running | finished
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -109,6 +110,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq.seq_id)
         seq.num_computed = 0
+        seq.dropped = 0  # recomputation rebuilds the whole cache
         seq.status = "waiting"
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -124,7 +126,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            missing = len(seq.tokens) - self.blocks.num_tokens(seq.seq_id)  # 1 after a sampled token, else 0
+            # 1 after a sampled token, else 0
+            missing = len(seq.tokens) - seq.dropped - self.blocks.num_tokens(seq.seq_id)
             if missing:
                 while not self.blocks.can_append(seq.seq_id):
                     victim = self.running.pop()  # the latest admitted goes first
