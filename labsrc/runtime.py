@@ -135,7 +135,7 @@ SIZES: dict[str, dict[str, dict]] = {
         # trace: Poisson arrivals per engine step; reps: timed repeats of each replay (>= 2 for an interval)
         "cpu": dict(kernel_lens=(1, 37, 70), kernel_page=16, mix_n=200, mix_max_len=2048, pool_tokens=65536,
                     n_requests=12, rate=0.5, prompt_range=(8, 40), output_range=(8, 24), block_size=16,
-                    num_blocks=24, max_seqs=16, budget=256, reps=2,
+                    num_blocks=24, max_seqs=16, budget=256, reps=3,
                     prefix_n=3, prefix_len=48, prefix_requests=10, suffix_range=(4, 12), prefix_out=6,
                     preempt_requests=6, preempt_pools=(40, 12, 8), preempt_block=8, identity_n=4,
                     evict_n=8, evict_ctx=256, evict_frac=0.5),
