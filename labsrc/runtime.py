@@ -155,6 +155,21 @@ SIZES: dict[str, dict[str, dict]] = {
                     sparse_keep=(1.0, 0.5, 0.25, 0.125, 0.0625), gpu_lengths=(512, 1024, 2048, 4096, 8192, 16384),
                     decode_lengths=(1024, 4096, 16384, 65536)),
     },
+    "serving": {
+        # trace: Poisson arrivals per engine step; reps: timed repeats of each replay (>= 2 for an interval)
+        "cpu": dict(kernel_lens=(1, 37, 70), kernel_page=16, mix_n=200, mix_max_len=2048, pool_tokens=65536,
+                    n_requests=12, rate=0.5, prompt_range=(8, 40), output_range=(8, 24), block_size=16,
+                    num_blocks=24, max_seqs=16, budget=256, reps=3,
+                    prefix_n=3, prefix_len=48, prefix_requests=10, suffix_range=(4, 12), prefix_out=6,
+                    preempt_requests=6, preempt_pools=(40, 12, 8), preempt_block=8, identity_n=4,
+                    evict_n=8, evict_ctx=256, evict_frac=0.5),
+        "gpu": dict(kernel_lens=(1, 377, 4099), kernel_page=16, mix_n=2000, mix_max_len=2048, pool_tokens=65536,
+                    n_requests=64, rate=2.0, prompt_range=(16, 200), output_range=(16, 200), block_size=16,
+                    num_blocks=256, max_seqs=64, budget=1024, reps=5,
+                    prefix_n=4, prefix_len=256, prefix_requests=48, suffix_range=(8, 64), prefix_out=32,
+                    preempt_requests=16, preempt_pools=(256, 48, 32), preempt_block=16, identity_n=8,
+                    evict_n=40, evict_ctx=448, evict_frac=0.5),
+    },
     "lab_bench": {
         "cpu": dict(passkey_lengths=[128, 256, 512, 768, 1024], passkey_depths=[0.0, 0.5, 1.0], passkey_n=4,
                     ppl_context=1024, ppl_windows=6, ppl_bucket=64, probe_n=16, ledger_n=2, ledger_ppl_windows=2,

@@ -68,6 +68,16 @@ with torch.no_grad():
     qd, kc, vc = torch.randn(2, 4, 16, generator=g), torch.randn(2, 2, 13, 16, generator=g), torch.randn(2, 2, 13, 16, generator=g)
     lens = torch.tensor([13, 5])
     assert torch.equal(ka.decode_attention(qd, kc, vc, lens), ka.decode_attention_ref(qd, kc, vc, lens))
+# paged attention: decode through block tables, and the chunked-prefill path
+from labsrc.kernels import paged_attention as kp
+with torch.no_grad():
+    pool_k, pool_v = torch.randn(6, 4, 2, 16, generator=g), torch.randn(6, 4, 2, 16, generator=g)
+    tables, plens = torch.tensor([[5, 0, 3], [2, 1, 4]]), torch.tensor([9, 4])
+    assert torch.equal(kp.paged_decode_attention(qd, pool_k, pool_v, tables, plens),
+                       kp.paged_decode_attention_ref(qd, pool_k, pool_v, tables, plens))
+    qc = torch.randn(4, 3, 16, generator=g)
+    assert torch.equal(kp.paged_prefill_attention(qc, pool_k, pool_v, tables[0], 9),
+                       kp.paged_prefill_attention_ref(qc, pool_k, pool_v, tables[0], 9))
 from labsrc import attention  # the transformers integration imports and runs too
 print("no-triton checks passed")
 '''

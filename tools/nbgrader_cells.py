@@ -80,6 +80,12 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
     "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
     "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
+    # 09 serving
+    "check_slot_mapping": (1, 10, "slot mapping from a block table"),
+    "check_cow_append": (3, 25, "append with copy-on-write"),
+    "check_admission": (2, 15, "the scheduler's admission test"),
+    "check_prefix_hash": (2, 15, "find the bug in a colliding prefix hash"),
+    "check_gather_kernel": (3, 30, "gather a sequence through its block table (Triton)"),
 }
 
 

@@ -1,0 +1,365 @@
+"""The engine: a paged KV cache plugged into a ``transformers`` Llama, driven by the scheduler.
+
+One step of :class:`Engine`:
+
+1. the scheduler picks the tokens to run (:mod:`labsrc.serving.scheduler`);
+2. the engine packs them into one flat batch -- every sequence's tokens side by side, with their positions and
+   their *slot mapping* (the pool slot each new K/V goes to, from the block table);
+3. one forward of the model, in which every attention layer (the ``"lab_paged"`` attention implementation
+   registered here) writes the new K/V into its layer's pool through the slot mapping with chapter 1's
+   :func:`~labsrc.kernels.kv_store.kv_store`, then attends: all single-token queries together through
+   :func:`~labsrc.kernels.paged_attention.paged_decode_attention`, each prefill chunk through
+   :func:`~labsrc.kernels.paged_attention.paged_prefill_attention`;
+4. sample a token for every sequence whose step reached its last token; finish on EOS, ``max_tokens`` or
+   the model's context length.
+
+The pools: one per layer for K and for V, each ``(num_blocks, block_size, n_kv_heads, head_dim)``.
+``kernels="torch"`` runs the same steps on the PyTorch references (fast on a CPU, where Triton is interpreted).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+import labsrc  # noqa: F401  (interpreter switch before triton loads)
+from labsrc.kernels import kv_store as _kv
+from labsrc.kernels import paged_attention as _pa
+from labsrc.serving.blocks import BlockManager, slot_mapping
+from labsrc.serving.scheduler import SamplingParams, Scheduled, Scheduler, Sequence
+
+__all__ = ["Engine", "SamplingParams", "NAME"]
+
+NAME = "lab_paged"
+
+
+class _Batch:
+    """What the attention layers need for one step, handed to them through the model's ``**kwargs``."""
+
+    def __init__(self, engine: "Engine", scheduled: list[Scheduled]):
+        dev = engine.device
+        bs = engine.block_size
+        self.engine = engine
+        slots, self.decode, self.prefill = [], [], []
+        at = 0
+        for item in scheduled:
+            table = engine.blocks.block_table(item.seq.seq_id)
+            kv = item.start - item.seq.dropped  # where the chunk goes in the cache (positions stay item.start..)
+            slots += slot_mapping(table, kv, kv + item.n, bs)
+            entry = (at, item.n, kv + item.n, table, item.seq.seq_id)  # (first row, rows, keys, table, id)
+            (self.decode if item.n == 1 else self.prefill).append(entry)
+            at += item.n
+        self.slots = torch.tensor(slots, dtype=torch.int64, device=dev)
+        if self.decode:
+            width = max(len(e[3]) for e in self.decode)
+            self.decode_rows = torch.tensor([e[0] for e in self.decode], device=dev)
+            self.decode_tables = torch.tensor([e[3] + [0] * (width - len(e[3])) for e in self.decode],
+                                              dtype=torch.int32, device=dev)
+            self.decode_lens = torch.tensor([e[2] for e in self.decode], dtype=torch.int32, device=dev)
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                            lab_paged_batch=None, **kwargs):
+    """The ``"lab_paged"`` attention: store the step's new K/V in the layer's pool, then attend through the
+    block tables. ``query (1, Hq, N, D)``, ``key``/``value`` ``(1, Hkv, N, D)`` hold the N tokens of the
+    step, every sequence's side by side; returns ``(1, N, Hq, D)``."""
+    batch = lab_paged_batch
+    if batch is None:
+        raise ValueError("the lab_paged attention runs inside labsrc.serving.Engine only (no batch context)")
+    eng = batch.engine
+    k_pool, v_pool = eng.k_pools[module.layer_idx], eng.v_pools[module.layer_idx]
+    hkv, d = k_pool.shape[2], k_pool.shape[3]
+    k_new = key[0].transpose(0, 1)
+    v_new = value[0].transpose(0, 1)  # (N, Hkv, D)
+    store = _kv.kv_store if eng.kernels == "triton" else _kv.kv_store_ref
+    if eng.kernels == "triton":
+        store(k_pool.view(-1, hkv, d), v_pool.view(-1, hkv, d), k_new, v_new, batch.slots, validate_slots=False)
+    else:
+        store(k_pool.view(-1, hkv, d), v_pool.view(-1, hkv, d), k_new, v_new, batch.slots)
+    q = query[0]  # (Hq, N, D)
+    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # (N, Hq, D)
+    if batch.decode:
+        dec = _pa.paged_decode_attention if eng.kernels == "triton" else _pa.paged_decode_attention_ref
+        q_dec = q[:, batch.decode_rows].transpose(0, 1)  # (B, Hq, D)
+        out[batch.decode_rows] = dec(q_dec, k_pool, v_pool, batch.decode_tables, batch.decode_lens,
+                                     sm_scale=scaling)
+    pre = _pa.paged_prefill_attention if eng.kernels == "triton" else _pa.paged_prefill_attention_ref
+    for at, n, ctx, table, seq_id in batch.prefill:
+        tab = torch.tensor(table, dtype=torch.int32, device=q.device)
+        out[at:at + n] = pre(q[:, at:at + n], k_pool, v_pool, tab, ctx, sm_scale=scaling).transpose(0, 1)
+        if eng.record_queries:  # the chunk's last queries, for eviction scores (Engine.evict_blocks)
+            eng.recorded[(seq_id, module.layer_idx)] = (q[:, at + max(0, n - eng.record_queries):at + n].clone(),
+                                                         ctx, scaling)
+    return out[None], None
+
+
+def _no_mask(*args, **kwargs):
+    """The mask builder for ``"lab_paged"``: none. Which keys a query sees is in the block tables and lengths."""
+    return None
+
+
+def register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, paged_attention_forward)
+    AttentionMaskInterface.register(NAME, _no_mask)
+
+
+register()
+
+
+def _is_decode(s: Scheduled) -> bool:
+    return s.n == 1 and s.samples and s.start >= len(s.seq.prompt)
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> int:
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.double() / params.temperature, -1)
+    if params.top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))  # the generator lives on the CPU
+
+
+class Engine:
+    """A paged-KV serving engine for the lab's (Llama) models.
+
+    Args:
+        model_name_or_model: a shipped name (``"lab-target"``), a checkpoint folder, or a loaded model.
+        num_blocks, block_size: the pool per layer.
+        max_num_batched_tokens: the token budget per step (decodes plus prefill chunks).
+        max_num_seqs: the most sequences running at once.
+        tokenizer: needed for text prompts when a model object is given (a name loads its own).
+        enable_prefix_caching: reuse computed blocks of equal prefixes.
+        policy: ``"continuous"`` (iteration-level batching) or ``"static"`` (a new batch only when the last
+            one is done).
+        kernels: ``"triton"`` (the lab's kernels; interpreted on a CPU) or ``"torch"`` (their references).
+    """
+
+    def __init__(self, model_name_or_model, num_blocks: int, block_size: int, max_num_batched_tokens: int = 256,
+                 max_num_seqs: int = 16, tokenizer=None, enable_prefix_caching: bool = True,
+                 policy: str = "continuous", kernels: str = "triton"):
+        if isinstance(model_name_or_model, str):
+            from labsrc.models import load
+            model, tok = load(model_name_or_model)
+            tokenizer = tokenizer or tok
+        else:
+            model = model_name_or_model
+        if kernels not in ("triton", "torch"):
+            raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
+        cfg = model.config
+        self.model, self.tokenizer, self.kernels = model, tokenizer, kernels
+        self.block_size = block_size
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs, policy)
+        self.device = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        hkv = cfg.num_key_value_heads
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (num_blocks, block_size, hkv, d)
+        self.k_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.v_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        self.max_len = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        self._next_id = 0
+        self.record_queries = 0  # > 0: keep each prefill chunk's last queries per layer (eviction scores)
+        self.recorded: dict = {}
+        self.seqs: dict[int, Sequence] = {}
+        self.step_log: list[dict] = []  # one row per step: the batch composition, for the timeline plot
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the K and V pools over all layers."""
+        return sum(p.numel() * p.element_size() for p in self.k_pools + self.v_pools)
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer: pass tokenizer= (or a shipped model name)")
+            return list(self.tokenizer(prompt)["input_ids"])
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt, params: SamplingParams | None = None, arrival: float | None = None) -> int:
+        """Queue a request (token ids or text); returns its id. Raises ``ValueError`` for a prompt that can
+        never run (empty, longer than the model's context, or more blocks than the whole pool)."""
+        params = params or SamplingParams()
+        ids = self._encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= self.max_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {self.max_len}")
+        total = min(len(ids) + params.max_tokens, self.max_len)
+        need = -(-total // self.block_size)
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"the request may reach {total} tokens, {need} blocks, but the pool has "
+                             f"{self.blocks.num_blocks}: it could never finish")
+        seq = Sequence(self._next_id, ids, params, arrival=time.perf_counter() if arrival is None else arrival)
+        if params.temperature > 0:
+            seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else seq.seq_id)
+        self._next_id += 1
+        self.seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def block_scores(self, request_id: int, alpha: float = 1.0, beta: float = 0.5, gamma: float = 0.3):
+        """Chapter 6's value-aware score of every cached token, averaged per block: ``(n_blocks,)``.
+
+        Per layer and K/V head, :func:`labsrc.evict.value_aware_scores` of the recorded last queries' attention
+        (``record_queries`` must be set before the prefill) over the cached keys; each layer's scores are
+        normalised to sum 1 and summed over layers and heads, and a block scores the mean of its tokens."""
+        from labsrc.evict import value_aware_scores
+
+        seq = self.seqs[request_id]
+        table = self.blocks.block_table(request_id)
+        n = seq.num_computed - seq.dropped
+        total = torch.zeros(n)
+        for layer in range(len(self.k_pools)):
+            if (request_id, layer) not in self.recorded:
+                raise ValueError("no recorded queries: set engine.record_queries = W before the prefill")
+            q, ctx, scale = self.recorded[(request_id, layer)]
+            k, v = _pa.gather_kv(self.k_pools[layer], self.v_pools[layer], torch.tensor(table), ctx)
+            hkv, group = k.shape[0], q.shape[0] // k.shape[0]
+            w = q.shape[1]
+            scores = torch.einsum("hwd,hnd->hwn", q.float(), k.float().repeat_interleave(group, 0)) * scale
+            visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - w, ctx)[:, None]  # causal, bottom-right
+            probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            layer_scores = sum(value_aware_scores(probs[h * group:(h + 1) * group], v[h].float(), alpha, beta,
+                                                  gamma) for h in range(hkv))
+            total[:ctx] += (layer_scores / layer_scores.sum()).cpu()[:n]
+        bs = self.block_size
+        return torch.stack([total[i * bs:(i + 1) * bs].mean() for i in range(-(-n // bs))])
+
+    def evict_blocks(self, request_id: int, n_blocks: int, policy: str = "value", protect: int = 1,
+                     generator=None) -> list[int]:
+        """Drop ``n_blocks`` whole blocks from a running request's cache and free them to the pool (10.3.10).
+
+        ``policy="value"`` drops the blocks with the lowest :meth:`block_scores`; ``"random"`` drops random
+        ones (the baseline). The first ``protect`` blocks (the start of the prompt: instructions, attention
+        sinks) and the last block (being written) are never dropped. Positions do not change: later tokens
+        keep their true positions, only the cache holds fewer keys. Returns the freed block ids."""
+        seq = self.seqs[request_id]
+        n_table = len(self.blocks.block_table(request_id))
+        candidates = list(range(protect, n_table - 1))
+        if not 0 <= n_blocks <= len(candidates):
+            raise ValueError(f"n_blocks must lie in [0, {len(candidates)}] (blocks that may be dropped), got "
+                             f"{n_blocks}")
+        if policy == "value":
+            scores = self.block_scores(request_id)
+            order = sorted(candidates, key=lambda i: float(scores[i]))
+        elif policy == "random":
+            perm = torch.randperm(len(candidates), generator=generator).tolist()
+            order = [candidates[i] for i in perm]
+        else:
+            raise ValueError(f"policy must be 'value' or 'random', got {policy!r}")
+        victims = order[:n_blocks]
+        freed = self.blocks.drop_blocks(request_id, victims)
+        seq.dropped += len(victims) * self.block_size
+        return freed
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset(self) -> None:
+        """Drop every request (their blocks go back to the pool); the pools and the prefix cache stay."""
+        for seq in self.scheduler.running:
+            self.blocks.free(seq.seq_id)
+        self.scheduler.running.clear()
+        self.scheduler.waiting.clear()
+        self.seqs.clear()
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, int, bool]]:
+        """Run one step; return ``(request id, new token, finished)`` for every token sampled in it."""
+        t0 = time.perf_counter()
+        scheduled = self.scheduler.schedule()
+        for src, dst in self.blocks.take_copies():  # copy-on-write owed by forks
+            for pool in self.k_pools + self.v_pools:
+                pool[dst].copy_(pool[src])
+        if not scheduled:
+            return []
+        batch = _Batch(self, scheduled)
+        ids = torch.tensor([t for s in scheduled for t in s.seq.tokens[s.start:s.start + s.n]], device=self.device)
+        pos = torch.tensor([p for s in scheduled for p in range(s.start, s.start + s.n)], device=self.device)
+        ends, at = [], 0
+        for s in scheduled:
+            at += s.n
+            if s.samples:
+                ends.append(at - 1)
+        keep = torch.tensor(ends if ends else [0], device=self.device)
+        prev = self.model.config._attn_implementation
+        self.model.set_attn_implementation(NAME)
+        try:
+            logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                                logits_to_keep=keep, lab_paged_batch=batch).logits[0]
+        finally:
+            self.model.set_attn_implementation(prev)
+        now = time.perf_counter()
+        results, row = [], 0
+        for s in scheduled:
+            seq = s.seq
+            seq.num_computed = s.start + s.n
+            self.blocks.mark_computed(seq.seq_id, seq.num_computed - seq.dropped)
+            if not s.samples:
+                continue
+            token = _sample(logits[row].float(), seq.params, seq.generator)
+            row += 1
+            seq.output.append(token)
+            seq.token_times.append(now)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = None
+            if token in self.eos and not seq.params.ignore_eos:
+                reason = "stop"
+            elif len(seq.output) >= seq.params.max_tokens:
+                reason = "length"
+            elif len(seq.tokens) >= self.max_len:
+                reason = "context"
+            if reason:
+                self.scheduler.finish(seq, reason)
+            results.append((seq.seq_id, token, reason is not None))
+        self.step_log.append(dict(
+            prefill_tokens=sum(s.n for s in scheduled if not _is_decode(s)),
+            decode_seqs=sum(1 for s in scheduled if _is_decode(s)),
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            free_blocks=self.blocks.num_free_blocks,
+            # slots that hold a token vs slots in the blocks the running sequences hold
+            tokens_held=sum(self.blocks.num_tokens(q.seq_id) for q in self.scheduler.running),
+            slots_held=self.block_size * len({b for q in self.scheduler.running
+                                             for b in self.blocks.block_table(q.seq_id)}),
+            seconds=now - t0))
+        return results
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[dict]:
+        """Run every prompt to the end; one dict per prompt, in prompt order, with ``token_ids`` and ``text``."""
+        if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(ids), desc="requests", leave=False)
+        while self.has_unfinished():
+            for _, _, done in self.step():
+                if done and bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [self.result(i) for i in ids]
+
+    def result(self, request_id: int) -> dict:
+        seq = self.seqs[request_id]
+        text = self.tokenizer.decode(seq.output, skip_special_tokens=True) if self.tokenizer is not None else None
+        return dict(token_ids=list(seq.output), text=text, finish_reason=seq.finish_reason,
+                    prompt_tokens=len(seq.prompt), preemptions=seq.num_preemptions)

@@ -1,0 +1,105 @@
+"""The chapter's serving experiments as functions: request traces, replaying them through an engine on a step
+clock, and the memory arithmetic of reservation against paging.
+
+A trace's arrivals are counted in engine *steps* (a Poisson process with ``rate`` requests per step), so that
+a replay is deterministic: the same trace gives the same schedule, steps and tokens on any machine, and only
+the seconds depend on the hardware. Seconds are measured too, and reported beside the steps.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import torch
+
+from labsrc.serving.scheduler import SamplingParams
+
+__all__ = ["poisson_trace", "replay", "concurrent_fit", "allocated_slots"]
+
+
+def poisson_trace(n: int, rate: float, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0,
+                  vocab: int = 4096, prefixes: list[list[int]] | None = None) -> list[dict]:
+    """``n`` requests: arrival step (Poisson, ``rate`` per step), random prompt ids of a length drawn uniformly in
+    ``prompt_range`` (after one of ``prefixes``, drawn at random, when given), and ``max_tokens`` drawn in
+    ``output_range`` (EOS ignored, so that every request produces exactly that many tokens)."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1 / rate, size=n) if rate > 0 else np.zeros(n)
+    arrivals = np.floor(np.cumsum(gaps)).astype(int) if rate > 0 else np.zeros(n, dtype=int)
+    trace = []
+    for i in range(n):
+        prompt = rng.integers(5, vocab, size=int(rng.integers(prompt_range[0], prompt_range[1] + 1))).tolist()
+        if prefixes:
+            prompt = list(prefixes[int(rng.integers(len(prefixes)))]) + prompt
+        trace.append(dict(arrival=int(arrivals[i]), prompt=prompt,
+                          max_tokens=int(rng.integers(output_range[0], output_range[1] + 1))))
+    return trace
+
+
+def replay(engine, trace: list[dict]) -> dict:
+    """Run a trace through ``engine``: a request joins the queue at the first step at or after its arrival.
+
+    Returns the outputs (token ids per request, in trace order), ``steps``, ``seconds``, ``output_tokens``,
+    per-request time to first token in steps and seconds (``ttft_steps``, ``ttft_s``), ``prefill_tokens``
+    (tokens actually run through prefill, recomputation included), ``preemptions`` and the engine's step log.
+    """
+    order = sorted(range(len(trace)), key=lambda i: trace[i]["arrival"])
+    ids: dict[int, int] = {}
+    joined_step: dict[int, int] = {}
+    joined_time: dict[int, float] = {}
+    first_step: dict[int, int] = {}
+    step, nxt = 0, 0
+    log_start = len(engine.step_log)
+    t0 = time.perf_counter()
+    while nxt < len(order) or engine.has_unfinished():
+        while nxt < len(order) and trace[order[nxt]]["arrival"] <= step:
+            i = order[nxt]
+            params = SamplingParams(max_tokens=trace[i]["max_tokens"], ignore_eos=True)
+            ids[i] = engine.add_request(trace[i]["prompt"], params)
+            joined_step[i], joined_time[i] = step, time.perf_counter()
+            nxt += 1
+        for rid, _, _ in engine.step():
+            i = next(k for k, v in ids.items() if v == rid)
+            first_step.setdefault(i, step + 1 - joined_step[i])
+        step += 1
+    seconds = time.perf_counter() - t0
+    outs = [engine.seqs[ids[i]].output for i in range(len(trace))]
+    log = engine.step_log[log_start:]
+    return dict(
+        outputs=[list(o) for o in outs], steps=step, seconds=seconds, output_tokens=sum(len(o) for o in outs),
+        ttft_steps=[first_step[i] for i in range(len(trace))],
+        ttft_s=[engine.seqs[ids[i]].first_token_time - joined_time[i] for i in range(len(trace))],
+        prefill_tokens=sum(r["prefill_tokens"] for r in log),
+        preemptions=sum(engine.seqs[ids[i]].num_preemptions for i in range(len(trace))), log=log)
+
+
+def allocated_slots(lengths, block_size: int) -> int:
+    """Slots a paged cache allocates for sequences of these lengths: ``sum ceil(n / block_size) * block_size``."""
+    return int(sum(math.ceil(n / block_size) * block_size for n in lengths))
+
+
+def concurrent_fit(lengths, pool_tokens: int, *, reserve: int | None = None, block_size: int | None = None) -> int:
+    """How many of the requests, taken in order, fit at once in a cache of ``pool_tokens`` slots: each reserving
+    ``reserve`` slots, or each holding ``ceil(n / block_size)`` blocks of its final length ``n``."""
+    if (reserve is None) == (block_size is None):
+        raise ValueError("give exactly one of reserve= and block_size=")
+    used = 0
+    for k, n in enumerate(lengths):
+        used += reserve if reserve is not None else math.ceil(n / block_size) * block_size
+        if used > pool_tokens:
+            return k
+    return len(lengths)
+
+
+def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """``model.generate(do_sample=False)`` on one prompt alone, EOS ignored: what the engine must reproduce."""
+    import copy
+
+    device = next(model.parameters()).device
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id = None  # run past EOS, as the engine does with ignore_eos
+    config.pad_token_id = 1
+    config.do_sample = False
+    config.max_new_tokens = max_tokens
+    out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
+    return out[0, len(prompt):].tolist()

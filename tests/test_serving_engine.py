@@ -1,0 +1,182 @@
+"""The engine against transformers: greedy outputs equal ``model.generate(do_sample=False)`` run on each prompt
+alone, for mixed prompt lengths, chunked prefill, prefix hits and forced preemption, on the PyTorch references
+and (one small case) on the Triton kernels; and equal to transformers' own continuous batching
+(``model.generate_batch``) on the same requests."""
+import labsrc  # noqa: F401
+
+import pytest
+import torch
+
+from labsrc.models import load
+from labsrc.serving.engine import Engine, SamplingParams
+from labsrc.serving.scheduler import Scheduler
+from labsrc.serving.blocks import BlockManager
+
+
+@pytest.fixture(scope="module")
+def lab():
+    return load("lab-target")
+
+
+def prompts_of(seed, lengths, prefix=()):
+    g = torch.Generator().manual_seed(seed)
+    return [list(prefix) + torch.randint(5, 4096, (n,), generator=g).tolist() for n in lengths]
+
+
+def reference(model, prompts, max_new):
+    outs = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=max_new, pad_token_id=1)[0]
+        outs.append(ids[len(p):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("num_blocks,budget,seed", [(64, 64, 0), (14, 16, 1), (13, 7, 2)])
+def test_greedy_equals_generate_per_prompt_with_chunking_and_preemption(lab, num_blocks, budget, seed):
+    model, tok = lab
+    prompts = prompts_of(seed, [5, 23, 40, 12])
+    eng = Engine(model, num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4,
+                 tokenizer=tok, kernels="torch")
+    got = eng.generate(prompts, SamplingParams(max_tokens=12))
+    assert [r["token_ids"] for r in got] == reference(model, prompts, 12)
+    if num_blocks < 20:
+        assert eng.scheduler.num_preemptions > 0, "the small pool must force preemption"
+    assert eng.blocks.num_free_blocks == num_blocks  # everything given back
+    eng.blocks.check_invariants()
+
+
+def test_prefix_hits_skip_prefill_and_keep_outputs(lab):
+    model, tok = lab
+    system = prompts_of(9, [24])[0]
+    prompts = prompts_of(3, [3, 7, 5], prefix=system)
+    eng = Engine(model, num_blocks=64, block_size=4, max_num_batched_tokens=64, max_num_seqs=1, tokenizer=tok,
+                 kernels="torch")  # one at a time: each later request finds the system prompt cached
+    got = eng.generate(prompts, SamplingParams(max_tokens=6))
+    assert [r["token_ids"] for r in got] == reference(model, prompts, 6)
+    assert eng.blocks.cache_hits >= 2 * (24 // 4)
+    prefill = sum(row["prefill_tokens"] for row in eng.step_log)
+    assert prefill < sum(len(p) for p in prompts) - 2 * 24 + 1
+
+
+def test_triton_kernels_give_the_same_tokens(lab):
+    model, tok = lab
+    prompts = prompts_of(4, [6, 9])  # interpreted Triton is slow: two prompts, one prefill and one decode step
+    eng = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=32, max_num_seqs=2, tokenizer=tok)
+    got = eng.generate(prompts, SamplingParams(max_tokens=2))
+    assert [r["token_ids"] for r in got] == reference(model, prompts, 2)
+
+
+def test_same_tokens_as_transformers_continuous_batching(lab):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model, tok = lab
+    prompts = prompts_of(5, [9, 30, 17])
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=1)
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64, max_requests_per_batch=4,
+                                  use_cuda_graph=False, use_async_batching=False)
+    theirs = model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb, warmup=False)
+    theirs = [theirs[k].generated_tokens for k in sorted(theirs, key=lambda k: int(k.split("_")[1]))]
+    eng = Engine(model, num_blocks=32, block_size=16, max_num_batched_tokens=64, max_num_seqs=4, tokenizer=tok,
+                 kernels="torch")
+    ours = [r["token_ids"] for r in eng.generate(prompts, SamplingParams(max_tokens=8))]
+    assert ours == theirs
+
+
+def test_text_prompts_sampling_and_static_policy(lab):
+    model, tok = lab
+    eng = Engine(model, num_blocks=32, block_size=8, max_num_seqs=2, tokenizer=tok, kernels="torch")
+    a, b = eng.generate(["Once upon a time", "The capital of"], SamplingParams(max_tokens=5))
+    assert isinstance(a["text"], str) and len(a["token_ids"]) <= 5 and b["finish_reason"] in ("stop", "length")
+    hot = SamplingParams(max_tokens=6, temperature=1.5, seed=7)
+    x = eng.generate(["Once upon a time"], hot)[0]["token_ids"]
+    y = eng.generate(["Once upon a time"], hot)[0]["token_ids"]
+    assert x == y  # the seed fixes the draw
+    narrow = eng.generate(["Once upon a time"], SamplingParams(max_tokens=5, temperature=1.0, top_p=1e-6))[0]
+    assert narrow["token_ids"] == a["token_ids"]  # top_p that keeps one token is greedy
+    static = Engine(model, num_blocks=32, block_size=8, max_num_seqs=2, tokenizer=tok, kernels="torch",
+                    policy="static")
+    prompts = prompts_of(6, [4, 9, 6])
+    assert [r["token_ids"] for r in static.generate(prompts, SamplingParams(max_tokens=4))] == \
+        reference(model, prompts, 4)
+    # static batching never admits while a batch runs
+    assert all(row["running"] <= 2 for row in static.step_log)
+
+
+def test_requests_that_can_never_run_are_refused(lab):
+    model, tok = lab
+    eng = Engine(model, num_blocks=4, block_size=4, tokenizer=tok, kernels="torch")
+    with pytest.raises(ValueError, match="could never finish"):
+        eng.add_request(list(range(5, 15)), SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="context"):
+        eng.add_request([5] * 600)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request([])
+    with pytest.raises(ValueError, match="token ids must lie"):
+        eng.add_request([5000])
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(BlockManager(4, 4), 8, 2, policy="fifo")
+
+
+def test_finishes_on_eos_like_generate(lab):
+    model, tok = lab
+    prompt = tok("The passkey is 1234. Remember it.")["input_ids"]  # greedy output ends in EOS within 60
+    want = reference(model, [prompt], 60)[0]
+    assert want[-1] == tok.eos_token_id and len(want) < 60
+    eng = Engine(model, num_blocks=16, block_size=8, tokenizer=tok, kernels="torch")
+    got = eng.generate([prompt], SamplingParams(max_tokens=60))[0]
+    assert got["token_ids"] == want and got["finish_reason"] == "stop"
+    more = eng.generate([prompt], SamplingParams(max_tokens=len(want) + 3, ignore_eos=True))[0]
+    assert more["token_ids"][:len(want)] == want and more["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("policy", ["value", "random"])
+def test_evicting_blocks_equals_masking_those_positions(lab, policy):
+    """Eviction in pages (10.3.10): after dropping whole blocks, later tokens attend to the kept keys only, at
+    their true positions. The same computation in transformers: a 4-D mask that hides the dropped positions
+    from every query after the eviction point (the earlier queries saw everything, as in the engine)."""
+    model, tok = lab
+    prompt = prompts_of(8, [40])[0]
+    eng = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=39, max_num_seqs=1, tokenizer=tok,
+                 kernels="torch")
+    eng.record_queries = 8
+    rid = eng.add_request(prompt, SamplingParams(max_tokens=6))
+    eng.step()  # all but the last prompt token
+    table = eng.blocks.block_table(rid)
+    freed = eng.evict_blocks(rid, 3, policy=policy, generator=torch.Generator().manual_seed(0))
+    gone = [i for i, b in enumerate(table) if b in freed]
+    assert len(gone) == 3 and 0 not in gone and len(table) - 1 not in gone
+    assert eng.blocks.num_free_blocks == 16 - (len(table) - 3)
+    while eng.has_unfinished():
+        eng.step()
+    eng.blocks.check_invariants()
+    hidden = torch.zeros(80, dtype=torch.bool)
+    for i in gone:
+        hidden[i * 4:(i + 1) * 4] = True
+    ids = list(prompt)
+    for _ in range(6):
+        t = len(ids)
+        visible = torch.tril(torch.ones(t, t, dtype=torch.bool))
+        visible[39:, :] &= ~hidden[:t]
+        mask = torch.zeros(1, 1, t, t).masked_fill(~visible, float("-inf"))
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids]), attention_mask=mask).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    assert eng.seqs[rid].output == ids[40:]
+
+
+def test_eviction_refuses_protected_blocks(lab):
+    model, tok = lab
+    eng = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=11, tokenizer=tok, kernels="torch")
+    rid = eng.add_request(prompts_of(9, [12])[0], SamplingParams(max_tokens=2))
+    eng.step()
+    with pytest.raises(ValueError, match="n_blocks must lie"):
+        eng.evict_blocks(rid, 2, policy="random")  # 3 blocks: the first and the last are protected
+    with pytest.raises(ValueError, match="policy"):
+        eng.evict_blocks(rid, 1, policy="lru")
+    with pytest.raises(ValueError, match="recorded queries"):
+        eng.evict_blocks(rid, 1, policy="value")
+    with pytest.raises(ValueError, match="never the last"):
+        eng.blocks.drop_blocks(rid, [2])
