@@ -769,15 +769,21 @@ def main(argv=None) -> None:
     labsrc.seed_everything(0)
     model, tok = load("lab-target", device=labsrc.DEVICE)
     t0 = time.perf_counter()
-    rows = compare_methods(model, tok, S.compare_lengths, S.compare_n, top_ks=S.top_ks, window=S.window,
-                           chunk=S.chunk, progress=lambda L, m: print(f"{time.perf_counter() - t0:7.1f}s  "
-                                                                      f"L={L} {m}", file=sys.stderr, flush=True))
     RESULTS.mkdir(parents=True, exist_ok=True)
     info = labsrc.stamp(file=sys.stderr)
-    out = dict(stamp=info, profile=args.profile, lengths=list(S.compare_lengths), n=S.compare_n,
-               window=S.window, chunk=S.chunk, top_ks=list(S.top_ks), seconds=time.perf_counter() - t0,
-               command=f"python -m labsrc.memory --profile {args.profile}", rows=rows)
-    results_path(args.profile).write_text(json.dumps(out, indent=1))
+    rows: list[dict] = []
+
+    def save(done: bool):
+        out = dict(stamp=info, profile=args.profile, lengths=list(S.compare_lengths), n=S.compare_n,
+                   window=S.window, chunk=S.chunk, top_ks=list(S.top_ks), seconds=time.perf_counter() - t0,
+                   complete=done, command=f"python -m labsrc.memory --profile {args.profile}", rows=rows)
+        results_path(args.profile).write_text(json.dumps(out, indent=1))
+
+    for length in S.compare_lengths:   # one length at a time, saved as it finishes
+        rows += compare_methods(model, tok, [length], S.compare_n, top_ks=S.top_ks, window=S.window,
+                                chunk=S.chunk, progress=lambda L, m: print(
+                                    f"{time.perf_counter() - t0:7.1f}s  L={L} {m}", file=sys.stderr, flush=True))
+        save(done=length == S.compare_lengths[-1])
 
 
 if __name__ == "__main__":
