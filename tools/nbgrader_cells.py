@@ -80,6 +80,11 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
     "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
     "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
+    # 14 memory and retrieval
+    "check_memory_topk_merge": (2, 15, "merge two partial kNN searches"),
+    "check_overlap_chunks": (2, 15, "chunks with overlap, so a fact is never split"),
+    "check_gated_memory_mix": (3, 25, "the Memorizing Transformer's gated mix of two softmaxes"),
+    "check_retrieved_rows_kernel": (4, 35, "attention over retrieved rows (Triton kernel)"),
 }
 
 
