@@ -50,7 +50,7 @@ __all__ = [
     "INDEXES", "KVMemory", "topk_merge", "recall_at_k", "index_benchmark", "knn_memory_attention",
     "knn_memory_attention_ref", "joint_softmax_attention", "RULES", "RetrievalContext", "retrieval_logits", "chunk_spans",
     "BM25Retriever", "DenseRetriever", "question_ids", "rag_sample", "truncate_sample", "METHODS",
-    "run_method", "compare_methods", "NAME",
+    "run_method", "compare_methods", "NAME", "load_results", "summarize", "results_path", "main",
 ]
 
 INDEXES = ("exact", "faiss-flat", "faiss-ivf", "faiss-hnsw")
@@ -346,7 +346,7 @@ class RetrievalContext:
 
     Use :func:`retrieval_logits`, which reads a document through it. Args: ``window`` local tokens kept
     before each chunk; ``top_k`` rows retrieved per query head and query; ``sinks`` first tokens kept
-    always (attention sinks, {cite}`xiao2024streamingllm`); ``rule`` the positions of retrieved keys (see the
+    always (attention sinks, {cite}`xiao2023streamingllm`); ``rule`` the positions of retrieved keys (see the
     module docstring); ``delta`` their distance under ``"clamped"`` (``window`` by default); ``index`` the
     :class:`KVMemory` index. Batch size 1.
     """
@@ -749,6 +749,34 @@ RESULTS = __import__("pathlib").Path(__file__).resolve().parent / "data" / "resu
 def results_path(profile: str) -> "__import__('pathlib').Path":
     """Where :func:`main` stores the comparison of ``profile`` (``cpu`` or ``gpu``)."""
     return RESULTS / f"memory_comparison_{profile}.json"
+
+
+def load_results(profile: str = "cpu") -> dict:
+    """The stored comparison written by :func:`main` for ``profile``."""
+    import json
+
+    path = results_path(profile)
+    if not path.is_file():
+        raise FileNotFoundError(f"no stored comparison at {path}; run `python -m labsrc.memory --profile {profile}`")
+    return json.loads(path.read_text())
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per ``(length, label)``: ``k`` right of ``n``, mean seconds per token, KV tokens held and read (means)
+    and, for RAG, how often the fact was in the retrieved chunks (``fact_k``)."""
+    out: dict = {}
+    for r in rows:
+        cell = out.setdefault((r["length"], r["label"]), dict(k=0, n=0, sec=0.0, held=0.0, read=0.0, fact_k=0))
+        cell["k"] += int(r["right"])
+        cell["n"] += 1
+        cell["sec"] += r["seconds"] / r["tokens"]
+        cell["held"] += r["kv_tokens_held"]
+        cell["read"] += r["kv_tokens_read"]
+        cell["fact_k"] += int(r.get("fact_retrieved", False))
+    for cell in out.values():
+        for key in ("sec", "held", "read"):
+            cell[key] /= cell["n"]
+    return out
 
 
 def main(argv=None) -> None:
