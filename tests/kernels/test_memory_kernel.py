@@ -50,8 +50,13 @@ SHAPES = [  # (B, H, Hkv, T, Tk, K, D)
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-H{}-Hkv{}-T{}-Tk{}-K{}-D{}".format(*s))
+# every dtype on the first shape, float32 on the others (each launch takes about a second interpreted)
+CASES = [(SHAPES[0], d) for d in DTYPES] + [(s, torch.float32) for s in SHAPES[1:]]
+
+
+@pytest.mark.parametrize("shape, dtype", CASES,
+                         ids=lambda c: str(c) if isinstance(c, torch.dtype) else
+                         "B{}-H{}-Hkv{}-T{}-Tk{}-K{}-D{}".format(*c))
 def test_kernel_matches_reference(shape, dtype):
     check(make(*shape, dtype, zlib.crc32(repr(shape).encode())), dtype)
 
@@ -162,7 +167,7 @@ def test_launch_limit_is_refused(monkeypatch):
         knn_memory_attention(*_good())
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(H=st.sampled_from([1, 2, 4]), group=st.sampled_from([1, 2]), T=st.integers(1, 4), extra=st.integers(-1, 4),
        K=st.integers(0, 5), D=st.sampled_from([16, 24, 40]), scale=st.sampled_from([None, 0.05, 1.0]),
        big=st.booleans(), seed=st.integers(0, 10**6))
