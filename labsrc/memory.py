@@ -308,9 +308,9 @@ def index_benchmark(sizes, dim: int = 40, n_queries: int = 64, top_k: int = 16, 
 # ----------------------------------------------------------------------------------------------------------
 def _rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate ``x (..., n, D)`` by RoPE angle ``positions (n,)`` (any sign; a pure rotation, no scaling)."""
-    freqs = positions.to(torch.float64)[:, None] * inv_freq.to(torch.float64)[None, :]
+    freqs = positions.to("cpu", torch.float64)[:, None] * inv_freq.to("cpu", torch.float64)[None, :]
     emb = torch.cat([freqs, freqs], -1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    cos, sin = emb.cos().to(x.device, x.dtype), emb.sin().to(x.device, x.dtype)
     half = x.shape[-1] // 2
     rot = torch.cat([-x[..., half:], x[..., :half]], -1)
     return x * cos + rot * sin
@@ -396,8 +396,8 @@ class RetrievalContext:
         v_loc = torch.cat([st.v, value[0].to(dtype)], 1)
         n_prev = st.k.shape[1]
         s_loc = torch.einsum("hgcd,hnd->hgcn", q, k_loc) * scaling
-        i = torch.arange(c)[:, None]
-        j = torch.arange(k_loc.shape[1])[None, :]
+        i = torch.arange(c, device=query.device)[:, None]
+        j = torch.arange(k_loc.shape[1], device=query.device)[None, :]
         s_loc = s_loc.masked_fill(j > i + n_prev, float("-inf"))
         scores = [s_loc]
         qs = q if self.rule == "original" else _rotate(q, self.delta - pos, self.inv_freq)
@@ -432,7 +432,7 @@ class RetrievalContext:
             old_k, old_v, old_pos = st.k[:, :over], st.v[:, :over], st.pos[:over]
             st.k, st.v, st.pos = st.k[:, over:], st.v[:, over:], st.pos[over:]
             form = self._search_form(old_k, old_pos)
-            is_sink = old_pos < self.sinks
+            is_sink = (old_pos < self.sinks).to(old_k.device)
             if bool(is_sink.any()):
                 st.sink_k = torch.cat([st.sink_k, form[:, is_sink]], 1)
                 st.sink_v = torch.cat([st.sink_v, old_v[:, is_sink]], 1)
