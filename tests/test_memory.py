@@ -256,3 +256,16 @@ def test_run_method_rejects_unknown_method(lab):
         M.run_method("magic", model, tok, s)
     r = M.run_method("truncate", model, tok, s)
     assert r["kv_tokens_held"] == 300 and isinstance(r["right"], bool)
+
+
+def test_stored_comparison_is_complete_and_summarizes():
+    """The chapter's CPU profile plots the stored run: every length and method with n samples each."""
+    stored = M.load_results("cpu")
+    assert stored["complete"] and stored["command"].startswith("python -m labsrc.memory")
+    summary = M.summarize(stored["rows"])
+    labels = {r["label"] for r in stored["rows"]}
+    assert {"full", "truncate", "yarn", "evict", "rag-bm25", "rag-dense"} <= labels
+    for length in stored["lengths"]:
+        for label in labels:
+            cell = summary[(length, label)]
+            assert cell["n"] == stored["n"] and 0 <= cell["k"] <= cell["n"] and cell["sec"] > 0
