@@ -177,4 +177,16 @@ def test_property_kernel_equals_reference(H, group, T, extra, K, D, scale, big, 
     args = make(1, H, Hkv, T, Tk, K, D, torch.float32, seed)
     if big:   # large logits: the online softmax must subtract the running maximum
         args[0] = args[0] * 30
+    if seed % 2:   # a (B, T, H, D) buffer viewed as (B, H, T, D): strided, read without a copy
+        args[0] = args[0].transpose(1, 2).contiguous().transpose(1, 2)
     check(args, torch.float32, sm_scale=scale)
+
+
+@settings(max_examples=15, deadline=None)
+@given(case=st.sampled_from(BAD))
+def test_property_random_bad_arguments_are_refused_by_name(case):
+    mutate, exc, match = case
+    args = _good()
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        knn_memory_attention(*args)
