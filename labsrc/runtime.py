@@ -179,6 +179,19 @@ SIZES: dict[str, dict[str, dict]] = {
                     ppl_bucket=64, probe_n=50, ledger_n=10, ledger_ppl_windows=8, ledger_decode_tokens=128,
                     decode_reps=20),
     },
+    "memory": {
+        # compare_*: the stored comparison (python -m labsrc.memory); live_*: the case the chapter reruns.
+        "cpu": dict(index_sizes=(1000, 4000, 16000), index_dim=40, index_queries=64, index_k=16,
+                    kernel_shape=(1, 4, 2, 5, 24, 8, 40), eq_len=160, eq_window=32, eq_chunk=16,
+                    compare_lengths=(1024, 2048, 4096), compare_n=6, top_ks=(8, 32), window=384, chunk=128,
+                    live_length=1024, live_depth=0.1, rag_size=64, rag_overlap=32),
+        # The memories are searched on the CPU (FAISS CPU, torch.topk on CPU tensors), so the GPU profile
+        # stops at 16K tokens and 200K rows; 64K needs the exact memory on the GPU.
+        "gpu": dict(index_sizes=(10000, 50000, 200000), index_dim=128, index_queries=256, index_k=32,
+                    kernel_shape=(4, 32, 8, 64, 2048, 64, 128), eq_len=1024, eq_window=128, eq_chunk=64,
+                    compare_lengths=(1024, 4096, 16384), compare_n=20, top_ks=(8, 32, 128),
+                    window=384, chunk=128, live_length=4096, live_depth=0.1, rag_size=64, rag_overlap=32),
+    },
 }
 
 

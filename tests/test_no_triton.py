@@ -78,6 +78,14 @@ with torch.no_grad():
     qc = torch.randn(4, 3, 16, generator=g)
     assert torch.equal(kp.paged_prefill_attention(qc, pool_k, pool_v, tables[0], 9),
                        kp.paged_prefill_attention_ref(qc, pool_k, pool_v, tables[0], 9))
+# kNN-memory attention (chapter 14): the gated mix of local and retrieved-row attention
+from labsrc.kernels import memory as km
+q, kl = torch.randn(1, 4, 3, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g)
+mk = torch.randn(1, 4, 3, 2, 16, generator=g)
+gate = torch.randn(4, generator=g)
+out = torch.full_like(q, float("nan"))
+assert km.knn_memory_attention(q, kl, kl, mk, mk, gate, out=out) is out
+assert torch.equal(out, km.knn_memory_attention_ref(q, kl, kl, mk, mk, gate))
 from labsrc import attention  # the transformers integration imports and runs too
 print("no-triton checks passed")
 '''

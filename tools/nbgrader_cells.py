@@ -86,6 +86,11 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_admission": (2, 15, "the scheduler's admission test"),
     "check_prefix_hash": (2, 15, "find the bug in a colliding prefix hash"),
     "check_gather_kernel": (3, 30, "gather a sequence through its block table (Triton)"),
+    # 14 memory and retrieval
+    "check_memory_topk_merge": (2, 15, "merge two partial kNN searches"),
+    "check_overlap_chunks": (2, 15, "chunks with overlap, so a fact is never split"),
+    "check_gated_memory_mix": (3, 25, "the Memorizing Transformer's gated mix of two softmaxes"),
+    "check_retrieved_rows_kernel": (4, 35, "attention over retrieved rows (Triton kernel)"),
 }
 
 

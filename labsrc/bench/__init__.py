@@ -15,6 +15,8 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
   from the packed INT4/INT8 cache;
 * ``paged_decode_attention`` (:mod:`labsrc.bench.paged_attention`): decode through block tables against dense
   flash-decoding, in GB/s of K/V read.
+* ``knn_memory_attention`` (:mod:`labsrc.bench.memory`): the Memorizing Transformer's gated local + retrieved-row
+  attention, in GB/s.
 
 Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for
 ``size`` in ``"tiny"`` (a smoke run that the interpreter can do in CI) or ``"gpu"`` (real sizes). A
