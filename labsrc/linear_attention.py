@@ -32,7 +32,7 @@ import torch.nn.functional as F
 __all__ = ["FEATURE_MAPS", "phi", "linear_attention", "softmax_attention", "orthogonal_projection",
            "performer_features", "favor_attention", "linear_attention_recurrent", "lightning_attention",
            "gated_delta_rule_recurrent", "gated_delta_rule_chunked", "check_linear_inputs",
-           "check_delta_inputs", "state_bytes"]
+           "check_delta_inputs", "state_bytes", "fla_naive"]
 
 FEATURE_MAPS = ("elu1", "relu", "identity")
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -216,7 +216,8 @@ def _check_flag(name, value):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
 
 
-def check_linear_inputs(q, k, v, decay, scale, initial_state, output_final_state, chunk_size=1):
+def check_linear_inputs(q, k, v, decay, scale, initial_state, output_final_state, chunk_size=1,
+                        chunk_name="chunk_size"):
     """The checks shared by :func:`linear_attention_recurrent`, :func:`lightning_attention` and the kernel
     ``chunk_linear_attention``: shapes ``(B, T, H, K)``/``(B, T, H, V)``, one float dtype, ``decay`` a
     ``(H,)`` tensor of per-step decays in ``(0, 1]`` (or None), ``scale`` positive, the state ``(B, H, K, V)``."""
@@ -235,7 +236,7 @@ def check_linear_inputs(q, k, v, decay, scale, initial_state, output_final_state
     _check_scale(scale)
     _check_state(initial_state, q, v)
     _check_flag("output_final_state", output_final_state)
-    _check_chunk(chunk_size)
+    _check_chunk(chunk_size, chunk_name)
 
 
 def check_delta_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size=1):
@@ -304,7 +305,7 @@ def lightning_attention(q, k, v, decay=None, block_size: int = 64, scale: float 
     ``n`` tokens the output is a masked ``n x n`` product with decay ``lambda^(i-j)`` (intra-block), plus the
     state carried in from earlier blocks, decayed by ``lambda^(i+1)`` (inter-block); the state then advances
     once per block. No cumulative sum over the whole sequence is ever formed. Same arguments and results."""
-    check_linear_inputs(q, k, v, decay, scale, initial_state, output_final_state, block_size)
+    check_linear_inputs(q, k, v, decay, scale, initial_state, output_final_state, block_size, "block_size")
     work = _work(q)
     B, T, H, K = q.shape
     S = _init_state(initial_state, q, v, work)
@@ -379,7 +380,9 @@ def gated_delta_rule_chunked(q, k, v, g, beta, scale: float | None = None, initi
     * ``O = diag(exp(gamma)) Q S + lower(Q K^T * exp(gamma_i - gamma_j)) V_new``;
     * ``S <- exp(gamma_last) S + (K * exp(gamma_last - gamma))^T V_new``.
 
-    The last chunk may be shorter (any ``T >= 1``); nothing is padded.
+    The last chunk may be shorter (any ``T >= 1``); nothing is padded. A NaN in an input reaches every output
+    of its chunk (the chunk's products mix all its tokens, and 0 * NaN is NaN) and every later output of
+    its head, where the recurrent form only reaches the later ones.
     """
     check_delta_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
     work = _work(q)
@@ -426,3 +429,26 @@ def state_bytes(kind: str, *, n_heads: int, head_dim: int, value_dim: int | None
     if kind == "linear":
         return float(n_heads * head_dim * (head_dim if value_dim is None else value_dim) * state_bytes_per_element)
     raise ValueError(f"kind must be 'softmax' or 'linear', got {kind!r}")
+
+
+def fla_naive():
+    """flash-linear-attention's own PyTorch references (code we did not write), imported quietly:
+    ``(naive_recurrent_gated_delta_rule, naive_chunk_gated_delta_rule)``. Note their argument orders differ:
+    the recurrent one takes ``(q, k, v, beta, g, ...)``, the chunked one ``(q, k, v, g, beta, chunk_size, ...)``.
+
+    Importing ``fla`` on a machine without a GPU warns that Triton "is not supported on current platform, roll
+    back to CPU" (true and expected here: only the naive references are used, which are plain PyTorch), that
+    flash-attn is not installed (used by fla's NSA module, not by these references), and torch warns about
+    fla's use of ``torch.jit.script_method``. Those three warnings, and only those, are silenced for the
+    import. Raises ``ImportError`` when fla-core (the ``dev`` extra) is not installed.
+    """
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform",
+                                category=UserWarning)
+        warnings.filterwarnings("ignore", message="Flash Attention is not installed", category=ImportWarning)
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
+                                category=DeprecationWarning)
+        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+    return naive_recurrent_gated_delta_rule, naive_chunk_gated_delta_rule
