@@ -12,7 +12,10 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
   prefill forward and backward in TFLOP/s, flash-decoding in GB/s of K/V read;
 * ``rope`` (:mod:`labsrc.bench.rope`): rotating queries and keys, in GB/s;
 * ``kvquant_pack``, ``kvquant_decode`` (:mod:`labsrc.bench.kvquant`): quantize-and-pack and attention straight
-  from the packed INT4/INT8 cache.
+  from the packed INT4/INT8 cache;
+* ``chunk_linear_attention``, ``chunk_gated_delta_rule`` (:mod:`labsrc.bench.linear_attention`): chunked
+  linear attention and Gated DeltaNet in TFLOP/s, against FlashAttention at the same length and against
+  the token-by-token PyTorch form.
 
 Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for
 ``size`` in ``"tiny"`` (a smoke run that the interpreter can do in CI) or ``"gpu"`` (real sizes). A
