@@ -80,6 +80,12 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
     "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
     "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
+    # 08 linear attention
+    "check_association_costs": (1, 10, "the cost of the two association orders"),
+    "check_delta_step": (2, 15, "one step of the gated delta rule"),
+    "check_chunk_output": (3, 25, "one chunk's output: intra-chunk plus the carried state"),
+    "check_features_needed": (2, 20, "how many random features meet an error bound"),
+    "check_recurrent_kernel": (3, 30, "recurrent linear attention with decay (Triton kernel)"),
 }
 
 
