@@ -102,19 +102,23 @@ def _chunk_linear_attention_kernel(
 def _chunk_gated_delta_rule_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
         T, H, K, V, scale,
-        s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_ob, s_ot, s_oh,
+        s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+        s_ob, s_ot, s_oh,
         HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, LOG2_T: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        PRECISION: tl.constexpr):
+    i_v = tl.program_id(0)                 # a block of BLOCK_V value columns
+    i_bh = tl.program_id(1)                # one (batch, head)
     b = (i_bh // H).to(tl.int64)
     h = (i_bh % H).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mk, mv = offs_k < K, offs_v < V
+    mkv = mk[:, None] & mv[None, :]
+    # the state slice S[:, v-block] stays in registers, fp32, for the whole sequence
     state_off = i_bh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
     if HAS_H0:
-        S = tl.load(h0_ptr + state_off, mask=mk[:, None] & mv[None, :], other=0.0)
+        S = tl.load(h0_ptr + state_off, mask=mkv, other=0.0)
     else:
         S = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
@@ -124,19 +128,23 @@ def _chunk_gated_delta_rule_kernel(
     for t0 in range(0, T, BLOCK_T):
         t = t0 + rows
         mt = t < T
-        qk_off = b * s_qb + t[:, None].to(tl.int64) * s_qt + h * s_qh + offs_k[None, :]
-        q = tl.load(q_ptr + qk_off, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
-        k = tl.load(k_ptr + qk_off, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        v_off = b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + offs_v[None, :]
-        v = tl.load(v_ptr + v_off, mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
-        # padded rows: g = 0 (no decay) and beta = 0 (no write), so they change nothing
-        g = tl.load(g_ptr + b * s_gb + t.to(tl.int64) * s_gt + h * s_gh, mask=mt, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + b * s_bb + t.to(tl.int64) * s_bt + h * s_bh, mask=mt, other=0.0).to(tl.float32)
-        gam = tl.cumsum(g, 0)
+        t64 = t.to(tl.int64)
+        qk_off = b * s_qb + t64[:, None] * s_qt + h * s_qh + offs_k[None, :]
+        mtk = mt[:, None] & mk[None, :]
+        q = tl.load(q_ptr + qk_off, mask=mtk, other=0.0).to(tl.float32) * scale
+        k = tl.load(k_ptr + qk_off, mask=mtk, other=0.0).to(tl.float32)
+        v_off = b * s_vb + t64[:, None] * s_vt + h * s_vh + offs_v[None, :]
+        v = tl.load(v_ptr + v_off, mask=mt[:, None] & mv[None, :], other=0.0)
+        v = v.to(tl.float32)
+        # padded rows: g = 0 (no decay) and beta = 0 (no write) change nothing
+        g = tl.load(g_ptr + b * s_gb + t64 * s_gt + h * s_gh, mask=mt, other=0.0)
+        beta = tl.load(beta_ptr + b * s_bb + t64 * s_bt + h * s_bh, mask=mt, other=0.0)
+        g, beta = g.to(tl.float32), beta.to(tl.float32)
+        gam = tl.cumsum(g, 0)              # log decay from the chunk's start
         diff = gam[:, None] - gam[None, :]
         decay = tl.exp(tl.where(causal, diff, float("-inf")))
-        # the UT transform: T = (I + A)^-1 with A strictly lower, A^BLOCK_T = 0, so
-        # T = (I - A)(I + A^2)(I + A^4)... (LOG2_T factors)
+        # the UT transform T = (I + A)^-1; A is strictly lower, so A^BLOCK_T = 0
+        # and T = (I - A)(I + A^2)(I + A^4)... (LOG2_T factors)
         kk = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION)
         neg_a = -tl.where(strict, kk * decay, 0.0)
         inv = eye + neg_a
@@ -144,19 +152,24 @@ def _chunk_gated_delta_rule_kernel(
         for _ in tl.static_range(LOG2_T - 1):
             power = tl.dot(power, power, input_precision=PRECISION)
             inv += tl.dot(inv, power, input_precision=PRECISION)
-        w = tl.dot(inv, k * (beta * tl.exp(gam))[:, None], input_precision=PRECISION)
+        # corrected values: V_new = T (beta V) - T (beta exp(gamma) K) S
+        k_beta = k * (beta * tl.exp(gam))[:, None]
+        w = tl.dot(inv, k_beta, input_precision=PRECISION)
         u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)
         v_new = u - tl.dot(w, S, input_precision=PRECISION)
+        # intra-chunk (masked, decayed) plus inter-chunk (the state carried in)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
         o = tl.dot(scores, v_new, input_precision=PRECISION)
         o += tl.dot(q * tl.exp(gam)[:, None], S, input_precision=PRECISION)
-        o_off = b * s_ob + t[:, None].to(tl.int64) * s_ot + h * s_oh + offs_v[None, :]
-        tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        o_off = b * s_ob + t64[:, None] * s_ot + h * s_oh + offs_v[None, :]
+        tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])
+        # the state advances once per chunk
         last = tl.sum(g, 0)
         k_dec = k * tl.exp(last - gam)[:, None]
         S = S * tl.exp(last) + tl.dot(tl.trans(k_dec), v_new, input_precision=PRECISION)
     if STORE_HT:
-        tl.store(ht_ptr + state_off, S, mask=mk[:, None] & mv[None, :])
+        tl.store(ht_ptr + state_off, S, mask=mkv)
 
 
 # ------------------------------------------------------------------------------------------------ wrappers
