@@ -50,6 +50,15 @@ _MAX_DIM = 256                  # K and V tiles: a BLOCK_K x BLOCK_V fp32 state 
 _MAX_CHUNK = 128
 
 
+def _configs() -> list:
+    """One configuration under the interpreter (no benchmarking there); on a GPU the warps that share a
+    program's tiles and the software-pipelining depth of its loads are tuned per tile shape."""
+    if runtime.INTERPRETED:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2, 3)]
+
+
+@triton.autotune(configs=_configs(), key=["BLOCK_T", "BLOCK_K", "BLOCK_V", "HAS_H0", "STORE_HT"])
 @triton.jit
 def _chunk_linear_attention_kernel(
         q_ptr, k_ptr, v_ptr, lam_ptr, h0_ptr, o_ptr, ht_ptr,
@@ -98,6 +107,7 @@ def _chunk_linear_attention_kernel(
         tl.store(ht_ptr + state_off, S, mask=mk[:, None] & mv[None, :])
 
 
+@triton.autotune(configs=_configs(), key=["BLOCK_T", "BLOCK_K", "BLOCK_V", "HAS_H0", "STORE_HT"])
 @triton.jit
 def _chunk_gated_delta_rule_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
@@ -265,7 +275,7 @@ def chunk_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         HAS_DECAY=decay is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=_precision(), num_warps=4)
+        BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=_precision())
     return o, (ht if output_final_state else None)
 
 
@@ -308,5 +318,5 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         HAS_H0=initial_state is not None, STORE_HT=output_final_state, LOG2_T=chunk_size.bit_length() - 1,
-        BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=_precision(), num_warps=4)
+        BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=_precision())
     return o, (ht if output_final_state else None)
