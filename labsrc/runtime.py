@@ -192,6 +192,20 @@ SIZES: dict[str, dict[str, dict]] = {
                     compare_lengths=(1024, 4096, 16384), compare_n=20, top_ks=(8, 32, 128),
                     window=384, chunk=128, live_length=4096, live_depth=0.1, rag_size=64, rag_overlap=32),
     },
+    "linear_attention": {
+        # check_*: the reference/kernel comparison; perf_*: Performer's error against m; recall_*: the live
+        # MQAR case (one tiny run; the stored grid comes from python -m labsrc.recall)
+        "cpu": dict(check_shape=(2, 100, 3, 40, 24), check_chunk=32, perf_len=256, perf_dim=32,
+                    perf_ms=(8, 16, 32, 64, 128, 256, 512), perf_draws=6,
+                    perf_temps=(0.25, 0.5, 1.0, 1.5),
+                    recall_width=32, recall_steps=40, recall_train=400, recall_eval=40, recall_pairs=2,
+                    recall_len=72, retrain=False),
+        "gpu": dict(check_shape=(4, 2048, 16, 128, 128), check_chunk=64, perf_len=1024, perf_dim=64,
+                    perf_ms=(8, 16, 32, 64, 128, 256, 512, 1024), perf_draws=20,
+                    perf_temps=(0.25, 0.5, 1.0, 1.5),
+                    recall_width=64, recall_steps=3000, recall_train=4000, recall_eval=100, recall_pairs=2,
+                    recall_len=72, retrain=True),
+    },
 }
 
 

@@ -87,6 +87,22 @@ out = torch.full_like(q, float("nan"))
 assert km.knn_memory_attention(q, kl, kl, mk, mk, gate, out=out) is out
 assert torch.equal(out, km.knn_memory_attention_ref(q, kl, kl, mk, mk, gate))
 from labsrc import attention  # the transformers integration imports and runs too
+# the linear-attention kernels (chapter 8): the wrappers check, then call the chunked references
+from labsrc.kernels import linear_attention as kla
+from labsrc import linear_attention as la
+q, k = torch.randn(1, 19, 2, 8, generator=g), torch.randn(1, 19, 2, 8, generator=g)
+v, gg, bb = torch.randn(1, 19, 2, 5, generator=g), -torch.rand(1, 19, 2, generator=g), torch.rand(1, 19, 2, generator=g)
+o, s = kla.chunk_gated_delta_rule(q, k, v, gg, bb, output_final_state=True, chunk_size=16)
+ro, rs = la.gated_delta_rule_chunked(q, k, v, gg, bb, output_final_state=True, chunk_size=16)
+assert torch.equal(o, ro) and torch.equal(s, rs)
+o, s = kla.chunk_linear_attention(q, k, v, torch.tensor([0.9, 1.0]), 16, 1.0, None, True)
+ro, rs = la.lightning_attention(q, k, v, torch.tensor([0.9, 1.0]), 16, 1.0, None, True)
+assert torch.equal(o, ro) and torch.equal(s, rs)
+try:
+    kla.chunk_gated_delta_rule(q, k, v, gg, bb, chunk_size=48)
+    raise AssertionError("the kernel's chunk sizes must still be checked")
+except ValueError as e:
+    assert "chunk_size" in str(e)
 print("no-triton checks passed")
 '''
 

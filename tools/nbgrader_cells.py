@@ -91,6 +91,12 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_overlap_chunks": (2, 15, "chunks with overlap, so a fact is never split"),
     "check_gated_memory_mix": (3, 25, "the Memorizing Transformer's gated mix of two softmaxes"),
     "check_retrieved_rows_kernel": (4, 35, "attention over retrieved rows (Triton kernel)"),
+    # 08 linear attention
+    "check_association_costs": (1, 10, "the cost of the two association orders"),
+    "check_delta_step": (2, 15, "one step of the gated delta rule"),
+    "check_chunk_output": (3, 25, "one chunk's output: intra-chunk plus the carried state"),
+    "check_features_needed": (2, 20, "how many random features meet an error bound"),
+    "check_recurrent_kernel": (3, 30, "recurrent linear attention with decay (Triton kernel)"),
 }
 
 

@@ -17,6 +17,9 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
   flash-decoding, in GB/s of K/V read.
 * ``knn_memory_attention`` (:mod:`labsrc.bench.memory`): the Memorizing Transformer's gated local + retrieved-row
   attention, in GB/s.
+* ``chunk_linear_attention``, ``chunk_gated_delta_rule`` (:mod:`labsrc.bench.linear_attention`): chunked
+  linear attention and Gated DeltaNet in TFLOP/s, against FlashAttention at the same length and against
+  the token-by-token PyTorch form.
 
 Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for
 ``size`` in ``"tiny"`` (a smoke run that the interpreter can do in CI) or ``"gpu"`` (real sizes). A

@@ -84,6 +84,14 @@ class TrainConfig:
     # On two cores shared with other jobs, two OpenMP threads wait on each other; pass --threads 1 there.
     threads: int = 2
     bf16_autocast: bool = True
+    # The architecture: "llama" (attention) or "mamba2" (transformers' Mamba2ForCausalLM, chapter 7's lab-mamba;
+    # the fields below are Mamba-2's and unused by "llama", whose num_attention_heads/... are unused by it).
+    arch: str = "llama"
+    state_size: int = 64
+    head_dim: int = 64
+    expand: int = 2
+    n_groups: int = 1
+    chunk_size: int = 64
 
 
 CONFIGS = {
@@ -94,6 +102,17 @@ CONFIGS = {
                              # With decoys the draft's look-up circuit did not form in its 300 short steps (pass
                              # key 0.00 in every cell, validation perplexity 80.0); without, it scores 0.75-1.00.
                              max_decoys=0),
+    # lab-mamba: a Mamba-2 on the same corpus and mixture, sized to train in the ~25 CPU-minutes chapter 7 had
+    # (one thread, niced, shared cores): 3.5M parameters against lab-target's 9.1M, ~1/5 of its tokens.
+    # The schedule is lab-target's compressed (pass keys first in short rows, then growing to 512 tokens).
+    "lab-mamba": TrainConfig(arch="mamba2", hidden_size=256, num_hidden_layers=6, state_size=32, head_dim=64,
+                             expand=2, n_groups=1, chunk_size=64, tie_word_embeddings=True, max_steps=900,
+                             lr=2e-3, warmup_steps=50, short_steps=300, grow_steps=300, eval_every=300,
+                             time_budget_s=25 * 60, threads=1),
+    "tiny-mamba": TrainConfig(arch="mamba2", hidden_size=64, num_hidden_layers=2, state_size=16, head_dim=16,
+                              expand=2, n_groups=1, chunk_size=32, tie_word_embeddings=True, seq_len=128,
+                              batch_size=4, max_steps=20, lr=3e-3, warmup_steps=2, short_steps=0, grow_steps=0,
+                              eval_every=0, time_budget_s=120, threads=1),
     "tiny": TrainConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, tie_word_embeddings=True, seq_len=128, batch_size=4, max_steps=20,
                         lr=3e-3, warmup_steps=2, short_steps=0, grow_steps=0, eval_every=0, time_budget_s=120,
@@ -102,8 +121,25 @@ CONFIGS = {
 
 
 def model_config(cfg: TrainConfig, tokenizer):
-    """The ``transformers.LlamaConfig`` for ``cfg`` (RoPE, RMSNorm, SwiGLU, grouped-query attention)."""
-    from transformers import LlamaConfig
+    """The ``transformers`` config for ``cfg``: a ``LlamaConfig`` (RoPE, RMSNorm, SwiGLU, grouped-query
+    attention) or, for ``arch="mamba2"``, a ``Mamba2Config`` (``expand * hidden_size / head_dim`` heads)."""
+    from transformers import LlamaConfig, Mamba2Config
+
+    if cfg.arch == "mamba2":
+        inner = cfg.expand * cfg.hidden_size
+        if inner % cfg.head_dim:
+            raise ValueError(f"expand * hidden_size = {inner} must be a multiple of head_dim = {cfg.head_dim}")
+        c = Mamba2Config(
+            vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+            state_size=cfg.state_size, head_dim=cfg.head_dim, expand=cfg.expand, num_heads=inner // cfg.head_dim,
+            n_groups=cfg.n_groups, chunk_size=cfg.chunk_size, tie_word_embeddings=cfg.tie_word_embeddings,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        c.lab_trained_context = cfg.seq_len
+        return c
+    if cfg.arch != "llama":
+        raise ValueError(f"arch must be 'llama' or 'mamba2', got {cfg.arch!r}")
 
     c = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
@@ -226,7 +262,7 @@ def training_loss(logits: torch.Tensor, ids: torch.Tensor, answers: torch.Tensor
 
 def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbose: bool = True):
     """Train a fresh model under ``cfg``; return ``(model, log rows, info)``. Deterministic from ``cfg.seed``."""
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaForCausalLM, Mamba2ForCausalLM
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
@@ -234,7 +270,7 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
     torch.manual_seed(cfg.seed)
     tokenizer = tokenizer or load_tokenizer()
     rng = random.Random(cfg.seed)
-    model = LlamaForCausalLM(model_config(cfg, tokenizer))
+    model = (Mamba2ForCausalLM if cfg.arch == "mamba2" else LlamaForCausalLM)(model_config(cfg, tokenizer))
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]

@@ -1,0 +1,322 @@
+"""Chunked linear attention and the chunked gated delta rule in Triton, with their PyTorch references beside.
+
+* :func:`chunk_linear_attention` -- causal linear attention with an optional per-head decay (Lightning
+  attention, RetNet): ``S_t = lambda_h S_{t-1} + k_t v_t^T``, ``o_t = scale * S_t^T q_t``; equal to
+  :func:`labsrc.linear_attention.lightning_attention`.
+* :func:`chunk_gated_delta_rule` -- the gated delta rule of Gated DeltaNet, in flash-linear-attention's
+  conventions; equal to :func:`labsrc.linear_attention.gated_delta_rule_chunked`.
+
+Both kernels use one program per (value block, batch x head): it keeps its ``BLOCK_K x BLOCK_V`` slice of the
+state in registers, in fp32, and walks the sequence one chunk of ``BLOCK_T`` tokens at a time. Columns of the
+state never mix (every update is ``S <- a S + K^T X`` with a row-wise ``X``), so splitting the value dimension
+over programs needs no communication; each program recomputes the chunk's ``T x T`` matrices for its block.
+Per chunk, with ``gamma`` the cumulative log decay inside the chunk (``tl.cumsum``):
+
+* intra-chunk: ``lower(Q K^T * exp(gamma_i - gamma_j)) X``, a masked ``BLOCK_T x BLOCK_T`` product
+  (``tl.dot``, the quadratic part);
+* inter-chunk: ``(Q * exp(gamma)) S``, the state carried in (``tl.dot``);
+* the state update ``S <- exp(gamma_last) S + (K * exp(gamma_last - gamma))^T X``.
+
+For linear attention ``X = V``. For the delta rule ``X`` is the chunk's corrected values
+``V_new = T (beta V) - T (beta exp(gamma) K) S`` with ``T = (I + A)^{-1}``, ``A`` the strictly lower triangle
+of ``diag(beta) K K^T * exp(gamma_i - gamma_j)``. ``A`` is nilpotent (``A^BLOCK_T = 0``), so the inverse is the
+finite series ``sum_i (-A)^i``, which the kernel forms as the product ``(I - A)(I + A^2)(I + A^4)...``:
+``log2(BLOCK_T)`` pairs of matrix products on the tensor cores instead of ``BLOCK_T`` dependent row updates.
+
+Inputs may be fp32, fp16 or bf16; every tile is upcast to fp32 after loading and all products run in fp32
+(``input_precision="ieee"`` on a GPU: the series above amplifies TF32 rounding). Outputs have ``v``'s dtype,
+states are fp32. NaN or inf in an input propagate as in the reference (a NaN in a chunk spreads to the state
+and to every later output of that head). The kernels are inference kernels: inputs that require grad are
+refused. Without Triton the wrappers check their arguments and call the references.
+"""
+from __future__ import annotations
+
+import torch
+
+from labsrc import runtime
+from labsrc.kernels._triton import HAS_TRITON, tl, triton
+from labsrc.linear_attention import (check_delta_inputs, check_linear_inputs, gated_delta_rule_chunked,
+                                     lightning_attention)
+
+__all__ = ["chunk_linear_attention", "chunk_gated_delta_rule", "chunk_linear_attention_ref",
+           "chunk_gated_delta_rule_ref"]
+
+chunk_linear_attention_ref = lightning_attention
+chunk_gated_delta_rule_ref = gated_delta_rule_chunked
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_GRID_AXIS = 65535          # grid axes 1 and 2
+_MAX_DIM = 256                  # K and V tiles: a BLOCK_K x BLOCK_V fp32 state per program stays in registers
+_MAX_CHUNK = 128
+
+
+def _configs() -> list:
+    """One configuration under the interpreter (no benchmarking there); on a GPU the warps that share a
+    program's tiles and the software-pipelining depth of its loads are tuned per tile shape."""
+    if runtime.INTERPRETED:
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2, 3)]
+
+
+@triton.autotune(configs=_configs(), key=["BLOCK_T", "BLOCK_K", "BLOCK_V", "HAS_H0", "STORE_HT"])
+@triton.jit
+def _chunk_linear_attention_kernel(
+        q_ptr, k_ptr, v_ptr, lam_ptr, h0_ptr, o_ptr, ht_ptr,
+        T, H, K, V, scale,
+        s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
+        HAS_DECAY: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = (i_bh // H).to(tl.int64)
+    h = (i_bh % H).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk, mv = offs_k < K, offs_v < V
+    # the state slice S[:, v-block] lives in registers, fp32, for the whole sequence
+    state_off = i_bh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    if HAS_H0:
+        S = tl.load(h0_ptr + state_off, mask=mk[:, None] & mv[None, :], other=0.0)
+    else:
+        S = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    log_lam = 0.0
+    if HAS_DECAY:
+        log_lam = tl.log(tl.load(lam_ptr + h).to(tl.float32))
+    rows = tl.arange(0, BLOCK_T)
+    causal = rows[:, None] >= rows[None, :]
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + rows
+        mt = t < T
+        qk_off = b * s_qb + t[:, None].to(tl.int64) * s_qt + h * s_qh + offs_k[None, :]
+        q = tl.load(q_ptr + qk_off, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
+        k = tl.load(k_ptr + qk_off, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        v_off = b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + offs_v[None, :]
+        v = tl.load(v_ptr + v_off, mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        # gamma_i = (i + 1) log(lambda) for the tokens of this chunk; padded rows add no decay
+        gam = tl.cumsum(tl.where(mt, log_lam, 0.0), 0)
+        decay = tl.exp(tl.where(causal, gam[:, None] - gam[None, :], float("-inf")))
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+        o = tl.dot(scores, v, input_precision=PRECISION)                              # intra-chunk
+        o += tl.dot(q * tl.exp(gam)[:, None], S, input_precision=PRECISION)          # inter-chunk
+        o_off = b * s_ob + t[:, None].to(tl.int64) * s_ot + h * s_oh + offs_v[None, :]
+        tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
+        last = tl.sum(tl.where(mt, log_lam, 0.0), 0)
+        k_dec = k * tl.exp(last - gam)[:, None]
+        S = S * tl.exp(last) + tl.dot(tl.trans(k_dec), v, input_precision=PRECISION)
+    if STORE_HT:
+        tl.store(ht_ptr + state_off, S, mask=mk[:, None] & mv[None, :])
+
+
+@triton.autotune(configs=_configs(), key=["BLOCK_T", "BLOCK_K", "BLOCK_V", "HAS_H0", "STORE_HT"])
+@triton.jit
+def _chunk_gated_delta_rule_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr,
+        T, H, K, V, scale,
+        s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+        s_ob, s_ot, s_oh,
+        HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, LOG2_T: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+        PRECISION: tl.constexpr):
+    i_v = tl.program_id(0)                 # a block of BLOCK_V value columns
+    i_bh = tl.program_id(1)                # one (batch, head)
+    b = (i_bh // H).to(tl.int64)
+    h = (i_bh % H).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mk, mv = offs_k < K, offs_v < V
+    mkv = mk[:, None] & mv[None, :]
+    # the state slice S[:, v-block] stays in registers, fp32, for the whole sequence
+    state_off = i_bh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
+    if HAS_H0:
+        S = tl.load(h0_ptr + state_off, mask=mkv, other=0.0)
+    else:
+        S = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    rows = tl.arange(0, BLOCK_T)
+    causal = rows[:, None] >= rows[None, :]
+    strict = rows[:, None] > rows[None, :]
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + rows
+        mt = t < T
+        t64 = t.to(tl.int64)
+        qk_off = b * s_qb + t64[:, None] * s_qt + h * s_qh + offs_k[None, :]
+        mtk = mt[:, None] & mk[None, :]
+        q = tl.load(q_ptr + qk_off, mask=mtk, other=0.0).to(tl.float32) * scale
+        k = tl.load(k_ptr + qk_off, mask=mtk, other=0.0).to(tl.float32)
+        v_off = b * s_vb + t64[:, None] * s_vt + h * s_vh + offs_v[None, :]
+        v = tl.load(v_ptr + v_off, mask=mt[:, None] & mv[None, :], other=0.0)
+        v = v.to(tl.float32)
+        # padded rows: g = 0 (no decay) and beta = 0 (no write) change nothing
+        g = tl.load(g_ptr + b * s_gb + t64 * s_gt + h * s_gh, mask=mt, other=0.0)
+        beta = tl.load(beta_ptr + b * s_bb + t64 * s_bt + h * s_bh, mask=mt, other=0.0)
+        g, beta = g.to(tl.float32), beta.to(tl.float32)
+        gam = tl.cumsum(g, 0)              # log decay from the chunk's start
+        diff = gam[:, None] - gam[None, :]
+        decay = tl.exp(tl.where(causal, diff, float("-inf")))
+        # the UT transform T = (I + A)^-1; A is strictly lower, so A^BLOCK_T = 0
+        # and T = (I - A)(I + A^2)(I + A^4)... (LOG2_T factors)
+        kk = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION)
+        neg_a = -tl.where(strict, kk * decay, 0.0)
+        inv = eye + neg_a
+        power = neg_a
+        for _ in tl.static_range(LOG2_T - 1):
+            power = tl.dot(power, power, input_precision=PRECISION)
+            inv += tl.dot(inv, power, input_precision=PRECISION)
+        # corrected values: V_new = T (beta V) - T (beta exp(gamma) K) S
+        k_beta = k * (beta * tl.exp(gam))[:, None]
+        w = tl.dot(inv, k_beta, input_precision=PRECISION)
+        u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)
+        v_new = u - tl.dot(w, S, input_precision=PRECISION)
+        # intra-chunk (masked, decayed) plus inter-chunk (the state carried in)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+        o = tl.dot(scores, v_new, input_precision=PRECISION)
+        o += tl.dot(q * tl.exp(gam)[:, None], S, input_precision=PRECISION)
+        o_off = b * s_ob + t64[:, None] * s_ot + h * s_oh + offs_v[None, :]
+        tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty),
+                 mask=mt[:, None] & mv[None, :])
+        # the state advances once per chunk
+        last = tl.sum(g, 0)
+        k_dec = k * tl.exp(last - gam)[:, None]
+        S = S * tl.exp(last) + tl.dot(tl.trans(k_dec), v_new, input_precision=PRECISION)
+    if STORE_HT:
+        tl.store(ht_ptr + state_off, S, mask=mkv)
+
+
+# ------------------------------------------------------------------------------------------------ wrappers
+
+def _check_kernel_args(q, k, v, chunk_size, extra=()):
+    """What the kernels need beyond the references' checks: a kernel dtype, sizes they can launch, no
+    autograd, a device they run on."""
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"q must be float32, float16 or bfloat16 for the kernel, got {q.dtype}")
+    for name, t in extra:
+        if t is not None and t.dtype not in _DTYPES + (torch.float64,):
+            raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if chunk_size not in (16, 32, 64, 128):
+        raise ValueError(f"chunk_size must be 16, 32, 64 or 128 for the kernel (a power of two: tl.dot needs at "
+                         f"least 16 rows, and a {_MAX_CHUNK}-token chunk is the largest T x T tile kept), "
+                         f"got {chunk_size}")
+    for name, n in (("K (the head dim of q and k)", K), ("V (the head dim of v)", V)):
+        if n > _MAX_DIM:
+            raise ValueError(f"{name} = {n} exceeds the kernel's limit of {_MAX_DIM}: the fp32 state tile of a "
+                             f"program would not fit in registers")
+    if B * H > _MAX_GRID_AXIS:
+        raise ValueError(f"B * H = {B * H} programs exceed Triton's grid-axis limit of {_MAX_GRID_AXIS}; "
+                         f"split the batch")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v) + tuple(x for _, x in extra
+                                                                            if x is not None)):
+        raise ValueError("the kernel is inference-only (no backward): q, k, v and the gates must not require "
+                         "grad (call under torch.no_grad(), or use the PyTorch reference for training)")
+    if HAS_TRITON and q.device.type != "cuda" and not runtime.INTERPRETED:
+        raise ValueError(f"tensors are on {q.device}; compiled Triton kernels need CUDA tensors "
+                         f"(without a GPU, import labsrc first so that the interpreter is used)")
+
+
+def _dense_last(x: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``x`` with a unit-stride last dimension (other strides are passed to the kernel), in ``dtype``."""
+    if dtype is not None and x.dtype != dtype:
+        x = x.to(dtype)
+    return x if x.stride(-1) == 1 or x.shape[-1] <= 1 else x.contiguous()
+
+
+def _blocks(K, V):
+    block_k = max(16, triton.next_power_of_2(K))
+    block_v = max(16, min(64, triton.next_power_of_2(V)))
+    return block_k, block_v
+
+
+def _empty(*shape, dtype, device):
+    """An output buffer (the tests fill it with NaN instead, so an element the kernel skips shows)."""
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def _precision():
+    return "ieee"
+
+
+def chunk_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor | None = None,
+                           chunk_size: int = 64, scale: float = 1.0, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False):
+    """Causal linear attention with optional per-head decay, chunk by chunk in Triton; equal to
+    :func:`labsrc.linear_attention.lightning_attention` (same arguments, ``chunk_size`` is its ``block_size``).
+
+    Args:
+        q, k: ``(B, T, H, K)``, v: ``(B, T, H, V)``; float32, float16 or bfloat16, one dtype; any strides
+            (a last dimension that is not dense is copied). ``K, V <= 256``, ``B * H <= 65535``, ``T >= 1``.
+        decay: ``(H,)`` per-step decays ``lambda_h`` in ``(0, 1]``, or None for none.
+        chunk_size: tokens per chunk, 16, 32, 64 or 128.
+        scale: factor on the queries (1 by default: linear attention has no softmax temperature).
+        initial_state: ``(B, H, K, V)`` float32 state to start from (read in fp32).
+        output_final_state: also return the state after the last token, ``(B, H, K, V)`` float32.
+
+    Returns ``(o, final_state)``: ``o`` ``(B, T, H, V)`` in ``v``'s dtype, ``final_state`` or None.
+    Raises ``TypeError``/``ValueError`` naming the argument; refuses inputs that require grad.
+    """
+    check_linear_inputs(q, k, v, decay, scale, initial_state, output_final_state, chunk_size)
+    _check_kernel_args(q, k, v, chunk_size, (("decay", decay),))
+    if not HAS_TRITON:
+        o, s = lightning_attention(q, k, v, decay, chunk_size, scale, initial_state, output_final_state)
+        return o, (s.float() if s is not None else None)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v = (_dense_last(x) for x in (q, k, v))
+    if k.stride() != q.stride():            # q and k share one set of strides in the kernel
+        q, k = q.contiguous(), k.contiguous()
+    o = _empty(B, T, H, V, dtype=v.dtype, device=q.device)
+    ht = _empty(B, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else o
+    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else o
+    lam = decay.to(torch.float32).contiguous() if decay is not None else o
+    block_k, block_v = _blocks(K, V)
+    grid = (triton.cdiv(V, block_v), B * H)
+    _chunk_linear_attention_kernel[grid](
+        q, k, v, lam, h0, o, ht, T, H, K, V, float(scale),
+        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        HAS_DECAY=decay is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
+        BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=_precision())
+    return o, (ht if output_final_state else None)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           scale: float | None = None, initial_state: torch.Tensor | None = None,
+                           output_final_state: bool = False, chunk_size: int = 64):
+    """The gated delta rule chunk by chunk in Triton; equal to
+    :func:`labsrc.linear_attention.gated_delta_rule_chunked` (same signature).
+
+    Args:
+        q, k: ``(B, T, H, K)``, v: ``(B, T, H, V)``; float32, float16 or bfloat16, one dtype; any strides.
+            ``K, V <= 256``, ``B * H <= 65535``, ``T >= 1``.
+        g: ``(B, T, H)`` log of the decay, ``<= 0``; beta: ``(B, T, H)`` in ``[0, 1]``; any float dtype.
+        scale: factor on the queries, ``K ** -0.5`` by default.
+        initial_state, output_final_state: as in :func:`chunk_linear_attention`.
+        chunk_size: 16, 32, 64 or 128 (the results do not depend on it, up to rounding).
+
+    Returns ``(o, final_state)``: ``o`` in ``v``'s dtype, ``final_state`` float32 or None.
+    """
+    check_delta_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    _check_kernel_args(q, k, v, chunk_size, (("g", g), ("beta", beta)))
+    if not HAS_TRITON:
+        o, s = gated_delta_rule_chunked(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+        return o, (s.float() if s is not None else None)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v = (_dense_last(x) for x in (q, k, v))
+    if k.stride() != q.stride():
+        q, k = q.contiguous(), k.contiguous()
+    g, beta = g.to(torch.float32), beta.to(torch.float32)     # read through their strides
+    o = _empty(B, T, H, V, dtype=v.dtype, device=q.device)
+    ht = _empty(B, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else o
+    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else o
+    block_k, block_v = _blocks(K, V)
+    grid = (triton.cdiv(V, block_v), B * H)
+    _chunk_gated_delta_rule_kernel[grid](
+        q, k, v, g, beta, h0, o, ht, T, H, K, V, float(scale),
+        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        HAS_H0=initial_state is not None, STORE_HT=output_final_state, LOG2_T=chunk_size.bit_length() - 1,
+        BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=_precision())
+    return o, (ht if output_final_state else None)

@@ -1,0 +1,361 @@
+"""Recall against state size: small models that differ only in their sequence mixer, trained briefly on the lab's
+multi-query associative recall task (Zoology's MQAR, :func:`labsrc.tasks.mqar_sample`), and scored with 95%
+Wilson intervals.
+
+The pieces, reusable by any chapter that compares mixers:
+
+* :data:`MIXERS` and :func:`register_mixer` -- a registry of sequence mixers, each an ``nn.Module`` built as
+  ``factory(d_model, head_dim, state_size)`` that maps ``(B, T, d_model) -> (B, T, d_model)`` causally and
+  says how many bytes it keeps for a sequence of ``T`` tokens (``memory_bytes(T)``: a KV cache grows with
+  ``T``, a recurrent state does not). Registered here: ``softmax`` (causal attention), ``linear``
+  (Katharopoulos's elu+1 linear attention), ``delta`` (Gated DeltaNet), ``mamba2`` (Mamba-2's SSD mixer,
+  chapter 7's :func:`labsrc.ssm.ssd_chunked`).
+* :class:`RecallModel` -- embedding, ``len(mixers)`` blocks (RMSNorm, a short causal depthwise convolution
+  shared by every mixer kind, the mixer, an MLP), a head that scores the answer positions only. A hybrid is a
+  list of different mixers (``("linear", "softmax")``).
+* :class:`MQARData` -- the task's samples over a compact vocabulary (the lab tokenizer's ids that occur in
+  them), training from the corpus's train split, evaluation from its validation split.
+* :func:`train` (AdamW, cosine schedule, loss on the answer tokens) and :func:`evaluate` (exact match of
+  each answer span under greedy decoding, which teacher forcing computes in one pass).
+
+``python -m labsrc.recall`` trains the chapter's grid (every mixer at widths 16 and 32, 1200 steps, two
+pairs per sample; about 5 CPU-minutes on one thread) and writes ``labsrc/data/recall_mqar.json``: the
+configuration, the results and each run's loss log; the linear-attention chapter plots it. Training is by a
+fixed number of steps (a rerun gives the same numbers on the same machine and library versions).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labsrc import linear_attention as la
+
+__all__ = ["MIXERS", "register_mixer", "RecallModel", "MQARData", "RecallConfig", "train", "evaluate",
+           "run", "main", "DEFAULT_OUT"]
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "recall_mqar.json"
+MIXERS: dict[str, Callable[..., nn.Module]] = {}
+_FP32 = 4
+
+
+def register_mixer(name: str):
+    """Decorator: register ``factory(d_model, head_dim, state_size) -> nn.Module`` as mixer ``name``."""
+    def wrap(factory):
+        if name in MIXERS:
+            raise ValueError(f"mixer {name!r} registered twice")
+        MIXERS[name] = factory
+        return factory
+    return wrap
+
+
+class _Heads(nn.Module):
+    """Shared plumbing: ``d_model`` split into ``d_model // head_dim`` heads."""
+
+    def __init__(self, d_model: int, head_dim: int):
+        super().__init__()
+        if d_model % head_dim:
+            raise ValueError(f"d_model={d_model} must be a multiple of head_dim={head_dim}")
+        self.h, self.p = d_model // head_dim, head_dim
+        self.out = nn.Linear(d_model, d_model, bias=False)
+
+    def split(self, x):
+        return x.view(*x.shape[:2], self.h, self.p)
+
+
+@register_mixer("softmax")
+class SoftmaxMixer(_Heads):
+    """Causal softmax attention (no positional encoding: the block's short convolution gives local order)."""
+
+    def __init__(self, d_model, head_dim, state_size=None):
+        super().__init__(d_model, head_dim)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+
+    def forward(self, x):
+        q, k, v = (self.split(t).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(x.shape))
+
+    def memory_bytes(self, T: int) -> int:
+        return 2 * self.h * self.p * T * _FP32            # the KV cache after T tokens
+
+
+@register_mixer("linear")
+class LinearMixer(_Heads):
+    """Katharopoulos et al.'s linear attention, ``phi = elu + 1``, normalised: a ``p x p`` state per head
+    (plus the ``p``-vector normaliser)."""
+
+    def __init__(self, d_model, head_dim, state_size=None):
+        super().__init__(d_model, head_dim)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+
+    def forward(self, x):
+        q, k, v = (self.split(t) for t in self.qkv(x).chunk(3, -1))
+        return self.out(la.linear_attention(q, k, v, "elu1", causal=True).reshape(x.shape))
+
+    def memory_bytes(self, T: int) -> int:
+        return self.h * (self.p * self.p + self.p) * _FP32
+
+
+@register_mixer("delta")
+class DeltaMixer(_Heads):
+    """Gated DeltaNet: L2-normalised queries and keys, ``beta = sigmoid(.)``, ``g = logsigmoid(.)``, the chunked
+    gated delta rule (:func:`labsrc.linear_attention.gated_delta_rule_chunked`), a ``p x p`` state per head."""
+
+    def __init__(self, d_model, head_dim, state_size=None):
+        super().__init__(d_model, head_dim)
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.gates = nn.Linear(d_model, 2 * self.h)
+        nn.init.constant_(self.gates.bias[self.h:], 3.0)   # start with little forgetting (alpha near 1)
+
+    def forward(self, x):
+        q, k, v = (self.split(t) for t in self.qkv(x).chunk(3, -1))
+        b, a = self.gates(x).chunk(2, -1)
+        o, _ = la.gated_delta_rule_chunked(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, F.logsigmoid(a),
+                                           torch.sigmoid(b), chunk_size=64)
+        return self.out(o.reshape(x.shape))
+
+    def memory_bytes(self, T: int) -> int:
+        return self.h * self.p * self.p * _FP32
+
+
+@register_mixer("mamba2")
+class Mamba2Mixer(_Heads):
+    """Mamba-2's mixer on chapter 7's SSD (:func:`labsrc.ssm.ssd_chunked`): ``x (b, l, h, p)``, ``dt =
+    softplus(.)``, ``A = -exp(A_log)``, one group of ``B, C (b, l, 1, n)``, a skip ``D`` and a SiLU gate; a
+    ``p x n`` state per head."""
+
+    def __init__(self, d_model, head_dim, state_size=16):
+        super().__init__(d_model, head_dim)
+        self.n = state_size
+        self.proj = nn.Linear(d_model, 2 * d_model + 2 * state_size + self.h)
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1.0, 8.0, self.h)))
+        self.D = nn.Parameter(torch.ones(self.h))
+
+    def forward(self, x):
+        from labsrc.ssm import ssd_chunked
+
+        d, n = x.shape[-1], self.n
+        xs, z, B, C, dt = self.proj(x).split([d, d, n, n, self.h], -1)
+        y, _ = ssd_chunked(self.split(xs), F.softplus(dt), -torch.exp(self.A_log), B[:, :, None], C[:, :, None],
+                           self.D, chunk_size=64)
+        return self.out(y.reshape(x.shape) * F.silu(z))
+
+    def memory_bytes(self, T: int) -> int:
+        return self.h * self.p * self.n * _FP32
+
+
+class _Block(nn.Module):
+    def __init__(self, mixer: str, d_model: int, head_dim: int, state_size: int, conv: int = 4):
+        super().__init__()
+        if mixer not in MIXERS:
+            raise ValueError(f"unknown mixer {mixer!r}; registered: {sorted(MIXERS)}")
+        self.norm1, self.norm2 = nn.RMSNorm(d_model), nn.RMSNorm(d_model)
+        self.conv = nn.Conv1d(d_model, d_model, conv, groups=d_model, padding=conv - 1)
+        self.mixer = MIXERS[mixer](d_model, head_dim, state_size)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(), nn.Linear(2 * d_model, d_model))
+
+    def forward(self, x):
+        h = self.norm1(x)
+        h = self.conv(h.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2)     # causal: keep the first T
+        x = x + self.mixer(h)
+        return x + self.mlp(self.norm2(x))
+
+
+class RecallModel(nn.Module):
+    """A small language model whose blocks differ only in their sequence mixer (``mixers``, one per layer)."""
+
+    def __init__(self, vocab: int, d_model: int, mixers: Sequence[str], head_dim: int = 16, state_size: int = 16):
+        super().__init__()
+        self.mixers = tuple(mixers)
+        self.embed = nn.Embedding(vocab, d_model)
+        self.blocks = nn.ModuleList(_Block(m, d_model, head_dim, state_size) for m in self.mixers)
+        self.norm = nn.RMSNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def logits_at(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits predicting token ``t + 1`` at each ``(row, t)`` of ``positions (N, 2)``."""
+        h = self.hidden(ids)
+        return self.head(h[positions[:, 0], positions[:, 1]])
+
+    def memory_bytes(self, T: int) -> int:
+        """Bytes the mixers keep for one sequence of ``T`` tokens (KV caches and recurrent states, fp32)."""
+        return sum(b.mixer.memory_bytes(T) for b in self.blocks)
+
+
+# ------------------------------------------------------------------------------------------------- the data
+
+class MQARData:
+    """MQAR samples from :func:`labsrc.tasks.mqar_sample` (lab tokenizer), remapped to a compact vocabulary:
+    the ids that occur in a pool of samples, in order of first appearance; any other id maps to 0."""
+
+    def __init__(self, tokenizer, n_pairs: int, context_len: int, n_train: int, n_eval: int, seed: int = 0):
+        from labsrc import tasks
+
+        self.n_pairs, self.context_len = n_pairs, context_len
+        rng = random.Random(f"recall-{seed}-{n_pairs}-{context_len}")
+        self.train_samples = [tasks.mqar_sample(tokenizer, context_len, rng, n_pairs, split="train")
+                              for _ in range(n_train)]
+        self.eval_samples = [tasks.mqar_sample(tokenizer, context_len, rng, n_pairs, split="validation")
+                             for _ in range(n_eval)]
+        ids = [0]
+        seen = {None}
+        for s in self.train_samples + self.eval_samples:
+            for t in s.ids:
+                if t not in seen:
+                    seen.add(t)
+                    ids.append(t)
+        self.to_compact = {t: i for i, t in enumerate(ids)}
+        self.vocab = len(ids)
+
+    def tensors(self, samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids (N, T), positions (M, 2), targets (M,))``: every answer token, predicted from the one before."""
+        ids = torch.tensor([[self.to_compact.get(t, 0) for t in s.ids] for s in samples])
+        pos, tgt = [], []
+        for row, s in enumerate(samples):
+            for a, e in s.spans:
+                for t in range(a, e):
+                    pos.append((row, t - 1))
+                    tgt.append(int(ids[row, t]))
+        return ids, torch.tensor(pos), torch.tensor(tgt)
+
+
+@dataclass
+class RecallConfig:
+    """One training run."""
+    mixers: tuple[str, ...]
+    d_model: int
+    head_dim: int = 16
+    state_size: int = 16
+    steps: int = 600
+    batch: int = 32
+    lr: float = 3e-3
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def train(cfg: RecallConfig, data: MQARData, log: list | None = None, max_seconds: float | None = None):
+    """Train a :class:`RecallModel` on ``data``'s training samples; returns the model (eval mode). ``log``
+    receives ``{"step", "loss", "seconds"}`` rows every 25 steps. ``max_seconds`` stops early (recorded)."""
+    torch.manual_seed(cfg.seed)
+    model = RecallModel(data.vocab, cfg.d_model, cfg.mixers, cfg.head_dim, cfg.state_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.98))
+    gen = random.Random(cfg.seed)
+    start = time.perf_counter()
+    warm = max(1, cfg.steps // 10)
+    for step in range(cfg.steps):
+        lr = cfg.lr * min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ids, pos, tgt = data.tensors(gen.sample(data.train_samples, cfg.batch))
+        loss = F.cross_entropy(model.logits_at(ids, pos), tgt)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        elapsed = time.perf_counter() - start
+        if log is not None and (step % 25 == 0 or step == cfg.steps - 1):
+            log.append({"step": step, "loss": round(loss.item(), 4), "seconds": round(elapsed, 1)})
+        if max_seconds is not None and elapsed > max_seconds:
+            if log is not None:
+                log.append({"stopped_at_step": step + 1, "seconds": round(elapsed, 1)})
+            break
+    return model.eval()
+
+
+@torch.no_grad()
+def evaluate(model: RecallModel, data: MQARData, batch: int = 64) -> tuple[int, int]:
+    """``(right, total)`` over the evaluation samples' answer spans: a span is right when the arg-max at every
+    one of its tokens is that token (greedy decoding would write the whole answer)."""
+    right = total = 0
+    for i in range(0, len(data.eval_samples), batch):
+        chunk = data.eval_samples[i:i + batch]
+        ids, pos, tgt = data.tensors(chunk)
+        ok = model.logits_at(ids, pos).argmax(-1) == tgt
+        j = 0
+        for s in chunk:
+            for a, e in s.spans:
+                right += bool(ok[j:j + e - a].all())
+                total += 1
+                j += e - a
+    return right, total
+
+
+def _tokenizer():
+    from transformers import AutoTokenizer
+
+    from labsrc.models import resolve
+    return AutoTokenizer.from_pretrained(resolve("lab-target"))
+
+
+def run(cfg: RecallConfig, data: MQARData, max_seconds: float | None = None) -> dict:
+    """Train and evaluate one configuration; a JSON-able result row with its Wilson interval."""
+    from labsrc.claims import wilson
+
+    log: list = []
+    t0 = time.perf_counter()
+    model = train(cfg, data, log, max_seconds)
+    right, total = evaluate(model, data)
+    lo, hi = wilson(right, total)
+    return {"mixers": list(cfg.mixers), "d_model": cfg.d_model, "steps": cfg.steps,
+            "params": sum(p.numel() for p in model.parameters()),
+            "memory_bytes": model.memory_bytes(data.context_len), "right": right, "total": total,
+            "accuracy": right / total, "wilson95": [lo, hi], "seconds": round(time.perf_counter() - t0, 1),
+            "log": log}
+
+
+GRID = {"softmax": ("softmax", "softmax"), "linear": ("linear", "linear"), "delta": ("delta", "delta"),
+        "mamba2": ("mamba2", "mamba2"), "hybrid": ("linear", "softmax")}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--models", nargs="+", default=list(GRID), choices=list(GRID))
+    p.add_argument("--widths", nargs="+", type=int, default=[16, 32])
+    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--n-pairs", type=int, default=2)
+    p.add_argument("--context-len", type=int, default=72)
+    p.add_argument("--n-train", type=int, default=1500)
+    p.add_argument("--n-eval", type=int, default=100)
+    p.add_argument("--max-seconds", type=float, default=None, help="wall-clock cap per run")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    data = MQARData(_tokenizer(), args.n_pairs, args.context_len, args.n_train, args.n_eval)
+    result = {"task": {"name": "mqar (labsrc.tasks.mqar_sample)", "n_pairs": args.n_pairs,
+                       "context_len": args.context_len, "n_train": args.n_train, "n_eval": args.n_eval,
+                       "vocab": data.vocab},
+              "train": {"steps": args.steps, "batch": args.batch, "threads": args.threads,
+                        "max_seconds": args.max_seconds, "torch": torch.__version__},
+              "runs": []}
+    for width in args.widths:
+        for name in args.models:
+            cfg = RecallConfig(GRID[name], width, steps=args.steps, batch=args.batch)
+            row = {"model": name, **run(cfg, data, args.max_seconds)}
+            result["runs"].append(row)
+            print(f"{name:8s} d={width:4d} acc={row['accuracy']:.3f} [{row['wilson95'][0]:.3f}, "
+                  f"{row['wilson95'][1]:.3f}] bytes={row['memory_bytes']} {row['seconds']} s", flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
