@@ -80,6 +80,11 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
     "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
     "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
+    # 07 state-space models and scans
+    "check_zoh_diagonal": (2, 15, "derive zero-order hold for a diagonal A"),
+    "check_scan_combine": (2, 15, "the scan's associative combine operator"),
+    "check_ssd_chunk_state": (3, 25, "one chunk of SSD's inter-chunk state passing"),
+    "check_scan_kernel": (4, 35, "a blocked linear-scan kernel with its carry (Triton)"),
 }
 
 
