@@ -147,7 +147,7 @@ SIZES: dict[str, dict[str, dict]] = {
         "cpu": dict(legs_n=32, legs_len=400, conv_len=2048, sel_shape=(2, 5, 19, 4), ssd_small=(1, 24, 2, 3, 1, 4),
                     kernel_scan=(3, 257), kernel_sel=(1, 3, 63, 16), kernel_ssd=(1, 130, 4, 16, 2, 16, 32),
                     swap_len=64, swap_gen=6, mem_lengths=(128, 512, 2048), time_lengths=(128, 512, 1024),
-                    time_reps=3, decode_tokens=4, live_ctx=256, live_depths=(0.1, 0.5, 0.9), live_n=4),
+                    time_reps=3, decode_tokens=8, live_ctx=256, live_depths=(0.1, 0.5, 0.9), live_n=4),
         "gpu": dict(legs_n=64, legs_len=1000, conv_len=16384, sel_shape=(2, 5, 19, 4), ssd_small=(1, 24, 2, 3, 1, 4),
                     kernel_scan=(64, 8193), kernel_sel=(2, 64, 4097, 16), kernel_ssd=(2, 4099, 16, 64, 2, 64, 64),
                     swap_len=512, swap_gen=32, mem_lengths=(128, 512, 2048, 8192),
