@@ -50,7 +50,7 @@ def test_logits_match_the_pytorch_path_and_the_kernel_runs(tiny_mamba, monkeypat
 
 def test_greedy_generation_is_identical_and_decode_uses_the_kernel(tiny_mamba, monkeypatch):
     ids = torch.randint(3, 96, (1, 21), generator=torch.Generator().manual_seed(2))
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=2)
+    kw = dict(max_new_tokens=7, do_sample=False, pad_token_id=2)
     ref = tiny_mamba.generate(ids, **kw)
     steps = []
     real = kssm.ssd
@@ -58,7 +58,7 @@ def test_greedy_generation_is_identical_and_decode_uses_the_kernel(tiny_mamba, m
     with ssm_hf.lab_ssd():
         got = tiny_mamba.generate(ids, **kw)
     assert torch.equal(got, ref)
-    assert steps.count(1) >= 2 * 11, "every decode step of both layers ran on the kernel with l = 1"
+    assert steps.count(1) >= 2 * 6, "every decode step of both layers ran on the kernel with l = 1"
 
 
 def test_training_falls_back_and_packed_sequences_are_refused(tiny_mamba):

@@ -166,7 +166,7 @@ def test_selective_scan_nan_stays_in_its_channel():
     assert torch.isfinite(y[0, [0, 2]]).all()
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(d=st.integers(1, 3), l=st.integers(1, 80), n=st.integers(1, 20), optional=st.booleans(),
        seed=st.integers(0, 99))
 def test_selective_scan_property(d, l, n, optional, seed):
