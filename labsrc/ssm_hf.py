@@ -20,7 +20,7 @@ rebinds the two module-level names (the originals are kept and restored by :func
 
 What runs where: a prompt or chunk (``seq_len > 1``) goes to :func:`labsrc.kernels.ssm.ssd` (``dt_bias``,
 softplus and ``dt_limit`` applied first, exactly as transformers does, then the kernel; its chunk is the
-model's ``chunk_size`` when that is a power of two from 16 to 256, else 64: the result does not depend on it);
+model's ``chunk_size`` when that is a power of two from 16 to 64, else 64: the result does not depend on it);
 one decode step goes to the same kernel with ``l = 1`` and the cached state as ``initial_state``, written
 back into the cache in place. The kernels are inference-only: a call that records a graph (training) falls
 back to transformers' PyTorch function, so fine-tuning still works. Packed sequences (``seq_idx``,
@@ -59,7 +59,10 @@ def _refuse_packed(kwargs) -> None:
 
 
 def _kernel_chunk(chunk_size: int) -> int:
-    ok = isinstance(chunk_size, int) and kssm.MIN_CHUNK <= chunk_size <= kssm.MAX_CHUNK
+    """The kernel's chunk: the model's when it is a power of two from 16 to 64, else 64. The result does not
+    depend on it; a chunk of 64 keeps the kernel's (Q, Q) and (Q, n) tiles in registers on a GPU, where
+    Mamba-2's usual 256 would spill."""
+    ok = isinstance(chunk_size, int) and kssm.MIN_CHUNK <= chunk_size <= 64
     return chunk_size if ok and not chunk_size & (chunk_size - 1) else 64
 
 

@@ -52,6 +52,14 @@ def test_shipped_checkpoint_shape_and_config(name):
         assert n <= target / 5
 
 
+def test_tiny_mamba_config_trains_a_mamba2():
+    """The arch switch used by lab-mamba: a few steps of the tiny Mamba-2 run and lower the loss."""
+    cfg = replace(training.CONFIGS["tiny-mamba"], max_steps=6, time_budget_s=1e9)
+    model, log, info = training.train(cfg, verbose=False)
+    assert type(model).__name__ == "Mamba2ForCausalLM" and info["steps"] == 6
+    assert all(math.isfinite(r["loss"]) for r in log) and log[-1]["loss"] < log[0]["loss"]
+
+
 def test_checkpoints_fit_the_size_budget():
     total = sum(f.stat().st_size for f in models.CHECKPOINTS.rglob("*") if f.is_file())
     assert total <= 30 * 2**20, f"checkpoints take {total / 2**20:.1f} MiB"

@@ -300,3 +300,24 @@ def test_ssd_errors():
     big = ssd_args(1, 2, 1, 1, 1, K.MAX_STATE + 1)
     with pytest.raises(ValueError, match="state size n = 257"):
         K.ssd(**big, chunk_size=16)
+
+
+@settings(max_examples=15, deadline=None)
+@given(which=st.sampled_from(["x", "dt", "A", "B", "C", "D", "initial_state"]),
+       how=st.sampled_from(["drop_dim", "shrink", "int", "list"]))
+def test_ssd_random_bad_arguments_are_refused_naming_the_argument(which, how):
+    kw = ssd_args(1, 5, 2, 3, 1, 4)
+    t = kw[which]
+    if how == "drop_dim":
+        bad, err = t[0], ValueError
+    elif how == "shrink":
+        bad, err = t[..., :-1] if t.shape[-1] > 1 else t[..., :0], ValueError
+    elif how == "int":
+        bad, err = t.to(torch.int32), TypeError
+    else:
+        bad, err = t.tolist(), TypeError
+    # x and B define the sizes the others are checked against: shrinking one of them is reported on the
+    # first argument that no longer fits
+    expected = "must have shape" if how == "shrink" and which in ("x", "B") else which
+    with pytest.raises(err, match=expected):
+        K.ssd(**{**kw, which: bad}, chunk_size=16)
