@@ -206,6 +206,20 @@ SIZES: dict[str, dict[str, dict]] = {
                     recall_width=64, recall_steps=3000, recall_train=4000, recall_eval=100, recall_pairs=2,
                     recall_len=72, retrain=True),
     },
+    "ssm": {
+        # legs_*: the HiPPO memory picture; conv_len: the LTI faces; kernel_*: interpreter-sized checks; swap_*:
+        # lab-mamba on the ssd kernel; mem_lengths: caches measured; time_*: prefill/decode timings; live_*:
+        # the pass keys rerun live for both models (the eval cards hold the full grids).
+        "cpu": dict(legs_n=32, legs_len=400, conv_len=2048, sel_shape=(2, 5, 19, 4), ssd_small=(1, 24, 2, 3, 1, 4),
+                    kernel_scan=(3, 257), kernel_sel=(1, 3, 63, 16), kernel_ssd=(1, 130, 4, 16, 2, 16, 32),
+                    swap_len=64, swap_gen=6, mem_lengths=(128, 512, 2048), time_lengths=(128, 512, 1024),
+                    time_reps=3, decode_tokens=8, live_ctx=256, live_depths=(0.1, 0.5, 0.9), live_n=4),
+        "gpu": dict(legs_n=64, legs_len=1000, conv_len=16384, sel_shape=(2, 5, 19, 4), ssd_small=(1, 24, 2, 3, 1, 4),
+                    kernel_scan=(64, 8193), kernel_sel=(2, 64, 4097, 16), kernel_ssd=(2, 4099, 16, 64, 2, 64, 64),
+                    swap_len=512, swap_gen=32, mem_lengths=(128, 512, 2048, 8192),
+                    time_lengths=(128, 512, 2048, 8192), time_reps=10, decode_tokens=32, live_ctx=512,
+                    live_depths=(0.0, 0.25, 0.5, 0.75, 1.0), live_n=20),
+    },
 }
 
 

@@ -31,18 +31,33 @@ def test_tokenizer_round_trip_and_digits():
 def test_shipped_checkpoint_shape_and_config(name):
     model, tok = models.load(name)
     cfg = model.config
-    assert type(model).__name__ == "LlamaForCausalLM"
     assert cfg.lab_trained_context == 512
-    assert cfg.num_key_value_heads < cfg.num_attention_heads  # grouped-query attention
+    if name == "lab-mamba":  # chapter 7's state-space model: a Mamba-2, no attention
+        assert type(model).__name__ == "Mamba2ForCausalLM"
+        assert cfg.num_heads * cfg.head_dim == cfg.expand * cfg.hidden_size and cfg.n_groups >= 1
+    else:
+        assert type(model).__name__ == "LlamaForCausalLM"
+        assert cfg.num_key_value_heads < cfg.num_attention_heads  # grouped-query attention
     enc = tok(TEXTS[0], add_special_tokens=False)["input_ids"]
     assert enc == load_tokenizer()(TEXTS[0], add_special_tokens=False)["input_ids"]
     n = sum(p.numel() for p in model.parameters())
     assert n == models.eval_card(name)["parameters"]
     if name == "lab-target":
         assert 8e6 <= n <= 15e6 and cfg.num_hidden_layers >= 6 and cfg.num_attention_heads == 8
+    elif name == "lab-mamba":  # sized for chapter 7's CPU budget: smaller than lab-target (its eval card says)
+        target = sum(p.numel() for p in models.load("lab-target")[0].parameters())
+        assert 2e6 <= n < target
     else:
         target = sum(p.numel() for p in models.load("lab-target")[0].parameters())
         assert n <= target / 5
+
+
+def test_tiny_mamba_config_trains_a_mamba2():
+    """The arch switch used by lab-mamba: a few steps of the tiny Mamba-2 run and lower the loss."""
+    cfg = replace(training.CONFIGS["tiny-mamba"], max_steps=6, time_budget_s=1e9)
+    model, log, info = training.train(cfg, verbose=False)
+    assert type(model).__name__ == "Mamba2ForCausalLM" and info["steps"] == 6
+    assert all(math.isfinite(r["loss"]) for r in log) and log[-1]["loss"] < log[0]["loss"]
 
 
 def test_checkpoints_fit_the_size_budget():

@@ -86,6 +86,26 @@ gate = torch.randn(4, generator=g)
 out = torch.full_like(q, float("nan"))
 assert km.knn_memory_attention(q, kl, kl, mk, mk, gate, out=out) is out
 assert torch.equal(out, km.knn_memory_attention_ref(q, kl, kl, mk, mk, gate))
+# the SSM scans (chapter 7): validated, then the references
+from labsrc.kernels import ssm as kssm
+from labsrc import ssm
+a, b = torch.rand(3, 17, generator=g), torch.randn(3, 17, generator=g)
+assert torch.equal(kssm.linear_scan(a, b), ssm.linear_scan_ref(a, b))
+u, dl = torch.randn(1, 2, 9, generator=g), torch.randn(1, 2, 9, generator=g)
+A, B, C = -torch.rand(2, 4, generator=g), torch.randn(1, 4, 9, generator=g), torch.randn(1, 4, 9, generator=g)
+got = kssm.selective_scan(u, dl, A, B, C, delta_softplus=True, return_last_state=True)
+want = ssm.selective_scan_ref(u, dl, A, B, C, delta_softplus=True, return_last_state=True)
+assert all(torch.equal(x, y) for x, y in zip(got, want))
+x, dt = torch.randn(1, 20, 2, 3, generator=g), torch.rand(1, 20, 2, generator=g)
+Bs, Cs = torch.randn(1, 20, 1, 4, generator=g), torch.randn(1, 20, 1, 4, generator=g)
+A2 = -torch.rand(2, generator=g)
+assert all(torch.equal(p, q) for p, q in zip(kssm.ssd(x, dt, A2, Bs, Cs, chunk_size=16),
+                                             ssm.ssd_chunked(x, dt, A2, Bs, Cs, chunk_size=16)))
+try:
+    kssm.ssd(x, dt, A2, Bs, Cs, chunk_size=8)
+    raise AssertionError("the kernel's chunk-size rule must still be enforced")
+except ValueError as e:
+    assert "chunk_size" in str(e)
 from labsrc import attention  # the transformers integration imports and runs too
 # the linear-attention kernels (chapter 8): the wrappers check, then call the chunked references
 from labsrc.kernels import linear_attention as kla

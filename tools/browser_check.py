@@ -57,6 +57,7 @@ KERNEL_PAGES = (
     "chapters/03_flash_attention.html",
     "chapters/04_rope.html",
     "chapters/05_kv_quant.html",
+    "chapters/07_ssm_scans.html",
     "chapters/08_linear_attention.html",
     "chapters/09_serving.html",
     "chapters/14_memory_retrieval.html",

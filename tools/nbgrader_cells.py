@@ -97,6 +97,11 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_chunk_output": (3, 25, "one chunk's output: intra-chunk plus the carried state"),
     "check_features_needed": (2, 20, "how many random features meet an error bound"),
     "check_recurrent_kernel": (3, 30, "recurrent linear attention with decay (Triton kernel)"),
+    # 07 state-space models and scans
+    "check_zoh_diagonal": (2, 15, "derive zero-order hold for a diagonal A"),
+    "check_scan_combine": (2, 15, "the scan's associative combine operator"),
+    "check_ssd_chunk_state": (3, 25, "one chunk of SSD's inter-chunk state passing"),
+    "check_scan_kernel": (4, 35, "a blocked linear-scan kernel with its carry (Triton)"),
 }
 
 

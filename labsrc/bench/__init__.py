@@ -20,6 +20,8 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
 * ``chunk_linear_attention``, ``chunk_gated_delta_rule`` (:mod:`labsrc.bench.linear_attention`): chunked
   linear attention and Gated DeltaNet in TFLOP/s, against FlashAttention at the same length and against
   the token-by-token PyTorch form.
+* ``linear_scan``, ``selective_scan``, ``ssd`` (:mod:`labsrc.bench.ssm`): the state-space scans, in GB/s
+  (``ssd`` also in TFLOP/s).
 
 Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for
 ``size`` in ``"tiny"`` (a smoke run that the interpreter can do in CI) or ``"gpu"`` (real sizes). A

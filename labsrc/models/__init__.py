@@ -1,8 +1,9 @@
 """The lab's models: ``load(name_or_path) -> (model, tokenizer)``.
 
-Shipped names (see :data:`SHIPPED`): ``lab-target`` (about 9M parameters, trained at a 512-token context) and
-``lab-draft`` (its small draft for speculative decoding). They live in ``labsrc/models/checkpoints/<name>/``
-and are trained by ``python -m labsrc.models.train <name>``. A local folder, or on a machine with a network a
+Shipped names (see :data:`SHIPPED`): ``lab-target`` (about 9M parameters, trained at a 512-token context),
+``lab-draft`` (its small draft for speculative decoding) and ``lab-mamba`` (a 3.5M-parameter Mamba-2,
+chapter 7's state-space model, trained on the same data with a smaller budget). They live in
+``labsrc/models/checkpoints/<name>/`` and are trained by ``python -m labsrc.models.train <name>``. A local folder, or on a machine with a network a
 Hugging Face hub id, loads the same way.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import torch
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
-SHIPPED = ("lab-target", "lab-draft")
+SHIPPED = ("lab-target", "lab-draft", "lab-mamba")
 
 
 def resolve(name_or_path: str) -> str:
@@ -40,9 +41,10 @@ def resolve(name_or_path: str) -> str:
 
 
 def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Load a model and its tokenizer: ``(LlamaForCausalLM in eval mode, PreTrainedTokenizerFast)``.
+    """Load a model and its tokenizer: ``(causal LM in eval mode, PreTrainedTokenizerFast)``.
 
-    ``name_or_path`` is a shipped name (``"lab-target"``, ``"lab-draft"``), a local checkpoint folder, or a hub
+    The model is a ``LlamaForCausalLM`` (``lab-target``, ``lab-draft``) or a ``Mamba2ForCausalLM``
+    (``lab-mamba``). ``name_or_path`` is a shipped name, a local checkpoint folder, or a hub
     id. Weights are stored in fp16 and cast to ``dtype`` (fp32 by default, the reference on a CPU).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,0 +1,353 @@
+"""State-space scans in Triton: a first-order linear scan, Mamba's selective scan and Mamba-2's chunked SSD.
+
+Three kernels, each beside the PyTorch reference it is tested against (in :mod:`labsrc.ssm`):
+
+* :func:`linear_scan` -- ``h_t = a_t h_{t-1} + b_t`` along the last dimension of ``(..., l)`` tensors. One
+  program per row walks the row in blocks of ``BLOCK_L``; inside a block ``tl.associative_scan`` combines
+  the pairs ``(a, b)`` with the operator ``(a1, b1) o (a2, b2) = (a1 a2, a2 b1 + b2)`` (a parallel scan in
+  ``log2 BLOCK_L`` rounds), and the last ``h`` of a block is carried into the next, so any ``l`` works.
+* :func:`selective_scan` -- Mamba's selective scan, same arguments and results as
+  :func:`labsrc.ssm.selective_scan_ref`. One program per (batch, channel) holds an ``(BLOCK_L, BLOCK_N)``
+  tile of discretised pairs ``(exp(delta A), delta B u)`` and scans it along the sequence with the same
+  combine, carrying the ``(n,)`` state between blocks; ``y = <x_t, C_t> + D u``, gated by ``silu(z)``.
+* :func:`ssd` -- Mamba-2's SSD, same arguments and results as :func:`labsrc.ssm.ssd_chunked`. One program per
+  (batch, head, block of head dims) keeps the state ``S (BLOCK_P, BLOCK_N)`` in registers and walks the
+  chunks: the intra-chunk output is two ``tl.dot`` (``C B^T`` masked by the decay, times ``dt x``), the
+  inter-chunk output one more (``C S^T``), and the state update a fourth.
+
+Conventions: inputs are float32, float16 or bfloat16 (``dt``, ``A``, ``D``, ``delta_bias`` and
+``initial_state`` are read as float32); every tile is upcast to float32 right after its load, so the state and
+all arithmetic are float32 (under the Triton interpreter bf16 ``tl.dot`` returns garbage, and the upcast also
+avoids that); the output has the dtype of ``x``/``u``/``b`` and states come back float32. Every tensor the
+kernels read is first made contiguous in the dtype they expect (``.to(dtype).contiguous()``), so strided
+and expanded views are read correctly. The kernels are inference-only: inputs that require grad while a graph
+is recorded are refused (``ValueError``). Non-finite inputs behave as in the references: a NaN reaches every
+later output of its row/channel/head through the state (and, in ``ssd``, the earlier steps of its own chunk,
+where the masked product computes ``0 * NaN``), never another row, channel or head.
+
+Launch limits, checked up front: one row/channel/head's offsets are 64-bit, grid axis 0 holds at most
+``2^31 - 1`` programs; ``n`` (the state size) is at most 256 and ``ssd``'s ``chunk_size`` a power of two from
+16 to 256 (``tl.dot`` needs tiles of at least 16, and a chunk's ``(Q, Q)`` and ``(Q, N)`` tiles must fit in
+registers).
+"""
+from __future__ import annotations
+
+import torch
+
+from labsrc import runtime, ssm
+from labsrc.kernels._triton import HAS_TRITON, tl, triton
+
+__all__ = ["linear_scan", "selective_scan", "ssd", "linear_scan_ref", "selective_scan_ref", "ssd_ref",
+           "MAX_STATE", "MIN_CHUNK", "MAX_CHUNK"]
+
+# The references the kernels are checked against (the from-scratch versions in labsrc.ssm).
+linear_scan_ref = ssm.linear_scan_ref
+selective_scan_ref = ssm.selective_scan_ref
+ssd_ref = ssm.ssd_chunked
+
+MAX_STATE = 256          # n: one (BLOCK_L, BLOCK_N) / (BLOCK_Q, BLOCK_N) tile per program
+MIN_CHUNK, MAX_CHUNK = 16, 256   # ssd's chunk: tl.dot needs >= 16; a (Q, Q) fp32 tile of 256^2 is the most
+GRID_AXIS0_LIMIT = 2**31 - 1
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The kernels
+# ----------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _scan_combine(a1, b1, a2, b2):
+    # (a1, b1) then (a2, b2): h -> a2 (a1 h + b1) + b2 = (a1 a2) h + (a2 b1 + b2)
+    return a1 * a2, a2 * b1 + b2
+
+
+@triton.jit
+def _linear_scan_kernel(a_ptr, b_ptr, h0_ptr, out_ptr, L, BLOCK_L: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * L                                   # 64-bit: rows * L may pass 2^31
+    offs = tl.arange(0, BLOCK_L)
+    carry = tl.load(h0_ptr + row).to(tl.float32)     # h_{-1}: zeros unless the caller passed h0
+    for start in range(0, L, BLOCK_L):
+        idx = start + offs
+        mask = idx < L
+        # lanes past the end hold the identity (1, 0): they leave the scan, and the carry, unchanged
+        a = tl.load(a_ptr + base + idx, mask=mask, other=1.0).to(tl.float32)
+        b = tl.load(b_ptr + base + idx, mask=mask, other=0.0).to(tl.float32)
+        a_cum, b_cum = tl.associative_scan((a, b), 0, _scan_combine)  # prefix compositions in the block
+        h = a_cum * carry + b_cum                    # apply each prefix to the state entering the block
+        tl.store(out_ptr + base + idx, h.to(out_ptr.dtype.element_ty), mask=mask)
+        carry = tl.sum(tl.where(offs == BLOCK_L - 1, h, 0.0), axis=0)  # the block's last h
+
+
+@triton.jit
+def _selective_scan_kernel(u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, y_ptr, last_ptr,
+                           n_channels, L, N,
+                           HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           SOFTPLUS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    bi = pid // n_channels
+    di = pid % n_channels
+    row = pid.to(tl.int64) * L                       # u, delta, z, y are (b, d, l): row (bi, di)
+    bc = bi.to(tl.int64) * N * L                     # B, C are (b, n, l)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    a_row = tl.load(A_ptr + di * N + offs_n, mask=mask_n, other=0.0)          # A[d, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + di)
+    if HAS_D:
+        d_skip = tl.load(D_ptr + di)
+    x = tl.zeros([BLOCK_N], dtype=tl.float32)         # the state entering the block
+    for start in range(0, L, BLOCK_L):
+        idx = start + offs_l
+        mask_l = idx < L
+        u = tl.load(u_ptr + row + idx, mask=mask_l, other=0.0).to(tl.float32)
+        dl = tl.load(delta_ptr + row + idx, mask=mask_l, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            dl = dl + bias
+        if SOFTPLUS:  # torch's softplus: log(1 + e^x), and x itself above 20
+            dl = tl.where(dl > 20.0, dl, tl.log(1.0 + tl.exp(tl.minimum(dl, 20.0))))
+        dl = tl.where(mask_l, dl, 0.0)                # past the end: no decay, no input
+        m2 = mask_l[:, None] & mask_n[None, :]
+        bt = tl.load(B_ptr + bc + offs_n[None, :] * L + idx[:, None], mask=m2, other=0.0).to(tl.float32)
+        ct = tl.load(C_ptr + bc + offs_n[None, :] * L + idx[:, None], mask=m2, other=0.0).to(tl.float32)
+        dA = tl.exp(dl[:, None] * a_row[None, :])     # (BLOCK_L, BLOCK_N) decays
+        dBu = (dl * u)[:, None] * bt                  # (BLOCK_L, BLOCK_N) inputs
+        a_cum, b_cum = tl.associative_scan((dA, dBu), 0, _scan_combine)
+        xs = a_cum * x[None, :] + b_cum              # the state at every step of the block
+        y = tl.sum(xs * ct, axis=1)                   # <x_t, C_t>
+        if HAS_D:
+            y = y + d_skip * u
+        if HAS_Z:
+            z = tl.load(z_ptr + row + idx, mask=mask_l, other=0.0).to(tl.float32)
+            y = y * (z * tl.sigmoid(z))               # silu(z) gate
+        tl.store(y_ptr + row + idx, y.to(y_ptr.dtype.element_ty), mask=mask_l)
+        x = tl.sum(tl.where(offs_l[:, None] == BLOCK_L - 1, xs, 0.0), axis=0)
+    tl.store(last_ptr + pid.to(tl.int64) * N + offs_n, x, mask=mask_n)
+
+
+@triton.jit
+def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, s0_ptr, y_ptr, sT_ptr,
+                L, H, G, P, N,
+                HAS_D: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    bi = pid_bh // H
+    hi = pid_bh % H
+    gi = hi // (H // G)                               # the B/C group this head reads
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < P
+    mask_n = offs_n < N
+    a_h = tl.load(A_ptr + hi)
+    state_off = pid_bh.to(tl.int64) * P * N + offs_p[:, None] * N + offs_n[None, :]
+    mask_s = mask_p[:, None] & mask_n[None, :]
+    if HAS_INIT:
+        S = tl.load(s0_ptr + state_off, mask=mask_s, other=0.0)
+    else:
+        S = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if HAS_D:
+        d_skip = tl.load(D_ptr + hi)
+    causal = offs_q[:, None] >= offs_q[None, :]
+    for start in range(0, L, BLOCK_Q):
+        t = start + offs_q
+        mask_t = t < L
+        tok = bi.to(tl.int64) * L + t                 # (b, l) index of each step of the chunk
+        dt = tl.load(dt_ptr + tok * H + hi, mask=mask_t, other=0.0)           # 0 past the end: no-op steps
+        mx = mask_t[:, None] & mask_p[None, :]
+        xv = tl.load(x_ptr + (tok * H + hi)[:, None] * P + offs_p[None, :], mask=mx, other=0.0).to(tl.float32)
+        mbc = mask_t[:, None] & mask_n[None, :]
+        bc_off = (tok * G + gi)[:, None] * N + offs_n[None, :]
+        Bm = tl.load(B_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
+        Cm = tl.load(C_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
+        a = dt * a_h                                  # log-decay of each step
+        cs = tl.cumsum(a, axis=0)                     # cs_t = a_0 + ... + a_t inside the chunk
+        total = tl.sum(a, axis=0)                     # the whole chunk's log-decay
+        xdt = xv * dt[:, None]
+        # 1. intra-chunk: (C B^T) o decay, a causal (Q, Q) "attention" matrix, times dt x
+        scores = tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
+        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))  # 0 above the diagonal
+        y = tl.dot(scores * decay, xdt, input_precision=PRECISION)            # (Q, P)
+        # 2. inter-chunk: the state the chunk starts from, read by C and decayed to each step
+        y += tl.dot(Cm, tl.trans(S), input_precision=PRECISION) * tl.exp(cs)[:, None]
+        if HAS_D:
+            y += d_skip * xv
+        tl.store(y_ptr + (tok * H + hi)[:, None] * P + offs_p[None, :], y.to(y_ptr.dtype.element_ty), mask=mx)
+        # 3. state passing: decay the state over the chunk, add what the chunk writes (decayed to its end)
+        w = tl.exp(total - cs)
+        S = tl.exp(total) * S + tl.dot(tl.trans(xdt * w[:, None]), Bm, input_precision=PRECISION)
+    tl.store(sT_ptr + state_off, S, mask=mask_s)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Wrapper checks
+# ----------------------------------------------------------------------------------------------------------
+
+def _check_kernel_device(name: str, t: torch.Tensor) -> None:
+    if t.device.type == "meta":
+        raise ValueError(f"{name} must hold data; got a tensor on the meta device")
+    if HAS_TRITON and not runtime.INTERPRETED and t.device.type != "cuda":
+        raise ValueError(f"{name} must be on a CUDA device for the compiled Triton kernels, got {t.device}")
+
+
+def _check_dtypes(**tensors) -> None:
+    for name, t in tensors.items():
+        if t is not None and t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float32, float16 or bfloat16 for the kernel, got {t.dtype} "
+                            "(the reference in labsrc.ssm also takes float64)")
+
+
+def _check_no_grad(**tensors) -> None:
+    if torch.is_grad_enabled():
+        for name, t in tensors.items():
+            if t is not None and t.requires_grad:
+                raise ValueError(f"{name} requires grad: the SSM kernels are inference-only (no backward); "
+                                 "call under torch.no_grad() or detach the inputs")
+
+
+def _check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def _check_grid(programs: int) -> None:
+    if programs > GRID_AXIS0_LIMIT:
+        raise ValueError(f"{programs} programs exceed the launch limit of {GRID_AXIS0_LIMIT} on grid axis 0")
+
+
+def _packed(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """``t`` contiguous in ``dtype`` (its own dtype if None). ``.to`` alone keeps strided/expanded views."""
+    if t is None:
+        return None
+    return t.to(dtype or t.dtype).contiguous()
+
+
+def _alloc(shape, device, dtype) -> torch.Tensor:
+    """Every output buffer comes from here (the tests swap in NaN-filled buffers: each element is written)."""
+    return torch.empty(shape, device=device, dtype=dtype)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # float32 inputs ask for true fp32 dots ("ieee") rather than TF32, so that fp32 means fp32 on a GPU too
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Wrappers
+# ----------------------------------------------------------------------------------------------------------
+
+def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:
+    """``h_t = a_t h_{t-1} + b_t`` along the last dimension, with ``tl.associative_scan``.
+
+    Args:
+        a, b: ``(..., l)`` tensors of one dtype (float32/float16/bfloat16), ``l >= 1``; any strides.
+        h0: the state before step 0, shape ``a.shape[:-1]`` (zeros when None).
+
+    Returns:
+        ``h`` of ``b``'s shape and dtype (computed in float32). Same result as
+        :func:`labsrc.ssm.linear_scan_ref`.
+    """
+    l = ssm.check_linear_scan_args(a, b, h0)
+    _check_dtypes(a=a, b=b, h0=h0)
+    if a.dtype != b.dtype:
+        raise TypeError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
+    _check_kernel_device("a", a)
+    _check_no_grad(a=a, b=b, h0=h0)
+    rows = a.numel() // l
+    _check_grid(rows)
+    if not HAS_TRITON:
+        return ssm.linear_scan_ref(a, b, h0)
+    a2 = _packed(a).reshape(rows, l)
+    b2 = _packed(b).reshape(rows, l)
+    h0f = (torch.zeros(rows, device=a.device, dtype=torch.float32) if h0 is None
+           else _packed(h0, torch.float32).reshape(rows))
+    out = _alloc((rows, l), a.device, b.dtype)
+    if rows:
+        block = min(256 if runtime.INTERPRETED else 1024, triton.next_power_of_2(l))
+        _linear_scan_kernel[(rows,)](a2, b2, h0f, out, l, BLOCK_L=block)
+    return out.reshape(b.shape)
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   return_last_state=False):
+    """Mamba's selective scan on the GPU (or the interpreter): same arguments and results as
+    :func:`labsrc.ssm.selective_scan_ref`.
+
+    Args:
+        u, delta, z: ``(b, d, l)``; A: ``(d, n)`` with ``n <= 256``; B, C: ``(b, n, l)``; D, delta_bias:
+            ``(d,)``. float32/float16/bfloat16, any strides; A, D, delta_bias are read as float32.
+        delta_softplus, return_last_state: bools, as in the reference.
+
+    Returns:
+        ``y (b, d, l)`` in ``u``'s dtype, and with ``return_last_state`` the state after the last step
+        ``(b, d, n)`` float32.
+    """
+    bsz, d, l, n = ssm.check_selective_scan_args(u, delta, A, B, C, D, z, delta_bias)
+    _check_bool("delta_softplus", delta_softplus)
+    _check_bool("return_last_state", return_last_state)
+    _check_dtypes(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias)
+    _check_kernel_device("u", u)
+    _check_no_grad(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias)
+    if n > MAX_STATE:
+        raise ValueError(f"A has state size n = {n}; the kernel holds the state in one tile of at most "
+                         f"{MAX_STATE}")
+    _check_grid(bsz * d)
+    if not HAS_TRITON:
+        return ssm.selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
+    f32 = torch.float32
+    y = _alloc((bsz, d, l), u.device, u.dtype)
+    last = _alloc((bsz, d, n), u.device, f32)
+    u_, dl_, B_, C_, z_ = (_packed(t) for t in (u, delta, B, C, z))
+    A_, D_, bias_ = _packed(A, f32), _packed(D, f32), _packed(delta_bias, f32)
+    block_n = triton.next_power_of_2(n)
+    cap = 4096 if runtime.INTERPRETED else 8192      # elements of one (BLOCK_L, BLOCK_N) fp32 tile
+    block_l = max(16, min(triton.next_power_of_2(l), cap // block_n))
+    _selective_scan_kernel[(bsz * d,)](
+        u_, dl_, A_, B_, C_, D_ if D_ is not None else A_, z_ if z_ is not None else u_,
+        bias_ if bias_ is not None else A_, y, last, d, l, n,
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
+        BLOCK_L=block_l, BLOCK_N=block_n)
+    return (y, last) if return_last_state else y
+
+
+def ssd(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+    """Mamba-2's chunked SSD on the GPU (or the interpreter): same arguments and results as
+    :func:`labsrc.ssm.ssd_chunked`.
+
+    Args:
+        x: ``(b, l, h, p)``; dt: ``(b, l, h)`` (positive); A: ``(h,)``; B, C: ``(b, l, g, n)`` with
+            ``h % g == 0`` and ``n <= 256``; D: ``(h,)``; initial_state: ``(b, h, p, n)``.
+            float32/float16/bfloat16, any strides; dt, A, D and initial_state are read as float32.
+        chunk_size: the kernel's chunk, a power of two from 16 to 256 (the result does not depend on it,
+            up to rounding).
+
+    Returns:
+        ``(y, final_state)``: ``y (b, l, h, p)`` in ``x``'s dtype, ``final_state (b, h, p, n)`` float32.
+    """
+    bsz, l, h, p, g, n = ssm.check_ssd_args(x, dt, A, B, C, D, initial_state, chunk_size)
+    if chunk_size & (chunk_size - 1) or not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
+        raise ValueError(f"chunk_size must be a power of two from {MIN_CHUNK} to {MAX_CHUNK} for the kernel "
+                         f"(tl.dot needs tiles of at least 16), got {chunk_size}")
+    _check_dtypes(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
+    _check_kernel_device("x", x)
+    _check_no_grad(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
+    if n > MAX_STATE:
+        raise ValueError(f"B has state size n = {n}; the kernel holds the state in one tile of at most {MAX_STATE}")
+    _check_grid(bsz * h)
+    if not HAS_TRITON:
+        return ssm.ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
+    f32 = torch.float32
+    y = _alloc((bsz, l, h, p), x.device, x.dtype)
+    final = _alloc((bsz, h, p, n), x.device, f32)
+    x_, B_, C_ = _packed(x), _packed(B), _packed(C)
+    dt_, A_, D_, s0_ = _packed(dt, f32), _packed(A, f32), _packed(D, f32), _packed(initial_state, f32)
+    block_p = max(16, min(64, triton.next_power_of_2(p)))
+    grid = (bsz * h, triton.cdiv(p, block_p))
+    _ssd_kernel[grid](
+        x_, dt_, A_, B_, C_, D_ if D_ is not None else A_, s0_ if s0_ is not None else final, y, final,
+        l, h, g, p, n,
+        HAS_D=D is not None, HAS_INIT=initial_state is not None, PRECISION=_precision(x.dtype),
+        BLOCK_Q=chunk_size, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(n)))
+    return y, final
