@@ -21,8 +21,9 @@ Uniform integer quantization (10.6.1's ``W_int = round(W / scale + zero_point)``
 Codes are unsigned in both cases, so one dequantization rule ``(q - z) * s`` serves every kernel; the
 symmetric zero point is the constant ``2**(b-1)`` (the format implies it, so it is not counted in
 :attr:`QuantizedWeight.nbytes`). The grid always contains 0 (``min(w, 0)``, ``max(w, 0)``), so a zero weight
-(or a column GPTQ zeroes because no activation reaches it) dequantizes to exactly 0. Steps are stored in fp16
-and codes are computed with the stored (rounded) step; a group whose step overflows fp16 raises a
+(or a column GPTQ zeroes because no activation reaches it) dequantizes to exactly 0. Steps are stored in fp16,
+rounded up (so the grid still spans the group and every error stays within half a step, ``|w - w_hat| <=
+s/2``), and codes are computed with the stored step; a group whose step overflows fp16 raises a
 ``ValueError``; an all-zero group gets step 1. ``round`` is PyTorch's round-half-to-even.
 
 Storage: a 4-bit ``qweight`` is packed two codes per byte along ``K`` with chapter 5's planar layout
@@ -207,11 +208,19 @@ def _params(wg: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor,
     if bool((s > FP16_MAX).any()):
         raise ValueError(f"a group's step {float(s.max()):g} exceeds fp16's range ({FP16_MAX:g}): the weight "
                          f"is too large to quantize with fp16 steps")
-    s = s.half().float()
+    s = _fp16_up(s)
     s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero group (or one below fp16's smallest step)
     if not symmetric:
         z = torch.round(-lo / s).clamp(0, 2 ** bits - 1)
     return s, z
+
+
+def _fp16_up(s: torch.Tensor) -> torch.Tensor:
+    """``s`` rounded *up* to the next fp16 value (as fp32): a step rounded down would leave the group's
+    extreme values outside the grid, and their error could exceed half a step."""
+    h = s.half()
+    up = torch.nextafter(h, torch.full_like(h, float("inf")))
+    return torch.where(h.float() < s, up, h).float()
 
 
 def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
