@@ -26,7 +26,9 @@ Grid and tiles: program ``(pid_m, pid_n)`` computes the output tile ``y[pid_m*BL
 Dtypes: ``x`` in fp32, fp16 or bf16; the output has ``x``'s dtype. fp16/bf16 weights tiles are rounded to
 ``x``'s dtype before ``tl.dot`` (tensor cores on a GPU); fp32 asks for true fp32 dots (``"ieee"``, not TF32).
 Under the Triton interpreter bf16 ``tl.dot`` returns garbage, so there the bf16 tiles are upcast to fp32
-(the ``UPCAST`` flag): interpreted results are then slightly *more* precise than the GPU's.
+(the ``UPCAST`` flag): interpreted results are then slightly *more* precise than the GPU's. With fp16
+activations a dequantized weight must fit fp16 (``|w| <= 65504``; for MXFP4, scales up to ``2^13``): a larger
+one becomes inf in the tile, as in any fp16 GEMM, where the reference (fp32 throughout) stays finite.
 
 Non-finite values: a NaN or inf in ``x`` or an MXFP4 scale of 255 (NaN) makes the affected outputs NaN, as
 in the reference. Row offsets are int64, so no size overflows 32-bit offsets.
@@ -264,9 +266,14 @@ def _mxfp4_matmul_kernel(x_ptr, c_ptr, s_ptr, out_ptr, M, N, K, HALF, NB, M_BUCK
 
 
 # ----------------------------------------------------------------------------------------------- wrappers
+def _new_output(m: int, n: int, dtype, device) -> torch.Tensor:
+    """The output buffer (uninitialised; the tests fill it with NaN to catch unwritten elements)."""
+    return torch.empty(m, n, dtype=dtype, device=device)
+
+
 def _launch(kernel, x2, n, args, extra):
     m = x2.shape[0]
-    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    out = _new_output(m, n, x2.dtype, x2.device)
     if m == 0:
         return out
     upcast, precision = _flags(x2.dtype)
