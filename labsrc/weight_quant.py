@@ -281,9 +281,9 @@ def dequantize(qw: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch
 
 def layer_output_error(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float:
     """Relative output error ``||x W^T - x W_hat^T||_F / ||x W^T||_F`` of a layer on activations ``x``."""
-    x = _check_acts(x, w.shape[1]).double()
-    ref = x @ w.double().T
-    return float(torch.linalg.norm(ref - x @ w_hat.double().T) / torch.linalg.norm(ref).clamp_min(1e-300))
+    x = _check_acts(x, w.shape[1]).detach().double()
+    ref = x @ w.detach().double().T
+    return float(torch.linalg.norm(ref - x @ w_hat.detach().double().T) / torch.linalg.norm(ref).clamp_min(1e-300))
 
 
 # ----------------------------------------------------------------------------------------------- outliers
@@ -435,15 +435,15 @@ def awq_search_scales(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_siz
     if x2.shape[0] == 0:
         raise ValueError("x has no rows: AWQ needs calibration activations")
     mean = x2.abs().mean(0).clamp_min(1e-4).double()
-    ref = x2.double() @ w.double().T
+    ref = x2 @ w.float().T
     best, best_s = None, torch.ones(w.shape[1])
     for i in range(grid):
         s = mean ** (i / grid)
-        s = s / torch.sqrt(s.max() * s.min())
-        w_hat = dequantize(quantize_rtn((w.double() * s).float(), bits, group_size, symmetric)).double() / s
-        err = float(((ref - x2.double() @ w_hat.T) ** 2).sum())
+        s = (s / torch.sqrt(s.max() * s.min())).float()
+        w_hat = dequantize(quantize_rtn(w.float() * s, bits, group_size, symmetric)) / s
+        err = float(((ref - x2 @ w_hat.T).double() ** 2).sum())
         if best is None or err < best:
-            best, best_s = err, s.float()
+            best, best_s = err, s
     return best_s
 
 
@@ -671,3 +671,176 @@ def torchao_mx():
     finally:
         pytree_log.setLevel(level)
     return to_mx, to_dtype
+
+
+# ----------------------------------------------------------------------------------------------- experiment
+class Int8OutlierLinear(torch.nn.Module):
+    """A linear layer computed by :func:`int8_matmul_outlier` (LLM.int8(): outlier features in fp32)."""
+
+    def __init__(self, weight: torch.Tensor, threshold: float = 6.0):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone(), requires_grad=False)
+        self.threshold = threshold
+
+    def forward(self, x):
+        return int8_matmul_outlier(x, self.weight, self.threshold).to(x.dtype)
+
+
+def int8_model(model, threshold: float = 6.0):
+    """A copy of ``model`` whose decoder linears run LLM.int8() (weights and activations in INT8, outlier
+    features in fp32), and the weight bytes (int8 codes plus an fp16 absmax per output row)."""
+    q = copy.deepcopy(model)
+    total = 0
+    for name, mod in linear_layers(q):
+        _set_module(q, name, Int8OutlierLinear(mod.weight, threshold))
+        total += mod.weight.numel() + 2 * mod.weight.shape[0]
+    return q, total
+
+
+@torch.no_grad()
+def window_nll(model, windows: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
+    """Mean next-token loss (nats) of each window ``(n, T)``: float64 ``(n,)``."""
+    out = []
+    for i in range(0, windows.shape[0], batch_size):
+        x = windows[i:i + batch_size]
+        logits = model(input_ids=x).logits.float()
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
+        out.append(nll.double().mean(1))
+    return torch.cat(out)
+
+
+def activation_outliers(model, input_ids: torch.Tensor) -> dict[str, float]:
+    """For each decoder linear, its largest input channel's max ``|x|`` over the median channel's."""
+    acts = collect_linear_inputs(model, input_ids)
+    out = {}
+    for name, x in acts.items():
+        per_channel = x.abs().amax(0)
+        out[name] = float(per_channel.max() / per_channel.median().clamp_min(1e-12))
+    return out
+
+
+def qat_mxfp4(model, tokenizer, steps: int, lr: float = 1e-4, seq_len: int = 256, batch_size: int = 2,
+              fake_quant: bool = True, seed: int = 0):
+    """Fine-tune a copy of ``model`` with its decoder linears fake-quantized to MXFP4 in the forward pass
+    (straight-through estimator), on the lab's training mixture (:func:`labsrc.finetune.finetune`); return
+    ``(copy with the trained weights quantized to MXFP4, losses)``. ``fake_quant=False`` is the control: the
+    same steps in full precision, then MXFP4 PTQ."""
+    from torch.nn.utils import parametrize
+
+    from labsrc.finetune import finetune
+
+    class _FakeQuant(torch.nn.Module):
+        def forward(self, w):
+            return fake_quant_mxfp4(w)
+
+    m = copy.deepcopy(model)
+    if fake_quant:
+        for _, mod in linear_layers(m):
+            parametrize.register_parametrization(mod, "weight", _FakeQuant())
+    losses = finetune(m, tokenizer, seq_len, steps, lr=lr, batch_size=batch_size, seed=seed)
+    if fake_quant:
+        for _, mod in linear_layers(m):
+            parametrize.remove_parametrizations(mod, "weight", leave_parametrized=False)
+    q, _ = quantize_model(m, "mxfp4")
+    return q, losses
+
+
+def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib_len: int = 512,
+                   eval_windows: int = 8, eval_len: int = 512, probe_ctx: int = 512, probe_n: int = 8,
+                   qat_steps: int = 60, qat_lr: float = 1e-4, seed: int = 0, log=print) -> dict:
+    """The chapter's experiment: lab-target under every method; per-window losses and pass-key counts.
+
+    Returns a JSON-ready dict: ``configs`` (name -> ``bytes``, ``nll`` per evaluation window, ``passkey``
+    right answers out of ``passkey_n``), the QAT loss curves, the layer-wise output errors of RTN, GPTQ and
+    AWQ (4 bits, g128) on held-out activations, and the activation outlier ratios.
+    """
+    import time
+
+    from labsrc import models, tasks
+
+    model, tok = models.load(model_name)
+    calib = calibration_ids(tok, calib_windows, calib_len, "train", seed)
+    evals = calibration_ids(tok, eval_windows, eval_len, "validation", seed + 1)
+    depths = (0.1, 0.5, 0.9)
+    per_depth = max(1, probe_n // len(depths))
+    result = {"model": model_name, "calib_windows": calib_windows, "calib_len": calib_len,
+              "eval_windows": eval_windows, "eval_len": eval_len, "probe_ctx": probe_ctx,
+              "passkey_n": per_depth * len(depths), "configs": {}}
+
+    def add(name, m, nbytes):
+        t = time.time()
+        nll = window_nll(m, evals)
+        acc = tasks.passkey_accuracy(m, tok, probe_ctx, depths, per_depth, seed)
+        result["configs"][name] = {"bytes": int(nbytes), "nll": nll.tolist(),
+                                   "passkey": round(acc * result["passkey_n"])}
+        log(f"{name}: {nbytes} bytes, ppl {math.exp(float(nll.mean())):.3f}, passkey {acc:.2f} "
+            f"({time.time() - t:.0f}s)")
+
+    add("fp32", model, model_weight_bytes(model, 4))
+    add("fp16", model.half().float(), model_weight_bytes(model, 2))
+    model, _ = models.load(model_name)
+    add("LLM.int8", *int8_model(model))
+    add("RTN INT8", *quantize_model(model, "rtn", bits=8, group_size=None))
+    add("RTN INT4 per-channel", *quantize_model(model, "rtn", bits=4, group_size=None))
+    add("RTN INT4 g128", *quantize_model(model, "rtn", bits=4, group_size=128))
+    add("GPTQ INT4 g128", *quantize_model(model, "gptq", calib, bits=4, group_size=128))
+    add("AWQ INT4 g128", *quantize_model(model, "awq", calib, bits=4, group_size=128))
+    add("RTN INT3 g128", *quantize_model(model, "rtn", bits=3, group_size=128))
+    add("GPTQ INT3 g128", *quantize_model(model, "gptq", calib, bits=3, group_size=128))
+    mx_model, mx_bytes = quantize_model(model, "mxfp4")
+    add("MXFP4 PTQ", mx_model, mx_bytes)
+    if qat_steps:
+        for name, fq in (("MXFP4 QAT", True), ("MXFP4 PTQ after FP fine-tune", False)):
+            t = time.time()
+            m, losses = qat_mxfp4(model, tok, qat_steps, qat_lr, fake_quant=fq, seed=seed)
+            result.setdefault("qat_losses", {})[name] = losses
+            log(f"{name}: {qat_steps} steps in {time.time() - t:.0f}s")
+            add(name, m, mx_bytes)
+    # layer-wise output error on held-out activations (the evaluation windows) of the fp model
+    held = collect_linear_inputs(model, evals[:2])
+    calib_acts = collect_linear_inputs(model, calib)
+    errs = {"RTN": [], "GPTQ": [], "AWQ": []}
+    names = []
+    for name, mod in linear_layers(model):
+        w, xc, xh = mod.weight.detach().float(), calib_acts[name], held[name]
+        names.append(name)
+        errs["RTN"].append(layer_output_error(w, dequantize(quantize_rtn(w, 4, 128)), xh))
+        errs["GPTQ"].append(layer_output_error(w, dequantize(gptq_quantize(w, hessian(xc), 4, 128)), xh))
+        s = awq_search_scales(w, xc, 4, 128)
+        errs["AWQ"].append(layer_output_error(w, dequantize(apply_awq(w, s, 4, 128)) / s, xh))
+    result["layer_errors"] = {"layers": names, **errs}
+    result["outlier_ratio"] = activation_outliers(model, evals[:2])
+    return result
+
+
+def main(argv=None) -> None:
+    """``python -m labsrc.weight_quant [--out PATH] [--qat-steps N] ...``: run :func:`run_experiment` and
+    write its JSON (the chapter's stored results, ``labsrc/data/results/weight_quant.json`` by default)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--out", default=str(RESULTS_PATH))
+    parser.add_argument("--eval-windows", type=int, default=24)
+    parser.add_argument("--probe-n", type=int, default=30)
+    parser.add_argument("--calib-windows", type=int, default=8)
+    parser.add_argument("--qat-steps", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    result = run_experiment(calib_windows=args.calib_windows, eval_windows=args.eval_windows,
+                            probe_n=args.probe_n, qat_steps=args.qat_steps,
+                            log=lambda m: print(m, flush=True))
+    result["command"] = (f"python -m labsrc.weight_quant --eval-windows {args.eval_windows} --probe-n "
+                         f"{args.probe_n} --calib-windows {args.calib_windows} --qat-steps {args.qat_steps}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+RESULTS_PATH = __import__("pathlib").Path(__file__).resolve().parent / "data" / "results" / "weight_quant.json"
+
+if __name__ == "__main__":
+    main()
