@@ -80,6 +80,12 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
     "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
     "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
+    # 12 weight quantization
+    "check_wq_group_params": (1, 10, "step and zero point of a weight group"),
+    "check_mxfp4_block": (2, 20, "one MXFP4 block by hand (E8M0 scale, E2M1 rounding)"),
+    "check_gptq_column_update": (2, 20, "one GPTQ column update"),
+    "check_awq_search": (3, 25, "AWQ's scale search"),
+    "check_int4_gemv_kernel": (4, 40, "an INT4 GEMV straight from packed weights (Triton kernel)"),
 }
 
 
