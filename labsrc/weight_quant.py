@@ -654,25 +654,17 @@ def model_weight_bytes(model, bytes_per_weight: float = 4.0) -> int:
 
 
 def torchao_mx():
-    """torchao's MX functions ``(to_mx, to_dtype)``, imported quietly, for the tests and the chapter's comparison.
+    """torchao's MX functions ``(to_mx, to_dtype)``, for the tests and the chapter's comparison.
 
-    Importing torchao on a machine without its compiled extensions prints "Failed to load ... .so" lines
-    (its optional CUDA kernels) and torch's pytree module logs deprecation warnings about the Enum types
-    torchao registers; neither concerns the pure-PyTorch ``to_mx`` used here, so both are captured at the
-    import (stdout/stderr redirected, the pytree logger raised to ERROR for the duration) and discarded.
+    Importing torchao prints "Failed to load ... .so" lines and logs pytree warnings on a machine without its
+    compiled extensions; the first import goes through :func:`labsrc.models._import_torchao_quietly`, which
+    captures and drops them (see there), so the page shows no stderr.
     """
-    import contextlib
-    import io
-    import logging
+    from labsrc.models import _import_torchao_quietly
 
-    pytree_log = logging.getLogger("torch.utils._pytree")
-    level = pytree_log.level
-    pytree_log.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
-    finally:
-        pytree_log.setLevel(level)
+    _import_torchao_quietly()
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
     return to_mx, to_dtype
 
 
@@ -726,8 +718,8 @@ def qat_mxfp4(model, tokenizer, steps: int, lr: float = 1e-4, seq_len: int = 256
               fake_quant: bool = True, seed: int = 0):
     """Fine-tune a copy of ``model`` with its decoder linears fake-quantized to MXFP4 in the forward pass
     (straight-through estimator), on the lab's training mixture (:func:`labsrc.finetune.finetune`); return
-    ``(copy with the trained weights quantized to MXFP4, losses)``. ``fake_quant=False`` is the control: the
-    same steps in full precision, then MXFP4 PTQ."""
+    ``(copy with the trained weights quantized to MXFP4, losses, the trained full-precision copy)``.
+    ``fake_quant=False`` is the control: the same steps in full precision, then MXFP4 PTQ."""
     from torch.nn.utils import parametrize
 
     from labsrc.finetune import finetune
@@ -745,7 +737,7 @@ def qat_mxfp4(model, tokenizer, steps: int, lr: float = 1e-4, seq_len: int = 256
         for _, mod in linear_layers(m):
             parametrize.remove_parametrizations(mod, "weight", leave_parametrized=False)
     q, _ = quantize_model(m, "mxfp4")
-    return q, losses
+    return q, losses, m
 
 
 def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib_len: int = 512,
@@ -795,10 +787,12 @@ def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib
     if qat_steps:
         for name, fq in (("MXFP4 QAT", True), ("MXFP4 PTQ after FP fine-tune", False)):
             t = time.time()
-            m, losses = qat_mxfp4(model, tok, qat_steps, qat_lr, fake_quant=fq, seed=seed)
+            m, losses, fp_tuned = qat_mxfp4(model, tok, qat_steps, qat_lr, fake_quant=fq, seed=seed)
             result.setdefault("qat_losses", {})[name] = losses
             log(f"{name}: {qat_steps} steps in {time.time() - t:.0f}s")
             add(name, m, mx_bytes)
+            if not fq:  # the fine-tuned model itself, unquantized: QAT's full-precision reference
+                add("FP fine-tune", fp_tuned, model_weight_bytes(model, 4))
     # layer-wise output error on held-out activations (the evaluation windows) of the fp model
     held = collect_linear_inputs(model, evals[:2])
     calib_acts = collect_linear_inputs(model, calib)

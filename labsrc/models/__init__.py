@@ -39,6 +39,35 @@ def resolve(name_or_path: str) -> str:
                      f"not a checkpoint folder, not a hub id of the form 'owner/name'")
 
 
+def _import_torchao_quietly() -> None:
+    """Import torchao, when it is installed, with its import-time noise captured and dropped.
+
+    transformers imports torchao (if installed: the lab's dev extra has it, for chapter 12's MXFP4 check) while
+    it loads a model. On a machine without torchao's compiled CUDA extensions that import prints "Failed to
+    load ... .so" lines (its optional kernels), and torch's pytree module logs deprecation warnings about
+    the Enum types torchao registers; none of it concerns the lab, and on a notebook page it is stderr. So
+    the first import happens here, with stdout/stderr redirected and the pytree logger raised to ERROR for
+    its duration; later imports find the module loaded and print nothing.
+    """
+    import contextlib
+    import importlib.util
+    import io
+    import logging
+    import sys
+
+    if "torchao" in sys.modules or importlib.util.find_spec("torchao") is None:
+        return
+    pytree_log = logging.getLogger("torch.utils._pytree")
+    level = pytree_log.level
+    pytree_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            import torchao  # noqa: F401
+            import torchao.prototype.mx_formats.mx_tensor  # noqa: F401  (registers the other Enum)
+    finally:
+        pytree_log.setLevel(level)
+
+
 def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
     """Load a model and its tokenizer: ``(LlamaForCausalLM in eval mode, PreTrainedTokenizerFast)``.
 
@@ -52,6 +81,7 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | to
     from transformers.utils import logging as hf_logging
 
     where = resolve(name_or_path)
+    _import_torchao_quietly()
     # transformers draws a "Loading weights" bar for a 9M-parameter model that loads in milliseconds; in a
     # notebook it is a widget that clutters the page. Switch it off for this call only.
     bars = hf_logging.is_progress_bar_enabled()
