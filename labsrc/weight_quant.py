@@ -742,12 +742,17 @@ def qat_mxfp4(model, tokenizer, steps: int, lr: float = 1e-4, seq_len: int = 256
 
 def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib_len: int = 512,
                    eval_windows: int = 8, eval_len: int = 512, probe_ctx: int = 512, probe_n: int = 8,
-                   qat_steps: int = 60, qat_lr: float = 1e-4, seed: int = 0, log=print) -> dict:
+                   qat_steps: int = 60, qat_lr: float = 1e-4, seed: int = 0, log=print,
+                   reuse: dict | None = None) -> dict:
     """The chapter's experiment: lab-target under every method; per-window losses and pass-key counts.
 
     Returns a JSON-ready dict: ``configs`` (name -> ``bytes``, ``nll`` per evaluation window, ``passkey``
     right answers out of ``passkey_n``), the QAT loss curves, the layer-wise output errors of RTN, GPTQ and
     AWQ (4 bits, g128) on held-out activations, and the activation outlier ratios.
+
+    ``reuse``: an earlier result with the same settings; configurations (and the layer errors) it already
+    holds are taken from it instead of being recomputed. Every step is deterministic (seeded windows,
+    calibration and fine-tuning; one thread), so this gives the numbers a full run gives.
     """
     import time
 
@@ -761,9 +766,22 @@ def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib
     result = {"model": model_name, "calib_windows": calib_windows, "calib_len": calib_len,
               "eval_windows": eval_windows, "eval_len": eval_len, "probe_ctx": probe_ctx,
               "passkey_n": per_depth * len(depths), "configs": {}}
+    old = {}
+    if reuse is not None:
+        same = all(reuse.get(k) == v for k, v in result.items() if k != "configs") \
+            and reuse.get("qat_steps", qat_steps) == qat_steps
+        if not same:
+            raise ValueError("reuse holds a result with other settings; run without it")
+        old = reuse.get("configs", {})
+    result["qat_steps"] = qat_steps
 
-    def add(name, m, nbytes):
+    def add(name, make):
+        if name in old:
+            result["configs"][name] = old[name]
+            log(f"{name}: reused")
+            return
         t = time.time()
+        m, nbytes = make()
         nll = window_nll(m, evals)
         acc = tasks.passkey_accuracy(m, tok, probe_ctx, depths, per_depth, seed)
         result["configs"][name] = {"bytes": int(nbytes), "nll": nll.tolist(),
@@ -771,28 +789,38 @@ def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib
         log(f"{name}: {nbytes} bytes, ppl {math.exp(float(nll.mean())):.3f}, passkey {acc:.2f} "
             f"({time.time() - t:.0f}s)")
 
-    add("fp32", model, model_weight_bytes(model, 4))
-    add("fp16", model.half().float(), model_weight_bytes(model, 2))
-    model, _ = models.load(model_name)
-    add("LLM.int8", *int8_model(model))
-    add("RTN INT8", *quantize_model(model, "rtn", bits=8, group_size=None))
-    add("RTN INT4 per-channel", *quantize_model(model, "rtn", bits=4, group_size=None))
-    add("RTN INT4 g128", *quantize_model(model, "rtn", bits=4, group_size=128))
-    add("GPTQ INT4 g128", *quantize_model(model, "gptq", calib, bits=4, group_size=128))
-    add("AWQ INT4 g128", *quantize_model(model, "awq", calib, bits=4, group_size=128))
-    add("RTN INT3 g128", *quantize_model(model, "rtn", bits=3, group_size=128))
-    add("GPTQ INT3 g128", *quantize_model(model, "gptq", calib, bits=3, group_size=128))
-    mx_model, mx_bytes = quantize_model(model, "mxfp4")
-    add("MXFP4 PTQ", mx_model, mx_bytes)
+    add("fp32", lambda: (model, model_weight_bytes(model, 4)))
+    add("fp16", lambda: (copy.deepcopy(model).half().float(), model_weight_bytes(model, 2)))
+    add("LLM.int8", lambda: int8_model(model))
+    add("RTN INT8", lambda: quantize_model(model, "rtn", bits=8, group_size=None))
+    add("RTN INT4 per-channel", lambda: quantize_model(model, "rtn", bits=4, group_size=None))
+    add("RTN INT4 g128", lambda: quantize_model(model, "rtn", bits=4, group_size=128))
+    add("GPTQ INT4 g128", lambda: quantize_model(model, "gptq", calib, bits=4, group_size=128))
+    add("AWQ INT4 g128", lambda: quantize_model(model, "awq", calib, bits=4, group_size=128))
+    add("RTN INT3 g128", lambda: quantize_model(model, "rtn", bits=3, group_size=128))
+    add("GPTQ INT3 g128", lambda: quantize_model(model, "gptq", calib, bits=3, group_size=128))
+    add("MXFP4 PTQ", lambda: quantize_model(model, "mxfp4"))
+    mx_bytes = quantize_model(model, "mxfp4")[1]
     if qat_steps:
         for name, fq in (("MXFP4 QAT", True), ("MXFP4 PTQ after FP fine-tune", False)):
+            needed = [name] + ([] if fq else ["FP fine-tune"])
+            if all(n in old for n in needed) and name in (reuse or {}).get("qat_losses", {}):
+                result.setdefault("qat_losses", {})[name] = reuse["qat_losses"][name]
+                for n in needed:
+                    add(n, None)
+                continue
             t = time.time()
             m, losses, fp_tuned = qat_mxfp4(model, tok, qat_steps, qat_lr, fake_quant=fq, seed=seed)
             result.setdefault("qat_losses", {})[name] = losses
             log(f"{name}: {qat_steps} steps in {time.time() - t:.0f}s")
-            add(name, m, mx_bytes)
+            old.pop(name, None)
+            add(name, lambda: (m, mx_bytes))
             if not fq:  # the fine-tuned model itself, unquantized: QAT's full-precision reference
-                add("FP fine-tune", fp_tuned, model_weight_bytes(model, 4))
+                old.pop("FP fine-tune", None)
+                add("FP fine-tune", lambda: (fp_tuned, model_weight_bytes(model, 4)))
+    if reuse is not None and "layer_errors" in reuse and "outlier_ratio" in reuse:
+        result["layer_errors"], result["outlier_ratio"] = reuse["layer_errors"], reuse["outlier_ratio"]
+        return result
     # layer-wise output error on held-out activations (the evaluation windows) of the fp model
     held = collect_linear_inputs(model, evals[:2])
     calib_acts = collect_linear_inputs(model, calib)
@@ -824,12 +852,15 @@ def main(argv=None) -> None:
     parser.add_argument("--calib-windows", type=int, default=8)
     parser.add_argument("--qat-steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the configurations already in --out (same settings) and compute the rest")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    reuse = json.loads(Path(args.out).read_text()) if args.reuse and Path(args.out).is_file() else None
     result = run_experiment(calib_windows=args.calib_windows, eval_windows=args.eval_windows,
                             probe_n=args.probe_n, qat_steps=args.qat_steps,
-                            log=lambda m: print(m, flush=True))
+                            log=lambda m: print(m, flush=True), reuse=reuse)
     result["command"] = (f"python -m labsrc.weight_quant --eval-windows {args.eval_windows} --probe-n "
                          f"{args.probe_n} --calib-windows {args.calib_windows} --qat-steps {args.qat_steps}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
