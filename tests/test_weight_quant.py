@@ -268,3 +268,40 @@ def test_fake_quant_ste_passes_the_gradient_through():
     assert torch.equal(y.detach(), wq.mxfp4_dequantize(*wq.mxfp4_quantize(w.detach())))
     (y * torch.arange(64.0)).sum().backward()
     assert torch.equal(w.grad, torch.arange(64.0).expand(4, 64))
+
+
+# ----------------------------------------------------------------------------------------------- a model
+@pytest.fixture(scope="module")
+def lab_target():
+    from labsrc import models
+
+    return models.load("lab-target")
+
+
+def test_quantize_model_replaces_every_linear_and_counts_bytes(lab_target):
+    model, tok = lab_target
+    ids = wq.calibration_ids(tok, 1, 64, "train", seed=3)
+    q, nbytes = wq.quantize_model(model, "rtn", bits=4, group_size=128)
+    for (name, m), (_, mq) in zip(wq.linear_layers(model), wq.linear_layers(q)):
+        expect = wq.dequantize(wq.quantize_rtn(m.weight.detach().float(), 4, 128))
+        assert torch.equal(mq.weight.detach(), expect), name
+    assert nbytes == sum(wq.quantize_rtn(m.weight.detach().float(), 4, 128).nbytes
+                         for _, m in wq.linear_layers(model))
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # the original is untouched
+    # AWQ layers compute (x / s) @ W_hat^T; GPTQ and MXFP4 copies run; window_nll is per window
+    a, _ = wq.quantize_model(model, "awq", ids, bits=4, group_size=128, grid=4)
+    layer = a.model.layers[0].mlp.down_proj
+    assert isinstance(layer, wq.AWQLinear)
+    x = torch.randn(3, layer.weight.shape[1])
+    assert torch.allclose(layer(x), (x * layer.inv_s) @ layer.weight.T)
+    m8, b8 = wq.int8_model(model)
+    assert b8 == sum(m.weight.numel() + 2 * m.weight.shape[0] for _, m in wq.linear_layers(model))
+    windows = wq.calibration_ids(tok, 2, 48, "validation", seed=4)
+    base = wq.window_nll(model, windows)
+    assert base.shape == (2,)
+    for other in (q, a, m8, wq.quantize_model(model, "mxfp4")[0]):
+        assert (wq.window_nll(other, windows) - base).abs().max() < 0.2
+    with pytest.raises(ValueError, match="calib_ids"):
+        wq.quantize_model(model, "gptq")
+    with pytest.raises(ValueError, match="method"):
+        wq.quantize_model(model, "nf4")
