@@ -123,6 +123,21 @@ try:
     raise AssertionError("the kernel's chunk sizes must still be checked")
 except ValueError as e:
     assert "chunk_size" in str(e)
+# the weight-quantization GEMMs (chapter 12)
+from labsrc import weight_quant as wq
+from labsrc.kernels import weight_quant as kwq
+w = torch.randn(9, 64, generator=g)
+qw = wq.quantize_rtn(w, 4, 16)
+x = torch.randn(3, 64, generator=g)
+args = (qw.qweight, qw.scales, qw.zeros, 16)
+assert torch.equal(kwq.int4_matmul(x, *args), kwq.int4_matmul_ref(x, *args))
+codes, scales = wq.mxfp4_quantize(w)
+assert torch.equal(kwq.mxfp4_matmul(x, codes, scales), kwq.mxfp4_matmul_ref(x, codes, scales))
+try:
+    kwq.int4_matmul(x[:, :30], *args)
+    raise AssertionError("a wrong K must still be refused")
+except ValueError as e:
+    assert "x must have shape" in str(e)
 print("no-triton checks passed")
 '''
 

@@ -102,6 +102,12 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_scan_combine": (2, 15, "the scan's associative combine operator"),
     "check_ssd_chunk_state": (3, 25, "one chunk of SSD's inter-chunk state passing"),
     "check_scan_kernel": (4, 35, "a blocked linear-scan kernel with its carry (Triton)"),
+    # 12 weight quantization
+    "check_wq_group_params": (1, 10, "step and zero point of a weight group"),
+    "check_mxfp4_block": (2, 20, "one MXFP4 block by hand (E8M0 scale, E2M1 rounding)"),
+    "check_gptq_column_update": (2, 20, "one GPTQ column update"),
+    "check_awq_search": (3, 25, "AWQ's scale search"),
+    "check_int4_gemv_kernel": (4, 40, "an INT4 GEMV straight from packed weights (Triton kernel)"),
 }
 
 

@@ -22,6 +22,8 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
   the token-by-token PyTorch form.
 * ``linear_scan``, ``selective_scan``, ``ssd`` (:mod:`labsrc.bench.ssm`): the state-space scans, in GB/s
   (``ssd`` also in TFLOP/s).
+* ``int4_matmul``, ``mxfp4_matmul`` (:mod:`labsrc.bench.weight_quant`): W4A16 and MXFP4 GEMMs dequantizing in
+  registers, GB/s of weight bytes and TFLOP/s beside ``torch.matmul`` on the dequantized 16-bit weight.
 
 Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for
 ``size`` in ``"tiny"`` (a smoke run that the interpreter can do in CI) or ``"gpu"`` (real sizes). A
