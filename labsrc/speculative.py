@@ -27,6 +27,7 @@ __all__ = [
     "acceptance_rate", "total_variation", "kl_divergence", "pinsker_lower_bound", "residual_distribution",
     "verify", "verify_batch", "expected_tokens_per_step", "speedup", "optimal_k", "adaptive_window",
     "warp_logits", "speculative_generate", "SpecStats", "StepStats", "chi_square_test",
+    "tree_attention_mask", "tree_depths",
 ]
 
 _PROB_TOL = 1e-3
@@ -274,6 +275,37 @@ def verify_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_p
     then ``-1`` padding) and ``n_accepted (B,)``."""
     _check_verify_args(draft_tokens, draft_probs, target_probs, batched=True)
     return _verify_core(draft_tokens.long(), draft_probs, target_probs, generator, greedy)
+
+
+# ----------------------------------------------------------------------------------------------- trees
+def tree_attention_mask(parents) -> torch.Tensor:
+    """The ancestor-or-self mask of a draft tree: ``mask[i, j]`` true when node ``j`` is node ``i`` or an
+    ancestor of it. ``parents[i]`` is the index of node ``i``'s parent (``< i``: parents come first), or ``-1``
+    for a node that hangs directly off the verified prefix. Returns ``(N, N)`` bool."""
+    if isinstance(parents, torch.Tensor):
+        if parents.dtype.is_floating_point or parents.dim() != 1:
+            raise ValueError(f"parents must be a 1-D integer sequence, got {parents.dtype} {tuple(parents.shape)}")
+        parents = parents.tolist()
+    parents = list(parents)
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, par in enumerate(parents):
+        if isinstance(par, bool) or not isinstance(par, int):
+            raise ValueError(f"parents[{i}] must be an int, got {par!r}")
+        if not -1 <= par < i:
+            raise ValueError(f"parents[{i}] = {par}: a parent must come before its child (-1 <= parent < {i})")
+        mask[i, i] = True
+        if par >= 0:
+            mask[i] |= mask[par]
+    return mask
+
+
+def tree_depths(parents) -> list[int]:
+    """Depth of each node (1 for a child of the prefix): its position offset after the prefix."""
+    depth = []
+    for par in list(parents):
+        depth.append(1 if par < 0 else depth[par] + 1)
+    return depth
 
 
 # ----------------------------------------------------------------------------------------------- generation
