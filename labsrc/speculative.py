@@ -27,7 +27,8 @@ __all__ = [
     "acceptance_rate", "total_variation", "kl_divergence", "pinsker_lower_bound", "residual_distribution",
     "verify", "verify_batch", "expected_tokens_per_step", "speedup", "optimal_k", "adaptive_window",
     "warp_logits", "speculative_generate", "SpecStats", "StepStats", "chi_square_test",
-    "tree_attention_mask", "tree_depths",
+    "tree_attention_mask", "tree_depths", "tree_verify_logits", "tree_speculative_generate",
+    "early_exit_draft", "train_early_exit_head",
 ]
 
 _PROB_TOL = 1e-3
@@ -499,3 +500,273 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
     stats.new_tokens += min(produced, max_new_tokens)
     stats.wall_seconds += time.perf_counter() - t_start
     return seq[:, : input_ids.shape[1] + max_new_tokens], stats
+
+
+# ----------------------------------------------------------------------------------------------- tree generation
+_TREE_MASK: list = []      # (ancestor mask, use_kernel) of the tree being verified, set around the target call
+_TREE_ATTN = "lab_tree"
+
+
+def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: the tree's queries against prefix + tree under the ancestor mask."""
+    from labsrc.kernels.tree_attention import tree_attention, tree_attention_ref
+    mask, use_kernel = _TREE_MASK[-1]
+    n = query.shape[2]
+    if key.shape[2] < n or mask.shape[-1] != n:
+        raise ValueError(f"tree attention: {n} queries but a tree mask for {mask.shape[-1]} nodes")
+    fn = tree_attention if use_kernel else tree_attention_ref
+    out = fn(query.contiguous(), key, value, mask.to(query.device), sm_scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_tree_attention():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(_TREE_ATTN, _tree_attention_forward)
+    AttentionMaskInterface.register(_TREE_ATTN, sdpa_mask)
+
+
+@torch.no_grad()
+def tree_verify_logits(target, cache, tokens: torch.Tensor, parents, position0: int,
+                       use_kernel: bool = True) -> torch.Tensor:
+    """One target forward over a token tree after ``cache``: node ``i`` (token ``tokens[i]``, parent
+    ``parents[i]``, ``-1`` for the root's level) sits at position ``position0 + depth(i) - 1`` and attends to the
+    cache and its ancestors (the Triton tree-attention kernel). Returns the logits ``(N, V)``; the cache then
+    holds all ``N`` nodes (cut it back with :func:`_keep_cache_positions`). ``use_kernel=False`` runs the
+    PyTorch reference of the same attention instead (same numbers; faster under the Triton interpreter)."""
+    _register_tree_attention()
+    depth = torch.tensor(tree_depths(parents))
+    pos = (position0 + depth - 1)[None].to(tokens.device)
+    previous = target.config._attn_implementation
+    _TREE_MASK.append((tree_attention_mask(parents), use_kernel))
+    try:
+        target.set_attn_implementation(_TREE_ATTN)
+        out = target(input_ids=tokens[None], cache=cache, position_ids=pos, use_cache=True)
+    finally:
+        target.set_attn_implementation(previous)
+        _TREE_MASK.pop()
+    return out.logits[0].float()
+
+
+def _keep_cache_positions(cache, keep: torch.Tensor) -> None:
+    """Keep only cache positions ``keep`` (a 1-D index tensor) in every layer of a transformers cache."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(-2, keep)
+        layer.values = layer.values.index_select(-2, keep)
+
+
+@torch.no_grad()
+def tree_speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, k: int = 4,
+                              branches: int = 2, stats: SpecStats | None = None, stop_at_eos: bool = True,
+                              use_kernel: bool = True) -> tuple[torch.Tensor, SpecStats]:
+    """Greedy tree speculation: per cycle the draft walks its greedy path for ``k`` steps and at every depth
+    also offers its next ``branches - 1`` most likely tokens as siblings (a tree of ``1 + k * branches``
+    nodes, the verified last token as root); the target verifies the whole tree in one forward with the
+    tree-attention kernel and accepts the longest root path whose every token is its own argmax. Output is
+    token-identical to the target's greedy decoding. ``branches=1`` is the chain. Returns ``(ids, stats)``."""
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    _check_k(k)
+    _check_k(branches, "branches")
+    stats = SpecStats() if stats is None else stats
+    seq = input_ids
+    eos = _eos_ids(target) if stop_at_eos else set()
+    t_start = time.perf_counter()
+    tcache, dcache = _new_cache(target), _new_cache(draft)
+    if seq.shape[1] > 1:
+        _forward(target, seq[:, :-1], tcache)
+        _forward(draft, seq[:, :-1], dcache)
+    produced = 0
+    while produced < max_new_tokens:
+        kk = min(k, max_new_tokens - produced - 1)
+        t0 = time.perf_counter()
+        # ---- draft: greedy path of kk tokens; siblings = the next-best tokens at each depth
+        tokens, parents = [int(seq[0, -1])], [-1]
+        path_node = 0
+        pending = seq[:, dcache.get_seq_length():]
+        path = []
+        for _ in range(kk):
+            logits = _forward(draft, pending, dcache)[-1]
+            top = logits.topk(branches).indices.tolist()
+            first = len(tokens)
+            for tok in top:
+                tokens.append(tok)
+                parents.append(path_node)
+            path_node = first
+            path.append(top[0])
+            pending = torch.tensor([[top[0]]])
+        stats.draft_calls += kk
+        t_draft = time.perf_counter() - t0
+        # ---- target: the whole tree in one forward
+        t0 = time.perf_counter()
+        L = tcache.get_seq_length()
+        logits = tree_verify_logits(target, tcache, torch.tensor(tokens), parents, L, use_kernel)
+        stats.target_calls += 1
+        best = logits.argmax(-1).tolist()
+        children = {}
+        for i, par in enumerate(parents):
+            if par >= 0:
+                children.setdefault(par, []).append(i)
+        node, accepted_nodes = 0, []
+        while True:
+            nxt = [c for c in children.get(node, []) if tokens[c] == best[node]]
+            if not nxt:
+                break
+            node = nxt[0]
+            accepted_nodes.append(node)
+        emitted = [tokens[i] for i in accepted_nodes] + [best[node]]
+        t_target = time.perf_counter() - t0
+        for j, t in enumerate(emitted):
+            if t in eos:
+                emitted = emitted[: j + 1]
+                break
+        n_acc = len(accepted_nodes)
+        keep = torch.cat([torch.arange(L + 1), L + torch.tensor(accepted_nodes, dtype=torch.long)])
+        _keep_cache_positions(tcache, keep[: L + 1 + max(0, len(emitted) - 1)])
+        seq = torch.cat([seq, torch.tensor([emitted])], dim=1)
+        produced += len(emitted)
+        # the draft cached its own greedy path: keep the part that agrees with what was emitted
+        agree = 0
+        while agree < min(len(path) - 1, len(emitted)) and path[agree] == emitted[agree]:
+            agree += 1
+        _rollback(dcache, min(dcache.get_seq_length(), L + 1 + agree, seq.shape[1] - 1))
+        stats.steps.append(StepStats(k=kk, drafted=len(tokens) - 1, accepted=n_acc, emitted=len(emitted),
+                                     draft_seconds=t_draft, target_seconds=t_target,
+                                     accepted_mask=tuple(j < n_acc for j in range(kk))))
+        if emitted and emitted[-1] in eos:
+            break
+    stats.new_tokens += min(produced, max_new_tokens)
+    stats.wall_seconds += time.perf_counter() - t_start
+    return seq[:, : input_ids.shape[1] + max_new_tokens], stats
+
+
+# ----------------------------------------------------------------------------------------------- self-speculation
+EARLY_EXIT_DIR = __import__("pathlib").Path(__file__).resolve().parent / "models" / "early_exit"
+
+
+def early_exit_draft(target, layer: int | None = None, head: dict | str | None = "shipped"):
+    """A draft made of ``target``'s own first ``layer`` layers plus an early-exit head (CLaSp / LayerSkip style).
+
+    Returns a ``LlamaForCausalLM`` whose embedding and decoder layers *are* the target's modules (shared, not
+    copied: no extra weights, and its keys and values at those layers equal the target's), followed by its
+    own final norm and ``lm_head``. ``head``: ``"shipped"`` loads the head trained by
+    :func:`train_early_exit_head` (``labsrc/models/early_exit/<name>-L<layer>.safetensors``), a path loads that
+    file, a dict is a state dict, ``None`` keeps the target's final norm and ``lm_head`` (untrained exit).
+    ``layer`` defaults to half the target's layers.
+    """
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    n_layers = target.config.num_hidden_layers
+    layer = n_layers // 2 if layer is None else layer
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer < n_layers:
+        raise ValueError(f"layer must be an int in [1, {n_layers - 1}], got {layer!r}")
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = layer
+    cfg.tie_word_embeddings = False
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layer]
+    with torch.device("meta"):
+        draft = LlamaForCausalLM(cfg)
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.model.layers = torch.nn.ModuleList(target.model.layers[:layer])
+    draft.model.rotary_emb = target.model.rotary_emb
+    draft.model.norm = copy.deepcopy(target.model.norm)
+    draft.lm_head = copy.deepcopy(target.lm_head)
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    if head is not None:
+        if isinstance(head, str):
+            from safetensors.torch import load_file
+            path = (EARLY_EXIT_DIR / f"{_model_name(target)}-L{layer}.safetensors") if head == "shipped" else head
+            head = load_file(str(path))
+        draft.model.norm.weight.data.copy_(head["norm.weight"].float())
+        draft.lm_head.weight.data.copy_(head["lm_head.weight"].float())
+    return draft.eval()
+
+
+def _model_name(model) -> str:
+    from pathlib import Path
+    return Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
+
+
+def train_early_exit_head(target, tokenizer, layer: int | None = None, steps: int = 300, seq_len: int = 256,
+                          batch_size: int = 4, lr: float = 2e-3, seed: int = 0, out: str | None = None,
+                          log=None) -> dict:
+    """Train the early-exit head (final norm + ``lm_head`` on layer ``layer``'s hidden state) by
+    ``KL(p_target || p_exit)`` with the whole body frozen, on the lab's training mixture (prose and the
+    retrieval tasks, :func:`labsrc.models.train.make_batch`). Writes the head as fp16 safetensors to ``out``
+    and returns ``{"losses": [...], "seconds": s, "path": out}``."""
+    import random
+
+    from safetensors.torch import save_file
+
+    from labsrc.models.train import TrainConfig, make_batch
+
+    torch.manual_seed(seed)
+    draft = early_exit_draft(target, layer, head=None)
+    for prm in target.parameters():
+        prm.requires_grad_(False)
+    params = [draft.model.norm.weight, draft.lm_head.weight]
+    for prm in params:
+        prm.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, short_steps=0, grow_steps=0)
+    rng = random.Random(seed)
+    losses, t0 = [], time.perf_counter()
+    for step in range(steps):
+        ids, _ = make_batch(cfg, tokenizer, rng)
+        with torch.no_grad():   # one frozen forward gives both the teacher and the exit layer's hidden state
+            res = target(input_ids=ids, output_hidden_states=True)
+            logp_t = torch.log_softmax(res.logits.float(), -1)
+            hidden = res.hidden_states[draft.config.num_hidden_layers]
+        logq = torch.log_softmax(draft.lm_head(draft.model.norm(hidden)).float(), -1)
+        loss = (logp_t.exp() * (logp_t - logq)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if log is not None and (step % 25 == 0 or step == steps - 1):
+            print(f"step {step:4d} KL {loss.item():.4f} {time.perf_counter() - t0:.0f}s", file=log, flush=True)
+    for prm in params:
+        prm.requires_grad_(False)
+    head = {"norm.weight": draft.model.norm.weight.detach().half().contiguous(),
+            "lm_head.weight": draft.lm_head.weight.detach().half().contiguous()}
+    if out is not None:
+        save_file(head, str(out))
+    return {"losses": losses, "seconds": time.perf_counter() - t0, "path": out}
+
+
+def main(argv=None):
+    """``python -m labsrc.speculative train-early-exit [--steps N]``: train and ship lab-target's exit head."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m labsrc.speculative")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    tr = sub.add_parser("train-early-exit", help="train lab-target's early-exit head (body frozen)")
+    tr.add_argument("--layer", type=int, default=None)
+    tr.add_argument("--steps", type=int, default=300)
+    tr.add_argument("--seq-len", type=int, default=256)
+    tr.add_argument("--batch-size", type=int, default=4)
+    tr.add_argument("--lr", type=float, default=2e-3)
+    args = ap.parse_args(argv)
+    from labsrc.models import load
+    target, tok = load("lab-target")
+    layer = target.config.num_hidden_layers // 2 if args.layer is None else args.layer
+    EARLY_EXIT_DIR.mkdir(parents=True, exist_ok=True)
+    out = EARLY_EXIT_DIR / f"lab-target-L{layer}.safetensors"
+    res = train_early_exit_head(target, tok, layer, steps=args.steps, seq_len=args.seq_len,
+                                batch_size=args.batch_size, lr=args.lr, out=str(out), log=sys.stdout)
+    card = {"target": "lab-target", "layer": layer, "steps": args.steps, "seq_len": args.seq_len,
+            "batch_size": args.batch_size, "lr": args.lr, "seconds": round(res["seconds"], 1),
+            "torch_threads": torch.get_num_threads(), "kl_first": res["losses"][0],
+            "kl_last_25_mean": sum(res["losses"][-25:]) / len(res["losses"][-25:]),
+            "losses": [round(x, 5) for x in res["losses"]]}
+    (EARLY_EXIT_DIR / f"lab-target-L{layer}.json").write_text(json.dumps(card, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -284,3 +284,63 @@ def test_generate_errors(lab_pair):
         spec.speculative_generate(target, draft, ids.float(), 4)
     with pytest.raises(ValueError, match="temperature"):
         spec.speculative_generate(target, draft, ids, 4, do_sample=True, temperature=0.0)
+
+
+# ----------------------------------------------------------------------------- trees and self-speculation
+def _tiny_llama_d16(seed, vocab=32, layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    return model
+
+
+def test_tree_verify_of_a_chain_equals_a_causal_forward_with_the_kernel():
+    from transformers import DynamicCache
+    target = _tiny_llama_d16(0)
+    prefix = torch.tensor([[3, 5, 7, 9]])
+    chain = torch.tensor([11, 2, 4, 6])
+    with torch.no_grad():
+        full = target(torch.cat([prefix, chain[None]], 1)).logits[0, 4:]
+        cache = DynamicCache(config=target.config)
+        target(prefix, cache=cache, use_cache=True)
+        tree = spec.tree_verify_logits(target, cache, chain, [-1, 0, 1, 2], 4)
+    torch.testing.assert_close(tree, full, rtol=1e-4, atol=1e-4)
+    # branches: node 2 is a sibling of node 1, so its logits equal those of a chain without node 1
+    with torch.no_grad():
+        cache = DynamicCache(config=target.config)
+        target(prefix, cache=cache, use_cache=True)
+        tree = spec.tree_verify_logits(target, cache, torch.tensor([11, 2, 4]), [-1, 0, 0], 4)
+        alt = target(torch.cat([prefix, torch.tensor([[11, 4]])], 1)).logits[0, -1]
+    torch.testing.assert_close(tree[2], alt, rtol=1e-4, atol=1e-4)
+
+
+def test_tree_speculation_is_greedy_identical():
+    target, draft = _tiny_llama_d16(0), _tiny_llama_d16(1, layers=1)
+    ids = torch.tensor([[1, 2, 3]])
+    ref = target.generate(ids, max_new_tokens=10, do_sample=False)
+    for b, use_kernel in ((1, False), (3, False), (2, True)):
+        out, stats = spec.tree_speculative_generate(target, draft, ids, 10, k=3, branches=b, use_kernel=use_kernel,
+                                                    stop_at_eos=False)
+        assert torch.equal(out, ref), (b, use_kernel)
+        assert stats.new_tokens == 10
+
+
+def test_early_exit_draft_shares_the_body_and_is_greedy_identical(lab_pair):
+    target, _ = lab_pair
+    draft = spec.early_exit_draft(target, head=None)
+    assert draft.model.layers[0] is target.model.layers[0] and len(draft.model.layers) == 3
+    ids = torch.tensor([[5, 17, 300, 41]])
+    ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+    out, _ = spec.speculative_generate(target, draft, ids, 12, k=3)
+    assert torch.equal(out, ref)
+    # its logits are the exit head applied to the target's hidden state after 3 layers
+    with torch.no_grad():
+        h3 = target(ids, output_hidden_states=True).hidden_states[3]
+        torch.testing.assert_close(draft(ids).logits, draft.lm_head(draft.model.norm(h3)))
+    with pytest.raises(ValueError, match="layer"):
+        spec.early_exit_draft(target, layer=6)

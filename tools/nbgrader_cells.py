@@ -80,6 +80,12 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
     "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
     "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
+    # 10 speculative decoding
+    "check_spec_residual": (2, 15, "the residual distribution after a rejection"),
+    "check_spec_expected_tokens": (2, 15, "expected tokens per target call"),
+    "check_spec_tree_mask": (2, 20, "a tree mask from a parents array"),
+    "check_spec_cache_keep": (2, 20, "the cache rollback that keeps greedy output identical"),
+    "check_spec_residual_kernel": (4, 35, "the residual distribution as a Triton kernel"),
 }
 
 
