@@ -28,7 +28,8 @@ __all__ = [
     "verify", "verify_batch", "expected_tokens_per_step", "speedup", "optimal_k", "adaptive_window",
     "warp_logits", "speculative_generate", "SpecStats", "StepStats", "chi_square_test",
     "tree_attention_mask", "tree_depths", "tree_verify_logits", "tree_speculative_generate",
-    "early_exit_draft", "train_early_exit_head",
+    "early_exit_draft", "train_early_exit_head", "alpha_along", "acceptance_by_position", "plain_decode",
+    "task_prompts",
 ]
 
 _PROB_TOL = 1e-3
@@ -638,6 +639,74 @@ def tree_speculative_generate(target, draft, input_ids: torch.Tensor, max_new_to
     stats.new_tokens += min(produced, max_new_tokens)
     stats.wall_seconds += time.perf_counter() - t_start
     return seq[:, : input_ids.shape[1] + max_new_tokens], stats
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+@torch.no_grad()
+def alpha_along(target, draft, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Teacher-forced acceptance along a sequence: ``1 - TV(p_t, q_t)`` at every position ``t`` of ``ids``
+    ``(T,)`` (the acceptance probability a drafted token would have there), one forward per model."""
+    ids = ids.reshape(1, -1)
+    p = warp_logits(target(input_ids=ids).logits[0].float(), temperature)
+    q = warp_logits(draft(input_ids=ids).logits[0].float(), temperature)
+    return torch.minimum(p, q).sum(-1)
+
+
+def acceptance_by_position(stats: SpecStats | list[SpecStats], k: int) -> tuple[list[int], list[int]]:
+    """``(accepted, reached)`` per window position ``1..k``: how often draft ``i`` was reached (every earlier
+    draft accepted) and then accepted. ``accepted[i] / reached[i]`` is the conditional acceptance at ``i``."""
+    runs = stats if isinstance(stats, list) else [stats]
+    accepted, reached = [0] * k, [0] * k
+    for run in runs:
+        for step in run.steps:
+            for i, ok in enumerate(step.accepted_mask[:k]):
+                reached[i] += 1
+                accepted[i] += int(ok)
+                if not ok:
+                    break
+    return accepted, reached
+
+
+@torch.no_grad()
+def plain_decode(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, list[float]]:
+    """Greedy decoding one token per forward with a KV cache (the baseline speculative decoding is timed
+    against, the same code path). Returns ``(ids, seconds of each decode forward)``."""
+    ids = input_ids.reshape(1, -1)
+    cache = _new_cache(model)
+    if ids.shape[1] > 1:
+        _forward(model, ids[:, :-1], cache)
+    times = []
+    for _ in range(max_new_tokens):
+        t0 = time.perf_counter()
+        nxt = _forward(model, ids[:, cache.get_seq_length():], cache)[-1].argmax()
+        times.append(time.perf_counter() - t0)
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids, times
+
+
+def task_prompts(tokenizer, task: str, n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+    """``n`` prompts of about ``length`` tokens for ``task``: ``"prose"`` (validation text), ``"passkey"`` (the
+    text up to the pass key's answer) or ``"copy"`` (a word list, prose, then the request to copy it)."""
+    import random
+
+    from labsrc import tasks
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if task == "prose":
+            ids = tasks.corpus_ids(tokenizer, "validation")
+            start = rng.randrange(0, len(ids) - length)
+            out.append(torch.cat([torch.tensor([tokenizer.bos_token_id]), ids[start:start + length - 1]]))
+        elif task == "passkey":
+            sample = tasks.passkey_sample(tokenizer, length, rng.random(), rng)
+            out.append(torch.tensor(sample.prompt_ids))
+        elif task == "copy":
+            sample = tasks.copy_sample(tokenizer, length, rng)
+            out.append(torch.tensor(sample.prompt_ids))
+        else:
+            raise ValueError(f"task must be 'prose', 'passkey' or 'copy', got {task!r}")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------- self-speculation
