@@ -344,3 +344,27 @@ def test_early_exit_draft_shares_the_body_and_is_greedy_identical(lab_pair):
         torch.testing.assert_close(draft(ids).logits, draft.lm_head(draft.model.norm(h3)))
     with pytest.raises(ValueError, match="layer"):
         spec.early_exit_draft(target, layer=6)
+
+
+def test_acceptance_by_position_counts_reached_and_accepted():
+    st = spec.SpecStats(steps=[
+        spec.StepStats(k=3, drafted=3, accepted=1, emitted=2, draft_seconds=0, target_seconds=0,
+                       accepted_mask=(True, False, False)),
+        spec.StepStats(k=3, drafted=3, accepted=3, emitted=4, draft_seconds=0, target_seconds=0,
+                       accepted_mask=(True, True, True)),
+        spec.StepStats(k=2, drafted=2, accepted=0, emitted=1, draft_seconds=0, target_seconds=0,
+                       accepted_mask=(False, False)),
+    ])
+    assert spec.acceptance_by_position(st, 3) == ([2, 1, 1], [3, 2, 1])
+
+
+def test_plain_decode_and_shipped_exit_head(lab_pair):
+    target, draft = lab_pair
+    ids = torch.tensor([[7, 8, 9, 10, 11]])
+    out, times = spec.plain_decode(target, ids, 6)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=6, do_sample=False)) and len(times) == 6
+    trained = spec.early_exit_draft(target)                  # the shipped head loads
+    untrained = spec.early_exit_draft(target, head=None)
+    assert not torch.equal(trained.lm_head.weight, untrained.lm_head.weight)
+    a = spec.alpha_along(target, draft, torch.arange(2, 40))
+    assert a.shape == (38,) and bool(((a >= 0) & (a <= 1 + 1e-9)).all())

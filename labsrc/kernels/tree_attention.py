@@ -3,7 +3,7 @@
 A draft tree holds ``N`` candidate tokens (nodes); node ``i`` continues the path through its ancestors. The
 target scores all ``N`` nodes at once: node ``i``'s query attends to the whole cached prefix (``P`` keys) and,
 among the tree's own keys, only to its ancestors and itself (SpecInfer's *tree attention*,
-{cite}`miao2024specinfer`). One forward then gives, at every node, the target's distribution for the next
+{cite}`miao2023specinfer`). One forward then gives, at every node, the target's distribution for the next
 token on that node's path.
 
 * :func:`tree_attention_ref`: the plain PyTorch definition (a dense ``N x (P + N)`` mask, softmax, weights).
