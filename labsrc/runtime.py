@@ -146,11 +146,11 @@ SIZES: dict[str, dict[str, dict]] = {
         "cpu": dict(chi_vocab=8, chi_draws=100_000, chi_k=3, identity_n=3, identity_tokens=24, alpha_n=6,
                     alpha_len=192, n_prompts=4, prompt_len=96, new_tokens=48, ks=(1, 2, 4, 8), timing_reps=1,
                     tree_n=2, tree_tokens=32, tree_branches=(1, 2, 3, 4), tree_kernel_calls=1,
-                    self_n=3, opd_tokens=0),
+                    self_n=3, opd_tokens=96, opd_prompt=64),
         "gpu": dict(chi_vocab=8, chi_draws=1_000_000, chi_k=3, identity_n=10, identity_tokens=64, alpha_n=40,
                     alpha_len=448, n_prompts=20, prompt_len=192, new_tokens=128, ks=(1, 2, 3, 4, 6, 8),
                     timing_reps=3, tree_n=8, tree_tokens=64, tree_branches=(1, 2, 3, 4), tree_kernel_calls=-1,
-                    self_n=10, opd_tokens=0),
+                    self_n=10, opd_tokens=512, opd_prompt=128),
     },
 }
 

@@ -368,3 +368,14 @@ def test_plain_decode_and_shipped_exit_head(lab_pair):
     assert not torch.equal(trained.lm_head.weight, untrained.lm_head.weight)
     a = spec.alpha_along(target, draft, torch.arange(2, 40))
     assert a.shape == (38,) and bool(((a >= 0) & (a <= 1 + 1e-9)).all())
+
+
+def test_draft_opd_keeps_greedy_output_and_leaves_the_draft_untouched():
+    target, draft = _tiny_llama_d16(0), _tiny_llama_d16(1, layers=1)
+    before = {n: p.clone() for n, p in draft.state_dict().items()}
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    ref = target.generate(ids[None], max_new_tokens=12, do_sample=False)
+    for update in (False, True):
+        out, stats = spec.draft_opd_generate(target, draft, ids, 12, k=3, update=update, lr=1e-2)
+        assert torch.equal(out, ref) and stats.new_tokens == 12
+    assert all(torch.equal(p, before[n]) for n, p in draft.state_dict().items())
