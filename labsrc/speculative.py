@@ -12,6 +12,11 @@ token then has exactly the target's distribution (Leviathan et al. 2023, Chen et
   different acceptance lengths), greedy mode (argmax match, the temperature -> 0 limit).
 * :func:`expected_tokens_per_step`, :func:`speedup`, :func:`optimal_k`: the i.i.d. acceptance model.
 * :func:`speculative_generate`: both models' KV caches, rolled back on rejection; fixed or adaptive window.
+* :func:`tree_attention_mask`, :func:`tree_verify_logits`, :func:`tree_speculative_generate`: greedy tree
+  speculation verified in one target forward with the Triton tree-attention kernel.
+* :func:`early_exit_draft`, :func:`train_early_exit_head` (``python -m labsrc.speculative train-early-exit``):
+  self-speculation from the target's first half; :func:`draft_opd_generate`: online draft updates (Draft-OPD).
+* :func:`alpha_along`, :func:`acceptance_by_position`, :func:`plain_decode`, :func:`task_prompts`: measurement.
 
 Chapter 10 teaches this module; chapters 11 and 13 import it (keep the signatures stable).
 """
