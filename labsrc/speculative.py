@@ -346,6 +346,7 @@ class StepStats:
     draft_seconds: float
     target_seconds: float
     accepted_mask: tuple[bool, ...] = ()
+    cut: bool = False              # the window was shortened by the token budget, not chosen by the rule
 
 
 @dataclass
@@ -461,8 +462,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
     stats.prefill_seconds += time.perf_counter() - t0
     produced = 0
     while produced < max_new_tokens:
-        kk = adaptive_window(alpha_hat) if window == "adaptive" else k
-        kk = min(kk, max_new_tokens - produced - 1)   # never draft past the budget: the target adds one
+        rule_k = adaptive_window(alpha_hat) if window == "adaptive" else k
+        kk = min(rule_k, max_new_tokens - produced - 1)   # never draft past the budget: the target adds one
         # ---- draft kk tokens, one draft call each
         t0 = time.perf_counter()
         drafted, qs = [], []
@@ -500,7 +501,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
         if kk:
             alpha_hat = 0.9 * alpha_hat + 0.1 * (n_acc / kk)
         stats.steps.append(StepStats(k=kk, drafted=kk, accepted=n_acc, emitted=len(emitted),
-                                     draft_seconds=t_draft, target_seconds=t_target, accepted_mask=acc_mask))
+                                     draft_seconds=t_draft, target_seconds=t_target, accepted_mask=acc_mask,
+                                     cut=kk < rule_k))
         if emitted and emitted[-1] in eos:
             break
     stats.new_tokens += min(produced, max_new_tokens)
@@ -575,7 +577,8 @@ def tree_speculative_generate(target, draft, input_ids: torch.Tensor, max_new_to
     _check_k(k)
     _check_k(branches, "branches")
     stats = SpecStats() if stats is None else stats
-    seq = input_ids
+    device = next(target.parameters()).device
+    seq = input_ids.to(device)
     eos = _eos_ids(target) if stop_at_eos else set()
     t_start = time.perf_counter()
     tcache, dcache = _new_cache(target), _new_cache(draft)
@@ -600,13 +603,14 @@ def tree_speculative_generate(target, draft, input_ids: torch.Tensor, max_new_to
                 parents.append(path_node)
             path_node = first
             path.append(top[0])
-            pending = torch.tensor([[top[0]]])
+            pending = torch.tensor([[top[0]]], device=device)
         stats.draft_calls += kk
         t_draft = time.perf_counter() - t0
         # ---- target: the whole tree in one forward
         t0 = time.perf_counter()
         L = tcache.get_seq_length()
-        logits = tree_verify_logits(target, tcache, torch.tensor(tokens), parents, L, use_kernel)
+        logits = tree_verify_logits(target, tcache, torch.tensor(tokens, device=device), parents, L,
+                                    use_kernel)
         stats.target_calls += 1
         best = logits.argmax(-1).tolist()
         children = {}
@@ -627,9 +631,9 @@ def tree_speculative_generate(target, draft, input_ids: torch.Tensor, max_new_to
                 emitted = emitted[: j + 1]
                 break
         n_acc = len(accepted_nodes)
-        keep = torch.cat([torch.arange(L + 1), L + torch.tensor(accepted_nodes, dtype=torch.long)])
+        keep = torch.cat([torch.arange(L + 1), L + torch.tensor(accepted_nodes, dtype=torch.long)]).to(device)
         _keep_cache_positions(tcache, keep[: L + 1 + max(0, len(emitted) - 1)])
-        seq = torch.cat([seq, torch.tensor([emitted])], dim=1)
+        seq = torch.cat([seq, torch.tensor([emitted], device=device)], dim=1)
         produced += len(emitted)
         # the draft cached its own greedy path: keep the part that agrees with what was emitted
         agree = 0
@@ -651,7 +655,7 @@ def tree_speculative_generate(target, draft, input_ids: torch.Tensor, max_new_to
 def alpha_along(target, draft, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Teacher-forced acceptance along a sequence: ``1 - TV(p_t, q_t)`` at every position ``t`` of ``ids``
     ``(T,)`` (the acceptance probability a drafted token would have there), one forward per model."""
-    ids = ids.reshape(1, -1)
+    ids = ids.reshape(1, -1).to(next(target.parameters()).device)
     p = warp_logits(target(input_ids=ids).logits[0].float(), temperature)
     q = warp_logits(draft(input_ids=ids).logits[0].float(), temperature)
     return torch.minimum(p, q).sum(-1)
@@ -676,7 +680,7 @@ def acceptance_by_position(stats: SpecStats | list[SpecStats], k: int) -> tuple[
 def plain_decode(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, list[float]]:
     """Greedy decoding one token per forward with a KV cache (the baseline speculative decoding is timed
     against, the same code path). Returns ``(ids, seconds of each decode forward)``."""
-    ids = input_ids.reshape(1, -1)
+    ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
     cache = _new_cache(model)
     if ids.shape[1] > 1:
         _forward(model, ids[:, :-1], cache)
@@ -732,7 +736,8 @@ def draft_opd_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: i
     import random
 
     _check_k(k)
-    ids = input_ids.reshape(1, -1)
+    device = next(target.parameters()).device
+    ids = input_ids.reshape(1, -1).to(device)
     student = copy.deepcopy(draft)
     student.eval()
     opt = torch.optim.AdamW([q for q in student.parameters() if q.is_floating_point()], lr=lr,
@@ -757,7 +762,7 @@ def draft_opd_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: i
             pending = tok.view(1, 1)
         t_draft = time.perf_counter() - t0
         t0 = time.perf_counter()
-        x = torch.tensor([drafted], dtype=torch.long)
+        x = torch.tensor([drafted], dtype=torch.long, device=device)
         feed = torch.cat([ids[:, tcache.get_seq_length():], x], dim=1)
         logits = _forward(target, feed, tcache)[-(kk + 1):]
         stats.target_calls += 1
@@ -772,7 +777,7 @@ def draft_opd_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: i
                 break
         t_target = time.perf_counter() - t0
         context = torch.cat([ids, x], dim=1)[0]           # what the target scored
-        ids = torch.cat([ids, torch.tensor([emitted])], dim=1)
+        ids = torch.cat([ids, torch.tensor([emitted], device=device)], dim=1)
         produced += len(emitted)
         _rollback(tcache, ids.shape[1] - 1)
         stats.steps.append(StepStats(k=kk, drafted=kk, accepted=n_acc, emitted=len(emitted),

@@ -379,3 +379,10 @@ def test_draft_opd_keeps_greedy_output_and_leaves_the_draft_untouched():
         out, stats = spec.draft_opd_generate(target, draft, ids, 12, k=3, update=update, lr=1e-2)
         assert torch.equal(out, ref) and stats.new_tokens == 12
     assert all(torch.equal(p, before[n]) for n, p in draft.state_dict().items())
+
+
+def test_adaptive_windows_follow_the_rule_except_where_the_budget_cuts(lab_pair):
+    target, draft = lab_pair
+    _, stats = spec.speculative_generate(target, draft, torch.tensor([[4, 9, 33, 70]]), 30, window="adaptive")
+    assert stats.steps[-1].cut or stats.steps[-1].k >= 2
+    assert all(2 <= s.k <= 8 for s in stats.steps if not s.cut)
