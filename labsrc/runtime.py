@@ -232,6 +232,19 @@ SIZES: dict[str, dict[str, dict]] = {
                     time_lengths=(128, 512, 2048, 8192), time_reps=10, decode_tokens=32, live_ctx=512,
                     live_depths=(0.0, 0.25, 0.5, 0.75, 1.0), live_n=20),
     },
+    "speculative": {
+        # chi_draws: rejection-sampling draws for the chi-square; n_*: prompts per task; new_tokens: generated
+        # per prompt; ks: windows timed; tree_*: the tree sweep (compiled kernel on a GPU, its reference when
+        # interpreted); opd_*: the Draft-OPD run (prompt + tokens stay within the 512-token trained context).
+        "cpu": dict(chi_vocab=8, chi_draws=100_000, chi_k=3, identity_n=3, identity_tokens=24, alpha_n=6,
+                    alpha_len=192, n_prompts=4, prompt_len=96, new_tokens=48, ks=(1, 2, 4, 8),
+                    tree_n=2, tree_tokens=32, tree_branches=(1, 2, 3, 4), self_n=3, opd_tokens=96,
+                    opd_prompt=64),
+        "gpu": dict(chi_vocab=8, chi_draws=1_000_000, chi_k=3, identity_n=10, identity_tokens=64, alpha_n=40,
+                    alpha_len=448, n_prompts=20, prompt_len=192, new_tokens=128, ks=(1, 2, 3, 4, 6, 8),
+                    tree_n=8, tree_tokens=64, tree_branches=(1, 2, 3, 4),
+                    self_n=10, opd_tokens=320, opd_prompt=128),
+    },
 }
 
 

@@ -106,6 +106,12 @@ try:
     raise AssertionError("the kernel's chunk-size rule must still be enforced")
 except ValueError as e:
     assert "chunk_size" in str(e)
+# tree attention (speculative decoding's tree verification)
+from labsrc.kernels import tree_attention as kt
+from labsrc.speculative import tree_attention_mask
+qt, kt_, vt = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
+tm = tree_attention_mask([-1, 0, 0, 1, -1])
+assert torch.equal(kt.tree_attention(qt, kt_, vt, tm), kt.tree_attention_ref(qt, kt_, vt, tm))
 from labsrc import attention  # the transformers integration imports and runs too
 # the linear-attention kernels (chapter 8): the wrappers check, then call the chunked references
 from labsrc.kernels import linear_attention as kla

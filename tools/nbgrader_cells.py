@@ -108,6 +108,12 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_gptq_column_update": (2, 20, "one GPTQ column update"),
     "check_awq_search": (3, 25, "AWQ's scale search"),
     "check_int4_gemv_kernel": (4, 40, "an INT4 GEMV straight from packed weights (Triton kernel)"),
+    # 10 speculative decoding
+    "check_spec_residual": (2, 15, "the residual distribution after a rejection"),
+    "check_spec_expected_tokens": (2, 15, "expected tokens per target call"),
+    "check_spec_tree_mask": (2, 20, "a tree mask from a parents array"),
+    "check_spec_cache_keep": (2, 20, "the cache rollback that keeps greedy output identical"),
+    "check_spec_residual_kernel": (4, 35, "the residual distribution as a Triton kernel"),
 }
 
 

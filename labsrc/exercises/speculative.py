@@ -1,0 +1,194 @@
+"""Checks for the exercises of the speculative-decoding chapter.
+
+Each check calls the student's function on seeded random cases and compares it with :mod:`labsrc.speculative`;
+it prints ``passed``, what is wrong (with a hint), or ``not solved yet``. Expected answers are computed here,
+never printed. A check refuses an answer that calls the library function the exercise asks for.
+
+* :func:`check_spec_residual` -- ``fn(p, q)``: the normalised residual ``max(p - q, 0)`` of one row.
+* :func:`check_spec_expected_tokens` -- ``fn(alpha, k)``: expected tokens per target call.
+* :func:`check_spec_tree_mask` -- ``fn(parents)``: the ancestor-or-self mask of a draft tree.
+* :func:`check_spec_cache_keep` -- ``fn(cached, k, n_accepted)``: how many target-cache positions survive a
+  verification (the rollback that keeps greedy output identical).
+* :func:`check_spec_residual_kernel` -- a ``@triton.jit`` kernel computing the residual distribution, one
+  program per row, launched under the interpreter on odd vocabularies.
+"""
+from __future__ import annotations
+
+
+import torch
+
+from labsrc import runtime, speculative
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
+                                   check_function, exercise, hidden, randint, refuse_library, tolerance)
+
+__all__ = ["check_spec_residual", "check_spec_expected_tokens", "check_spec_tree_mask", "check_spec_cache_keep",
+           "check_spec_residual_kernel"]
+
+
+def _refuse(title, fn, forbidden, hint, args):
+    return refuse_library(title, fn, forbidden, hint, owner="labsrc.speculative", args=args)
+
+
+def _dist(gen, v, sharp):
+    return torch.softmax(sharp * torch.randn(v, generator=gen, dtype=torch.float64), -1)
+
+
+# ------------------------------------------------------------------------------------------- residual
+def _residual_inputs(gen):
+    v = randint(gen, 2, 40)
+    sharp = float(torch.empty(1).uniform_(0.3, 4.0, generator=gen))
+    return _dist(gen, v, sharp), _dist(gen, v, sharp)
+
+
+def _residual_reference(p, q):
+    return speculative.residual_distribution(p, q)
+
+
+@exercise
+def check_spec_residual(fn) -> Result:
+    """``fn(p, q)`` for two float64 distributions ``(V,)`` with ``p != q``: ``max(p - q, 0)`` normalised."""
+    name = "residual distribution"
+    hint = "keep only where the target gives more than the draft, then divide by the total of what you kept."
+    refused = _refuse(name, fn, (speculative.residual_distribution, speculative._residual), hint,
+                      _residual_inputs(torch.Generator().manual_seed(3)))
+    if refused is not None:
+        return refused
+    return check_function(name, fn, _residual_reference, _residual_inputs, trials=6, seed=3, hint=hint)
+
+
+# ------------------------------------------------------------------------------------------- E[tokens]
+def _tokens_inputs(gen):
+    alpha = round(float(torch.rand(1, generator=gen)) * 0.98, 4)
+    return alpha, randint(gen, 1, 12)
+
+
+@exercise
+def check_spec_expected_tokens(fn) -> Result:
+    """``fn(alpha, k)``: expected tokens one target call emits with window ``k`` and i.i.d. acceptance
+    ``alpha`` (accepted drafts plus the token the target adds)."""
+    name = "expected tokens per target call"
+    hint = ("draft i is emitted only if drafts 1..i were all accepted (probability alpha^i), and the target "
+            "always adds one token; sum the series.")
+    refused = _refuse(name, fn, (speculative.expected_tokens_per_step, speculative.speedup), hint, (0.6, 4))
+    if refused is not None:
+        return refused
+    return check_function(name, fn, speculative.expected_tokens_per_step, _tokens_inputs, trials=8, seed=4,
+                          rtol=1e-9, hint=hint)
+
+
+# ------------------------------------------------------------------------------------------- tree mask
+def _tree_inputs(gen):
+    n = randint(gen, 1, 14)
+    return ([randint(gen, -1, i - 1) for i in range(n)],)
+
+
+@exercise
+def check_spec_tree_mask(fn) -> Result:
+    """``fn(parents)`` -> ``(N, N)`` bool tensor, ``[i, j]`` true when node ``j`` is node ``i`` or an ancestor."""
+    name = "tree attention mask"
+    hint = ("a node sees itself and everything its parent sees (parents come first, so build row i from row "
+            "parents[i]); -1 means the node hangs off the prefix and sees no other tree node.")
+    refused = _refuse(name, fn, (speculative.tree_attention_mask,), hint, ([-1, 0, 0, 1],))
+    if refused is not None:
+        return refused
+    return check_function(name, fn, speculative.tree_attention_mask, _tree_inputs, trials=8, seed=5, hint=hint)
+
+
+# ------------------------------------------------------------------------------------------- cache rollback
+def _keep_inputs(gen):
+    k = randint(gen, 1, 8)
+    return randint(gen, 0, 500), k, randint(gen, 0, k)
+
+
+def _keep_reference(cached, k, n_accepted):
+    # the forward appended the newest verified token and k drafts; the accepted drafts stay, the rest go.
+    # The token the target emits at the end is not cached yet: it is fed with the next window.
+    return cached + 1 + n_accepted
+
+
+@exercise
+def check_spec_cache_keep(fn) -> Result:
+    """``fn(cached, k, n_accepted)``: target-cache positions to keep after a verification that started from
+    ``cached`` positions and fed the newest verified token plus ``k`` drafts."""
+    name = "target cache after rollback"
+    hint = ("the verification forward appended 1 + k positions; keep the newest verified token and the accepted "
+            "drafts, drop the rejected drafts (their keys were computed for tokens that were not emitted).")
+    return check_function(name, fn, _keep_reference, _keep_inputs, trials=10, seed=6, rtol=0.0, atol=0.0,
+                          hint=hint)
+
+
+# ------------------------------------------------------------------------------------------- the kernel
+_KERNEL_CASES = ((3, 7), (1, 1), (5, 33), (2, 100), (4, 2), (6, 65))
+_GUARD = 64
+
+
+def _guarded(values: torch.Tensor):
+    storage = torch.full((values.numel() + 2 * _GUARD,), float("nan"), dtype=values.dtype)
+    storage[_GUARD:_GUARD + values.numel()] = values.flatten()
+    return storage[_GUARD:_GUARD + values.numel()].view(values.shape), storage
+
+
+def _kernel_inputs(gen, rows, v):
+    p = torch.softmax(2 * torch.randn(rows, v, generator=gen), -1)
+    q = torch.softmax(2 * torch.randn(rows, v, generator=gen), -1)
+    q[0] = p[0]                      # a row where draft and target agree: the residual falls back to p
+    return p.contiguous(), q.contiguous()
+
+
+@exercise
+def check_spec_residual_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(p_ptr, q_ptr, out_ptr, V, BLOCK)`` that writes, for each row of
+    ``p`` and ``q`` (contiguous float32 ``(R, V)``, one program per row, grid ``(R,)``), the normalised
+    residual ``max(p - q, 0) / sum`` into ``out``, or ``p`` itself where that sum is 0 (``p == q``).
+    ``BLOCK`` is the next power of two >= ``V``. Without Triton the check says it is skipped."""
+    name = "residual-distribution kernel"
+    if not runtime.HAS_TRITON:
+        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
+               "the other exercises do not need it.")
+        print(f"⏭ {name}: skipped. {why}")
+        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    hint = ("row r starts at r * V; load p and q with the mask offs < V (other=0), r = max(p - q, 0), s = sum(r); "
+            "store r / s where s > 0 and p otherwise, with the same mask.")
+    seed, cases = 7, _KERNEL_CASES
+    if hidden():
+        seed, cases = seed + HIDDEN_SEED_OFFSET, cases + tuple((r + 1, v + 3) for r, v in cases)
+    if not hasattr(kernel, "__getitem__"):
+        try:
+            kernel()
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+        except Exception:  # noqa: BLE001
+            pass
+        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
+                                            f"@triton.jit so that kernel[(R,)](...) launches it."))
+    import triton
+
+    gen = torch.Generator().manual_seed(seed)
+    rtol, atol = tolerance(torch.float32)
+    for trial, (rows, v) in enumerate(cases):
+        p, q = _kernel_inputs(gen, rows, v)
+        out, store = _guarded(torch.full_like(p, float("nan")))
+        try:
+            kernel[(rows,)](p, q, out, v, BLOCK=triton.next_power_of_2(v))
+        except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
+            cause = err.__cause__ or err.__context__
+            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
+                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): the launch raised "
+                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+        guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
+        if not bool(torch.isnan(guards).all()):
+            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): the kernel wrote outside "
+                                                f"the output tensor. Hint: {hint}"))
+        expected = speculative._residual(p, q)
+        if torch.isnan(out).any():
+            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): "
+                                                f"{int(torch.isnan(out).sum())} output element(s) were never "
+                                                f"written (or are NaN: a row with p == q?). Hint: {hint}"))
+        if not torch.allclose(out, expected, rtol=rtol, atol=atol):
+            bad = int((~torch.isclose(out, expected, rtol=rtol, atol=atol)).sum())
+            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): {bad} of {out.numel()} "
+                                                f"elements differ from the residual. Hint: {hint}"))
+    return _report(Result(name, PASSED, f"agrees with the reference on {len(cases)} launches."))
+
+

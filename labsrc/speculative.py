@@ -1,0 +1,936 @@
+"""Speculative decoding from scratch: exact rejection sampling, acceptance theory, generation.
+
+A small *draft* model proposes ``k`` tokens; the large *target* model scores all of them in one forward pass;
+each drafted token ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))`` (``p`` the target's
+distribution, ``q`` the draft's). At the first rejection the emitted token is drawn from the normalised
+residual ``max(p_i - q_i, 0)``; when all ``k`` are accepted a bonus token is drawn from ``p_k``. Every emitted
+token then has exactly the target's distribution (Leviathan et al. 2023, Chen et al. 2023).
+
+* :func:`acceptance_rate`, :func:`total_variation`, :func:`kl_divergence`, :func:`pinsker_lower_bound`:
+  ``alpha = sum_x min(p, q) = 1 - TV(p, q) >= 1 - sqrt(KL / 2)``.
+* :func:`residual_distribution`, :func:`verify` (one sequence), :func:`verify_batch` (``B`` sequences with
+  different acceptance lengths), greedy mode (argmax match, the temperature -> 0 limit).
+* :func:`expected_tokens_per_step`, :func:`speedup`, :func:`optimal_k`: the i.i.d. acceptance model.
+* :func:`speculative_generate`: both models' KV caches, rolled back on rejection; fixed or adaptive window.
+* :func:`tree_attention_mask`, :func:`tree_verify_logits`, :func:`tree_speculative_generate`: greedy tree
+  speculation verified in one target forward with the Triton tree-attention kernel.
+* :func:`early_exit_draft`, :func:`train_early_exit_head` (``python -m labsrc.speculative train-early-exit``):
+  self-speculation from the target's first half; :func:`draft_opd_generate`: online draft updates (Draft-OPD).
+* :func:`alpha_along`, :func:`acceptance_by_position`, :func:`plain_decode`, :func:`task_prompts`: measurement.
+
+Chapter 10 teaches this module; chapters 11 and 13 import it (keep the signatures stable).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = [
+    "acceptance_rate", "total_variation", "kl_divergence", "pinsker_lower_bound", "residual_distribution",
+    "verify", "verify_batch", "expected_tokens_per_step", "speedup", "optimal_k", "adaptive_window",
+    "warp_logits", "speculative_generate", "SpecStats", "StepStats", "chi_square_test",
+    "tree_attention_mask", "tree_depths", "tree_verify_logits", "tree_speculative_generate",
+    "early_exit_draft", "train_early_exit_head", "alpha_along", "acceptance_by_position", "plain_decode",
+    "task_prompts", "draft_opd_generate",
+]
+
+_PROB_TOL = 1e-3
+
+
+# ----------------------------------------------------------------------------------------------- checks
+def _check_probs(name: str, p, ndim: int | tuple[int, ...] | None = None) -> torch.Tensor:
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(p).__name__}")
+    if not p.dtype.is_floating_point:
+        raise TypeError(f"{name} must be a floating tensor of probabilities, got {p.dtype}")
+    if ndim is not None:
+        dims = (ndim,) if isinstance(ndim, int) else ndim
+        if p.dim() not in dims:
+            raise ValueError(f"{name} must have {' or '.join(map(str, dims))} dimensions, got shape {tuple(p.shape)}")
+    if p.shape[-1] < 1:
+        raise ValueError(f"{name} has an empty vocabulary axis, shape {tuple(p.shape)}")
+    if not torch.isfinite(p).all():
+        raise ValueError(f"{name} holds non-finite values: probabilities must be finite")
+    if (p < 0).any():
+        raise ValueError(f"{name} holds negative values: probabilities must be >= 0")
+    total = p.double().sum(-1)
+    if ((total - 1).abs() > _PROB_TOL).any():
+        worst = float(total.flatten()[(total - 1).abs().flatten().argmax()])
+        raise ValueError(f"{name} is not a distribution: a row sums to {worst:.6g}, expected 1 "
+                         f"(within {_PROB_TOL}); apply softmax to logits first")
+    return p
+
+
+def _check_pair(p, q):
+    _check_probs("p", p)
+    _check_probs("q", q)
+    if p.shape != q.shape:
+        raise ValueError(f"p and q must have the same shape, got {tuple(p.shape)} and {tuple(q.shape)}")
+
+
+# ----------------------------------------------------------------------------------------------- theory
+def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Probability that a token drawn from the draft ``q`` is accepted by the target ``p``: ``sum_x min(p, q)``.
+
+    Equal to ``1 - TV(p, q)``. Works on the last axis (leading axes are batch axes).
+    """
+    _check_pair(p, q)
+    return torch.minimum(p, q).sum(-1)
+
+
+def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``TV(p, q) = 1/2 sum_x |p(x) - q(x)|`` over the last axis."""
+    _check_pair(p, q)
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def kl_divergence(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``KL(p || q) = sum_x p log(p / q)`` over the last axis (``inf`` where ``q = 0 < p``)."""
+    _check_pair(p, q)
+    pd, qd = p.double(), q.double()
+    terms = torch.where(pd > 0, pd * (pd.log() - qd.log()), torch.zeros_like(pd))
+    return terms.sum(-1).to(p.dtype)
+
+
+def pinsker_lower_bound(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Pinsker: ``TV <= sqrt(KL(p || q) / 2)``, so ``alpha >= 1 - sqrt(KL(p || q) / 2)`` (clamped at 0)."""
+    return (1 - torch.sqrt(kl_divergence(p, q) / 2)).clamp(min=0)
+
+
+def _check_alpha(alpha) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise TypeError(f"alpha must be a number in [0, 1], got {type(alpha).__name__}")
+    if not (0 <= alpha <= 1) or math.isnan(alpha):
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    return float(alpha)
+
+
+def _check_k(k, name="k") -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{name} must be an int >= 1, got {type(k).__name__}")
+    if k < 1:
+        raise ValueError(f"{name} must be >= 1, got {k}")
+    return k
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Expected tokens emitted per target call with window ``k`` and i.i.d. acceptance ``alpha``.
+
+    ``(1 - alpha^(k+1)) / (1 - alpha)``: the accepted prefix plus the one token the target always adds
+    (the residual sample or the bonus). Tends to ``k + 1`` (not ``k``) as ``alpha -> 1``.
+    """
+    alpha, k = _check_alpha(alpha), _check_k(k)
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def speedup(alpha: float, k: int, c: float) -> float:
+    """Leviathan et al.'s walltime improvement: ``(1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))``.
+
+    ``c = T_draft / T_target``, the cost of one draft call relative to one target call (a target call that
+    verifies ``k + 1`` tokens is assumed to cost the same as one decode step).
+    """
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or math.isnan(c) or c < 0:
+        raise ValueError(f"c must be a number >= 0 (T_draft / T_target), got {c!r}")
+    return expected_tokens_per_step(alpha, k) / (k * c + 1)
+
+
+def optimal_k(alpha: float, c: float, k_max: int = 32) -> int:
+    """The window ``k`` in ``1..k_max`` (inclusive) with the largest :func:`speedup` (the smallest on a tie)."""
+    _check_k(k_max, "k_max")
+    return max(range(1, k_max + 1), key=lambda k: (speedup(alpha, k, c), -k))
+
+
+def adaptive_window(alpha_hat: float) -> int:
+    """The source's dynamic window (10.4.5): ``k = max(2, min(8, floor(alpha_hat * 10)))``."""
+    alpha_hat = _check_alpha(alpha_hat)
+    return max(2, min(8, int(math.floor(alpha_hat * 10 + 1e-9))))
+
+
+def chi_square_test(counts, probs, min_expected: float = 5.0) -> tuple[float, int, float]:
+    """Pearson's chi-square goodness of fit of observed ``counts`` to ``probs``: ``(statistic, dof, p_value)``.
+
+    Cells whose expected count is below ``min_expected`` are pooled into one cell (the usual rule for the
+    chi-square approximation). The p-value is the upper regularised gamma ``Q(dof / 2, stat / 2)``.
+    """
+    counts = torch.as_tensor(counts, dtype=torch.float64).flatten()
+    probs = torch.as_tensor(probs, dtype=torch.float64).flatten()
+    if counts.shape != probs.shape:
+        raise ValueError(f"counts and probs must have the same length, got {counts.numel()} and {probs.numel()}")
+    if (counts < 0).any() or counts.sum() <= 0:
+        raise ValueError("counts must be >= 0 with a positive total")
+    _check_probs("probs", probs.float() if probs.dtype != torch.float64 else probs)
+    n = counts.sum()
+    expected = n * probs
+    small = expected < min_expected
+    if (counts[probs == 0] > 0).any():
+        return float("inf"), int((~small).sum()), 0.0
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]) if small.any() else counts
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]) if small.any() else expected
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    dof = int(obs.numel() - 1)
+    if dof < 1:
+        return stat, dof, 1.0
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                            torch.tensor(stat / 2, dtype=torch.float64)))
+    return stat, dof, p_value
+
+
+# ----------------------------------------------------------------------------------------------- verify
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``norm(max(p - q, 0))``: where to sample after a rejection. Falls back to ``p`` where ``p == q``
+    (a rejection is then impossible, the fallback only guards rounding)."""
+    _check_pair(p, q)
+    return _residual(p, q)
+
+
+def _residual(p, q):
+    r = (p - q).clamp(min=0)
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > 0, r / s.clamp(min=torch.finfo(r.dtype).tiny), p)
+
+
+def _check_verify_args(draft_tokens, draft_probs, target_probs, batched: bool):
+    lead = 1 if batched else 0
+    if not isinstance(draft_tokens, torch.Tensor):
+        raise TypeError(f"draft_tokens must be a torch.Tensor, got {type(draft_tokens).__name__}")
+    if draft_tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise TypeError(f"draft_tokens must be an integer tensor, got {draft_tokens.dtype}")
+    want = "(B, k)" if batched else "(k,)"
+    if draft_tokens.dim() != 1 + lead:
+        raise ValueError(f"draft_tokens must have shape {want}, got {tuple(draft_tokens.shape)}")
+    _check_probs("draft_probs", draft_probs, 2 + lead)
+    _check_probs("target_probs", target_probs, 2 + lead)
+    k = draft_tokens.shape[-1]
+    V = draft_probs.shape[-1]
+    if draft_probs.shape[:-1] != draft_tokens.shape:
+        raise ValueError(f"draft_probs must have shape {want[:-1]}, V) matching draft_tokens "
+                         f"{tuple(draft_tokens.shape)}, got {tuple(draft_probs.shape)}")
+    exp_t = (*draft_tokens.shape[:-1], k + 1, V)
+    if tuple(target_probs.shape) != exp_t:
+        raise ValueError(f"target_probs must have shape {exp_t} (k + 1 rows, same vocabulary as draft_probs), "
+                         f"got {tuple(target_probs.shape)}")
+    if draft_tokens.numel() and (draft_tokens.min() < 0 or draft_tokens.max() >= V):
+        raise ValueError(f"draft_tokens must be in [0, {V}), got values in "
+                         f"[{int(draft_tokens.min())}, {int(draft_tokens.max())}]")
+
+
+def _verify_core(x, q, p, generator, greedy):
+    """x (B, k) long, q (B, k, V), p (B, k+1, V): emitted (B, k+1) padded with -1, n_accepted (B,)."""
+    B, k = x.shape
+    if k == 0:
+        n_acc = torch.zeros(B, dtype=torch.long)
+    elif greedy:
+        ok = x == p[:, :k].argmax(-1)
+        n_acc = ok.long().cumprod(-1).sum(-1)
+    else:
+        qx = q.gather(-1, x[..., None])[..., 0]
+        if (qx <= 0).any():
+            raise ValueError("draft_probs gives probability 0 to a drafted token: the draft could not have "
+                             "drawn it (draft_tokens must be sampled from draft_probs)")
+        px = p[:, :k].gather(-1, x[..., None])[..., 0]
+        u = torch.rand((B, k), generator=generator, dtype=torch.float64, device=x.device)
+        ok = u * qx.double() < px.double()          # u < min(1, p/q) without dividing
+        n_acc = ok.long().cumprod(-1).sum(-1)
+    rows = torch.arange(B, device=x.device)
+    p_stop = p[rows, n_acc]                          # (B, V): target at the first rejected (or bonus) slot
+    if greedy:
+        last = p_stop.argmax(-1)
+    else:
+        q_pad = torch.cat([q, q.new_zeros((B, 1, q.shape[-1]))], dim=1)  # bonus slot: residual of p vs 0 is p
+        q_stop = q_pad[rows, n_acc]
+        dist = _residual(p_stop, q_stop)
+        dist = torch.where((n_acc == k)[:, None], p_stop, dist)
+        last = torch.multinomial(dist.double(), 1, generator=generator)[:, 0]
+    out = torch.full((B, k + 1), -1, dtype=torch.long, device=x.device)
+    if k:
+        keep = torch.arange(k, device=x.device)[None, :] < n_acc[:, None]
+        out[:, :k] = torch.where(keep, x, out[:, :k])
+    out[rows, n_acc] = last
+    return out, n_acc
+
+
+def verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+           generator: torch.Generator | None = None, greedy: bool = False) -> tuple[torch.Tensor, int]:
+    """Accept or reject ``k`` drafted tokens; returns ``(tokens, n_accepted)``.
+
+    ``draft_tokens (k,)`` were drawn from ``draft_probs (k, V)``; ``target_probs (k + 1, V)`` are the target's
+    distributions at the same positions plus one. Token ``i`` is accepted with probability
+    ``min(1, p_i(x_i) / q_i(x_i))``; at the first rejection the last token is drawn from
+    ``norm(max(p_i - q_i, 0))``; if all ``k`` are accepted a bonus token is drawn from ``p_k``. ``tokens`` has
+    length ``n_accepted + 1`` and is distributed exactly as ``n_accepted + 1`` tokens of the target.
+    ``greedy=True`` accepts while the drafted token is the target's argmax and emits the target's argmax
+    (the temperature -> 0 limit); it draws no random numbers.
+    """
+    _check_verify_args(draft_tokens, draft_probs, target_probs, batched=False)
+    out, n = _verify_core(draft_tokens.long()[None], draft_probs[None], target_probs[None], generator, greedy)
+    n = int(n[0])
+    return out[0, : n + 1], n
+
+
+def verify_batch(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
+                 generator: torch.Generator | None = None, greedy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for ``B`` sequences at once: ``draft_tokens (B, k)``, ``draft_probs (B, k, V)``,
+    ``target_probs (B, k + 1, V)``. Returns ``tokens (B, k + 1)`` (row ``b`` holds ``n_accepted[b] + 1`` tokens,
+    then ``-1`` padding) and ``n_accepted (B,)``."""
+    _check_verify_args(draft_tokens, draft_probs, target_probs, batched=True)
+    return _verify_core(draft_tokens.long(), draft_probs, target_probs, generator, greedy)
+
+
+# ----------------------------------------------------------------------------------------------- trees
+def tree_attention_mask(parents) -> torch.Tensor:
+    """The ancestor-or-self mask of a draft tree: ``mask[i, j]`` true when node ``j`` is node ``i`` or an
+    ancestor of it. ``parents[i]`` is the index of node ``i``'s parent (``< i``: parents come first), or ``-1``
+    for a node that hangs directly off the verified prefix. Returns ``(N, N)`` bool."""
+    if isinstance(parents, torch.Tensor):
+        if parents.dtype.is_floating_point or parents.dim() != 1:
+            raise ValueError(f"parents must be a 1-D integer sequence, got {parents.dtype} {tuple(parents.shape)}")
+        parents = parents.tolist()
+    parents = list(parents)
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, par in enumerate(parents):
+        if isinstance(par, bool) or not isinstance(par, int):
+            raise ValueError(f"parents[{i}] must be an int, got {par!r}")
+        if not -1 <= par < i:
+            raise ValueError(f"parents[{i}] = {par}: a parent must come before its child (-1 <= parent < {i})")
+        mask[i, i] = True
+        if par >= 0:
+            mask[i] |= mask[par]
+    return mask
+
+
+def tree_depths(parents) -> list[int]:
+    """Depth of each node (1 for a child of the prefix): its position offset after the prefix."""
+    depth = []
+    for par in list(parents):
+        depth.append(1 if par < 0 else depth[par] + 1)
+    return depth
+
+
+# ----------------------------------------------------------------------------------------------- generation
+def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits -> the sampling distribution: ``softmax(logits / temperature)`` restricted to the top-p nucleus
+    (the smallest set of most likely tokens whose mass reaches ``top_p``, as transformers' ``TopPLogitsWarper``
+    keeps it), renormalised. Computed in float64 on the last axis."""
+    if temperature <= 0 or math.isnan(temperature):
+        raise ValueError(f"temperature must be > 0 (use do_sample=False for greedy), got {temperature}")
+    if not (0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    if top_p < 1:
+        sorted_p, idx = probs.sort(-1, descending=False)
+        cum = sorted_p.cumsum(-1)
+        drop_sorted = cum <= (1 - top_p)
+        drop_sorted[..., -1] = False
+        drop = drop_sorted.scatter(-1, idx, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+@dataclass
+class StepStats:
+    """One draft-verify cycle: window, drafted and accepted tokens, tokens emitted, seconds spent."""
+    k: int
+    drafted: int
+    accepted: int
+    emitted: int
+    draft_seconds: float
+    target_seconds: float
+    accepted_mask: tuple[bool, ...] = ()
+    cut: bool = False              # the window was shortened by the token budget, not chosen by the rule
+
+
+@dataclass
+class SpecStats:
+    """Per-step statistics of :func:`speculative_generate` and their totals."""
+    steps: list[StepStats] = field(default_factory=list)
+    target_calls: int = 0          # target forward passes after the prefill
+    draft_calls: int = 0           # draft forward passes after the prefill
+    prefill_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    new_tokens: int = 0
+
+    @property
+    def drafted(self) -> int:
+        return sum(s.drafted for s in self.steps)
+
+    @property
+    def accepted(self) -> int:
+        return sum(s.accepted for s in self.steps)
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted / drafted (the per-token acceptance rate the windows saw)."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def tokens_per_call(self) -> float:
+        """New tokens per target call (1.0 for ordinary decoding)."""
+        return self.new_tokens / self.target_calls if self.target_calls else float("nan")
+
+
+def _rollback(cache, length: int) -> None:
+    """Cut a transformers cache back to its first ``length`` positions."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        try:
+            cache.crop(-extra)
+        except ValueError:            # older transformers: crop(max_length)
+            cache.crop(length)
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+@torch.no_grad()
+def _forward(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Feed ``ids (1, n)`` after ``cache``; return the float logits ``(n, V)``."""
+    out = model(input_ids=ids, cache=cache, use_cache=True)
+    return out.logits[0].float()
+
+
+def _eos_ids(model) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, k: int = 4,
+                         do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                         generator: torch.Generator | None = None, window: str = "fixed",
+                         stats: SpecStats | None = None, stop_at_eos: bool = True
+                         ) -> tuple[torch.Tensor, SpecStats]:
+    """Generate with ``draft`` proposing and ``target`` verifying; returns ``(ids (1, T + n), stats)``.
+
+    Both models keep a transformers KV cache; after each verification both are cut back to the accepted
+    prefix (the rejected drafts' keys and values must not stay in the cache). ``do_sample=False`` gives the
+    target's greedy output token for token (the same as ``target.generate(do_sample=False)``);
+    ``do_sample=True`` samples from the target's distribution after ``temperature`` and ``top_p``.
+    ``window="adaptive"`` re-chooses ``k`` each cycle from an EMA (rho = 0.9) of the acceptance,
+    ``k = max(2, min(8, floor(alpha_hat * 10)))``, starting from ``alpha_hat = k / 10``. Generation stops at
+    ``max_new_tokens`` or after the target's end-of-sequence token (``stop_at_eos``). Pass ``stats`` to
+    collect into an existing :class:`SpecStats`. Batch size 1: ``input_ids`` is ``(T,)`` or ``(1, T)``.
+    """
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
+        raise TypeError("input_ids must be a torch.long tensor of token ids")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must have shape (T,) or (1, T) with T >= 1, got {tuple(input_ids.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    _check_k(k)
+    if window not in ("fixed", "adaptive"):
+        raise ValueError(f"window must be 'fixed' or 'adaptive', got {window!r}")
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(f"target and draft must share a vocabulary: {target.config.vocab_size} != "
+                         f"{draft.config.vocab_size}")
+    if do_sample:
+        warp_logits(torch.zeros(2), temperature, top_p)  # validates temperature and top_p
+    stats = SpecStats() if stats is None else stats
+    device = next(target.parameters()).device
+    seq = input_ids.to(device)
+    eos = _eos_ids(target) if stop_at_eos else set()
+    alpha_hat = min(1.0, k / 10)
+    t_start = time.perf_counter()
+
+    def dist(logits):
+        if do_sample:
+            return warp_logits(logits, temperature, top_p)
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
+
+    tcache, dcache = _new_cache(target), _new_cache(draft)
+    t0 = time.perf_counter()
+    if seq.shape[1] > 1:   # prefill everything but the last token; the last is fed with the first window
+        _forward(target, seq[:, :-1], tcache)
+        _forward(draft, seq[:, :-1], dcache)
+    stats.prefill_seconds += time.perf_counter() - t0
+    produced = 0
+    while produced < max_new_tokens:
+        rule_k = adaptive_window(alpha_hat) if window == "adaptive" else k
+        kk = min(rule_k, max_new_tokens - produced - 1)   # never draft past the budget: the target adds one
+        # ---- draft kk tokens, one draft call each
+        t0 = time.perf_counter()
+        drafted, qs = [], []
+        pending = seq[:, dcache.get_seq_length():]
+        for _ in range(kk):
+            q = dist(_forward(draft, pending, dcache)[-1])
+            tok = (torch.multinomial(q, 1, generator=generator) if do_sample else q.argmax(-1, keepdim=True))
+            drafted.append(int(tok))
+            qs.append(q)
+            pending = tok.view(1, 1).to(device)
+        stats.draft_calls += kk
+        t_draft = time.perf_counter() - t0
+        # ---- one target call scores the last token and all drafts
+        t0 = time.perf_counter()
+        x = torch.tensor(drafted, dtype=torch.long, device=device)
+        feed = torch.cat([seq[:, tcache.get_seq_length():], x[None]], dim=1)
+        logits = _forward(target, feed, tcache)[-(kk + 1):]
+        stats.target_calls += 1
+        p = dist(logits)
+        q_all = torch.stack(qs) if qs else p.new_zeros((0, p.shape[-1]))
+        out, n_acc = verify(x, q_all, p, generator=generator, greedy=not do_sample)
+        t_target = time.perf_counter() - t0
+        emitted = out.tolist()
+        # stop after an end-of-sequence token, as generate() does
+        for j, t in enumerate(emitted):
+            if t in eos:
+                emitted = emitted[: j + 1]
+                break
+        seq = torch.cat([seq, torch.tensor([emitted], dtype=torch.long, device=device)], dim=1)
+        produced += len(emitted)
+        # ---- roll both caches back to the accepted prefix: everything but the newest token is cached
+        _rollback(tcache, seq.shape[1] - 1)
+        _rollback(dcache, min(dcache.get_seq_length(), seq.shape[1] - 1))
+        acc_mask = tuple(j < n_acc for j in range(kk))
+        if kk:
+            alpha_hat = 0.9 * alpha_hat + 0.1 * (n_acc / kk)
+        stats.steps.append(StepStats(k=kk, drafted=kk, accepted=n_acc, emitted=len(emitted),
+                                     draft_seconds=t_draft, target_seconds=t_target, accepted_mask=acc_mask,
+                                     cut=kk < rule_k))
+        if emitted and emitted[-1] in eos:
+            break
+    stats.new_tokens += min(produced, max_new_tokens)
+    stats.wall_seconds += time.perf_counter() - t_start
+    return seq[:, : input_ids.shape[1] + max_new_tokens], stats
+
+
+# ----------------------------------------------------------------------------------------------- tree generation
+_TREE_MASK: list = []      # (ancestor mask, use_kernel) of the tree being verified, set around the target call
+_TREE_ATTN = "lab_tree"
+
+
+def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers attention function: the tree's queries against prefix + tree under the ancestor mask."""
+    from labsrc.kernels.tree_attention import tree_attention, tree_attention_ref
+    mask, use_kernel = _TREE_MASK[-1]
+    n = query.shape[2]
+    if key.shape[2] < n or mask.shape[-1] != n:
+        raise ValueError(f"tree attention: {n} queries but a tree mask for {mask.shape[-1]} nodes")
+    fn = tree_attention if use_kernel else tree_attention_ref
+    out = fn(query.contiguous(), key, value, mask.to(query.device), sm_scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_tree_attention():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    AttentionInterface.register(_TREE_ATTN, _tree_attention_forward)
+    AttentionMaskInterface.register(_TREE_ATTN, sdpa_mask)
+
+
+@torch.no_grad()
+def tree_verify_logits(target, cache, tokens: torch.Tensor, parents, position0: int,
+                       use_kernel: bool = True) -> torch.Tensor:
+    """One target forward over a token tree after ``cache``: node ``i`` (token ``tokens[i]``, parent
+    ``parents[i]``, ``-1`` for the root's level) sits at position ``position0 + depth(i) - 1`` and attends to the
+    cache and its ancestors (the Triton tree-attention kernel). Returns the logits ``(N, V)``; the cache then
+    holds all ``N`` nodes (cut it back with :func:`_keep_cache_positions`). ``use_kernel=False`` runs the
+    PyTorch reference of the same attention instead (same numbers; faster under the Triton interpreter)."""
+    _register_tree_attention()
+    depth = torch.tensor(tree_depths(parents))
+    pos = (position0 + depth - 1)[None].to(tokens.device)
+    previous = target.config._attn_implementation
+    _TREE_MASK.append((tree_attention_mask(parents), use_kernel))
+    try:
+        target.set_attn_implementation(_TREE_ATTN)
+        out = target(input_ids=tokens[None], cache=cache, position_ids=pos, use_cache=True)
+    finally:
+        target.set_attn_implementation(previous)
+        _TREE_MASK.pop()
+    return out.logits[0].float()
+
+
+def _keep_cache_positions(cache, keep: torch.Tensor) -> None:
+    """Keep only cache positions ``keep`` (a 1-D index tensor) in every layer of a transformers cache."""
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(-2, keep)
+        layer.values = layer.values.index_select(-2, keep)
+
+
+@torch.no_grad()
+def tree_speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, k: int = 4,
+                              branches: int = 2, stats: SpecStats | None = None, stop_at_eos: bool = True,
+                              use_kernel: bool = True) -> tuple[torch.Tensor, SpecStats]:
+    """Greedy tree speculation: per cycle the draft walks its greedy path for ``k`` steps and at every depth
+    also offers its next ``branches - 1`` most likely tokens as siblings (a tree of ``1 + k * branches``
+    nodes, the verified last token as root); the target verifies the whole tree in one forward with the
+    tree-attention kernel and accepts the longest root path whose every token is its own argmax. Output is
+    token-identical to the target's greedy decoding. ``branches=1`` is the chain. Returns ``(ids, stats)``."""
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    _check_k(k)
+    _check_k(branches, "branches")
+    stats = SpecStats() if stats is None else stats
+    device = next(target.parameters()).device
+    seq = input_ids.to(device)
+    eos = _eos_ids(target) if stop_at_eos else set()
+    t_start = time.perf_counter()
+    tcache, dcache = _new_cache(target), _new_cache(draft)
+    if seq.shape[1] > 1:
+        _forward(target, seq[:, :-1], tcache)
+        _forward(draft, seq[:, :-1], dcache)
+    produced = 0
+    while produced < max_new_tokens:
+        kk = min(k, max_new_tokens - produced - 1)
+        t0 = time.perf_counter()
+        # ---- draft: greedy path of kk tokens; siblings = the next-best tokens at each depth
+        tokens, parents = [int(seq[0, -1])], [-1]
+        path_node = 0
+        pending = seq[:, dcache.get_seq_length():]
+        path = []
+        for _ in range(kk):
+            logits = _forward(draft, pending, dcache)[-1]
+            top = logits.topk(branches).indices.tolist()
+            first = len(tokens)
+            for tok in top:
+                tokens.append(tok)
+                parents.append(path_node)
+            path_node = first
+            path.append(top[0])
+            pending = torch.tensor([[top[0]]], device=device)
+        stats.draft_calls += kk
+        t_draft = time.perf_counter() - t0
+        # ---- target: the whole tree in one forward
+        t0 = time.perf_counter()
+        L = tcache.get_seq_length()
+        logits = tree_verify_logits(target, tcache, torch.tensor(tokens, device=device), parents, L,
+                                    use_kernel)
+        stats.target_calls += 1
+        best = logits.argmax(-1).tolist()
+        children = {}
+        for i, par in enumerate(parents):
+            if par >= 0:
+                children.setdefault(par, []).append(i)
+        node, accepted_nodes = 0, []
+        while True:
+            nxt = [c for c in children.get(node, []) if tokens[c] == best[node]]
+            if not nxt:
+                break
+            node = nxt[0]
+            accepted_nodes.append(node)
+        emitted = [tokens[i] for i in accepted_nodes] + [best[node]]
+        t_target = time.perf_counter() - t0
+        for j, t in enumerate(emitted):
+            if t in eos:
+                emitted = emitted[: j + 1]
+                break
+        n_acc = len(accepted_nodes)
+        keep = torch.cat([torch.arange(L + 1), L + torch.tensor(accepted_nodes, dtype=torch.long)]).to(device)
+        _keep_cache_positions(tcache, keep[: L + 1 + max(0, len(emitted) - 1)])
+        seq = torch.cat([seq, torch.tensor([emitted], device=device)], dim=1)
+        produced += len(emitted)
+        # the draft cached its own greedy path: keep the part that agrees with what was emitted
+        agree = 0
+        while agree < min(len(path) - 1, len(emitted)) and path[agree] == emitted[agree]:
+            agree += 1
+        _rollback(dcache, min(dcache.get_seq_length(), L + 1 + agree, seq.shape[1] - 1))
+        stats.steps.append(StepStats(k=kk, drafted=len(tokens) - 1, accepted=n_acc, emitted=len(emitted),
+                                     draft_seconds=t_draft, target_seconds=t_target,
+                                     accepted_mask=tuple(j < n_acc for j in range(kk))))
+        if emitted and emitted[-1] in eos:
+            break
+    stats.new_tokens += min(produced, max_new_tokens)
+    stats.wall_seconds += time.perf_counter() - t_start
+    return seq[:, : input_ids.shape[1] + max_new_tokens], stats
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+@torch.no_grad()
+def alpha_along(target, draft, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Teacher-forced acceptance along a sequence: ``1 - TV(p_t, q_t)`` at every position ``t`` of ``ids``
+    ``(T,)`` (the acceptance probability a drafted token would have there), one forward per model."""
+    ids = ids.reshape(1, -1).to(next(target.parameters()).device)
+    p = warp_logits(target(input_ids=ids).logits[0].float(), temperature)
+    q = warp_logits(draft(input_ids=ids).logits[0].float(), temperature)
+    return torch.minimum(p, q).sum(-1)
+
+
+def acceptance_by_position(stats: SpecStats | list[SpecStats], k: int) -> tuple[list[int], list[int]]:
+    """``(accepted, reached)`` per window position ``1..k``: how often draft ``i`` was reached (every earlier
+    draft accepted) and then accepted. ``accepted[i] / reached[i]`` is the conditional acceptance at ``i``."""
+    runs = stats if isinstance(stats, list) else [stats]
+    accepted, reached = [0] * k, [0] * k
+    for run in runs:
+        for step in run.steps:
+            for i, ok in enumerate(step.accepted_mask[:k]):
+                reached[i] += 1
+                accepted[i] += int(ok)
+                if not ok:
+                    break
+    return accepted, reached
+
+
+@torch.no_grad()
+def plain_decode(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, list[float]]:
+    """Greedy decoding one token per forward with a KV cache (the baseline speculative decoding is timed
+    against, the same code path). Returns ``(ids, seconds of each decode forward)``."""
+    ids = input_ids.reshape(1, -1).to(next(model.parameters()).device)
+    cache = _new_cache(model)
+    if ids.shape[1] > 1:
+        _forward(model, ids[:, :-1], cache)
+    times = []
+    for _ in range(max_new_tokens):
+        t0 = time.perf_counter()
+        nxt = _forward(model, ids[:, cache.get_seq_length():], cache)[-1].argmax()
+        times.append(time.perf_counter() - t0)
+        ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    return ids, times
+
+
+def task_prompts(tokenizer, task: str, n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
+    """``n`` prompts of about ``length`` tokens for ``task``: ``"prose"`` (validation text), ``"passkey"`` (the
+    text up to the pass key's answer) or ``"copy"`` (a word list, prose, then the request to copy it)."""
+    import random
+
+    from labsrc import tasks
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if task == "prose":
+            ids = tasks.corpus_ids(tokenizer, "validation")
+            start = rng.randrange(0, len(ids) - length)
+            out.append(torch.cat([torch.tensor([tokenizer.bos_token_id]), ids[start:start + length - 1]]))
+        elif task == "passkey":
+            sample = tasks.passkey_sample(tokenizer, length, rng.random(), rng)
+            out.append(torch.tensor(sample.prompt_ids))
+        elif task == "copy":
+            sample = tasks.copy_sample(tokenizer, length, rng)
+            out.append(torch.tensor(sample.prompt_ids))
+        else:
+            raise ValueError(f"task must be 'prose', 'passkey' or 'copy', got {task!r}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- Draft-OPD
+def draft_opd_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, k: int = 4,
+                       update: bool = True, lr: float = 3e-4, buffer_size: int = 16, seed: int = 0,
+                       stop_at_eos: bool = False) -> tuple[torch.Tensor, SpecStats]:
+    """Greedy speculative decoding whose draft learns online from the target (Draft-OPD, 10.4.2).
+
+    After every verification the target's distributions at the ``k + 1`` verified positions (softmax of its
+    logits, on the sequence the draft actually proposed) go into a replay buffer of the last ``buffer_size``
+    cycles; then one AdamW step on ``KL(p_target || q_draft)`` over the newest entry and one drawn from the
+    buffer updates a *copy* of ``draft`` (the argument is not modified). The draft's KV cache was built with
+    the old weights, so it is rebuilt after each step (one prefill). Output equals the target's greedy output
+    whatever the draft learns. ``update=False`` runs the same loop with the draft frozen, for comparison.
+    Returns ``(ids, stats)``; ``stats.steps[i].accepted`` traces acceptance over the generation.
+    """
+    import copy
+    import random
+
+    _check_k(k)
+    device = next(target.parameters()).device
+    ids = input_ids.reshape(1, -1).to(device)
+    student = copy.deepcopy(draft)
+    student.eval()
+    opt = torch.optim.AdamW([q for q in student.parameters() if q.is_floating_point()], lr=lr,
+                            weight_decay=0.0) if update else None
+    rng = random.Random(seed)
+    stats = SpecStats()
+    eos = _eos_ids(target) if stop_at_eos else set()
+    t_start = time.perf_counter()
+    tcache = _new_cache(target)
+    if ids.shape[1] > 1:
+        _forward(target, ids[:, :-1], tcache)
+    buffer: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+    produced = 0
+    while produced < max_new_tokens:
+        kk = min(k, max_new_tokens - produced - 1)
+        t0 = time.perf_counter()
+        dcache = _new_cache(student)          # rebuilt: the weights changed since the last cycle
+        pending, drafted = ids, []
+        for _ in range(kk):
+            tok = _forward(student, pending, dcache)[-1].argmax()
+            drafted.append(int(tok))
+            pending = tok.view(1, 1)
+        t_draft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        x = torch.tensor([drafted], dtype=torch.long, device=device)
+        feed = torch.cat([ids[:, tcache.get_seq_length():], x], dim=1)
+        logits = _forward(target, feed, tcache)[-(kk + 1):]
+        stats.target_calls += 1
+        best = logits.argmax(-1).tolist()
+        n_acc = 0
+        while n_acc < kk and drafted[n_acc] == best[n_acc]:
+            n_acc += 1
+        emitted = drafted[:n_acc] + [best[n_acc]]
+        for j, t in enumerate(emitted):
+            if t in eos:
+                emitted = emitted[: j + 1]
+                break
+        t_target = time.perf_counter() - t0
+        context = torch.cat([ids, x], dim=1)[0]           # what the target scored
+        ids = torch.cat([ids, torch.tensor([emitted], device=device)], dim=1)
+        produced += len(emitted)
+        _rollback(tcache, ids.shape[1] - 1)
+        stats.steps.append(StepStats(k=kk, drafted=kk, accepted=n_acc, emitted=len(emitted),
+                                     draft_seconds=t_draft, target_seconds=t_target,
+                                     accepted_mask=tuple(j < n_acc for j in range(kk))))
+        if update and kk:
+            buffer.append((context, kk + 1, torch.softmax(logits.float(), -1)))
+            del buffer[:-buffer_size]
+            batch = [buffer[-1]] + ([rng.choice(buffer[:-1])] if len(buffer) > 1 else [])
+            student.train()
+            loss = 0.0
+            for ctx, n, p in batch:
+                # the last n positions of the context are the ones the target scored
+                lq = torch.log_softmax(student(input_ids=ctx[None]).logits[0, -n:].float(), -1)
+                loss = loss + (p * (p.clamp_min(1e-30).log() - lq)).sum(-1).mean() / len(batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            student.eval()
+        if emitted and emitted[-1] in eos:
+            break
+    stats.new_tokens += min(produced, max_new_tokens)
+    stats.wall_seconds += time.perf_counter() - t_start
+    return ids[:, : input_ids.reshape(1, -1).shape[1] + max_new_tokens], stats
+
+
+# ----------------------------------------------------------------------------------------------- self-speculation
+EARLY_EXIT_DIR = __import__("pathlib").Path(__file__).resolve().parent / "models" / "early_exit"
+
+
+def early_exit_draft(target, layer: int | None = None, head: dict | str | None = "shipped"):
+    """A draft made of ``target``'s own first ``layer`` layers plus an early-exit head (CLaSp / LayerSkip style).
+
+    Returns a ``LlamaForCausalLM`` whose embedding and decoder layers *are* the target's modules (shared, not
+    copied: no extra weights, and its keys and values at those layers equal the target's), followed by its
+    own final norm and ``lm_head``. ``head``: ``"shipped"`` loads the head trained by
+    :func:`train_early_exit_head` (``labsrc/models/early_exit/<name>-L<layer>.safetensors``), a path loads that
+    file, a dict is a state dict, ``None`` keeps the target's final norm and ``lm_head`` (untrained exit).
+    ``layer`` defaults to half the target's layers.
+    """
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    n_layers = target.config.num_hidden_layers
+    layer = n_layers // 2 if layer is None else layer
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 1 <= layer < n_layers:
+        raise ValueError(f"layer must be an int in [1, {n_layers - 1}], got {layer!r}")
+    cfg = copy.deepcopy(target.config)
+    cfg.num_hidden_layers = layer
+    cfg.tie_word_embeddings = False
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layer]
+    with torch.device("meta"):
+        draft = LlamaForCausalLM(cfg)
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.model.layers = torch.nn.ModuleList(target.model.layers[:layer])
+    draft.model.rotary_emb = target.model.rotary_emb
+    draft.model.norm = copy.deepcopy(target.model.norm)
+    draft.lm_head = copy.deepcopy(target.lm_head)
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    if head is not None:
+        if isinstance(head, str):
+            from safetensors.torch import load_file
+            path = (EARLY_EXIT_DIR / f"{_model_name(target)}-L{layer}.safetensors") if head == "shipped" else head
+            head = load_file(str(path))
+        draft.model.norm.weight.data.copy_(head["norm.weight"].float())
+        draft.lm_head.weight.data.copy_(head["lm_head.weight"].float())
+    return draft.eval()
+
+
+def _model_name(model) -> str:
+    from pathlib import Path
+    return Path(str(getattr(model.config, "_name_or_path", "model"))).name or "model"
+
+
+def train_early_exit_head(target, tokenizer, layer: int | None = None, steps: int = 300, seq_len: int = 256,
+                          batch_size: int = 4, lr: float = 2e-3, seed: int = 0, out: str | None = None,
+                          log=None) -> dict:
+    """Train the early-exit head (final norm + ``lm_head`` on layer ``layer``'s hidden state) by
+    ``KL(p_target || p_exit)`` with the whole body frozen, on the lab's training mixture (prose and the
+    retrieval tasks, :func:`labsrc.models.train.make_batch`). Writes the head as fp16 safetensors to ``out``
+    and returns ``{"losses": [...], "seconds": s, "path": out}``."""
+    import random
+
+    from safetensors.torch import save_file
+
+    from labsrc.models.train import TrainConfig, make_batch
+
+    torch.manual_seed(seed)
+    draft = early_exit_draft(target, layer, head=None)
+    for prm in target.parameters():
+        prm.requires_grad_(False)
+    params = [draft.model.norm.weight, draft.lm_head.weight]
+    for prm in params:
+        prm.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    cfg = TrainConfig(seq_len=seq_len, batch_size=batch_size, short_steps=0, grow_steps=0)
+    rng = random.Random(seed)
+    losses, t0 = [], time.perf_counter()
+    for step in range(steps):
+        ids, _ = make_batch(cfg, tokenizer, rng)
+        with torch.no_grad():   # one frozen forward gives both the teacher and the exit layer's hidden state
+            res = target(input_ids=ids, output_hidden_states=True)
+            logp_t = torch.log_softmax(res.logits.float(), -1)
+            hidden = res.hidden_states[draft.config.num_hidden_layers]
+        logq = torch.log_softmax(draft.lm_head(draft.model.norm(hidden)).float(), -1)
+        loss = (logp_t.exp() * (logp_t - logq)).sum(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if log is not None and (step % 25 == 0 or step == steps - 1):
+            print(f"step {step:4d} KL {loss.item():.4f} {time.perf_counter() - t0:.0f}s", file=log, flush=True)
+    for prm in params:
+        prm.requires_grad_(False)
+    head = {"norm.weight": draft.model.norm.weight.detach().half().contiguous(),
+            "lm_head.weight": draft.lm_head.weight.detach().half().contiguous()}
+    if out is not None:
+        save_file(head, str(out))
+    return {"losses": losses, "seconds": time.perf_counter() - t0, "path": out}
+
+
+def main(argv=None):
+    """``python -m labsrc.speculative train-early-exit [--steps N]``: train and ship lab-target's exit head."""
+    import argparse
+    import json
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m labsrc.speculative")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    tr = sub.add_parser("train-early-exit", help="train lab-target's early-exit head (body frozen)")
+    tr.add_argument("--layer", type=int, default=None)
+    tr.add_argument("--steps", type=int, default=300)
+    tr.add_argument("--seq-len", type=int, default=256)
+    tr.add_argument("--batch-size", type=int, default=4)
+    tr.add_argument("--lr", type=float, default=2e-3)
+    args = ap.parse_args(argv)
+    from labsrc.models import load
+    target, tok = load("lab-target")
+    layer = target.config.num_hidden_layers // 2 if args.layer is None else args.layer
+    EARLY_EXIT_DIR.mkdir(parents=True, exist_ok=True)
+    out = EARLY_EXIT_DIR / f"lab-target-L{layer}.safetensors"
+    res = train_early_exit_head(target, tok, layer, steps=args.steps, seq_len=args.seq_len,
+                                batch_size=args.batch_size, lr=args.lr, out=str(out), log=sys.stdout)
+    card = {"target": "lab-target", "layer": layer, "steps": args.steps, "seq_len": args.seq_len,
+            "batch_size": args.batch_size, "lr": args.lr, "seconds": round(res["seconds"], 1),
+            "torch_threads": torch.get_num_threads(), "kl_first": res["losses"][0],
+            "kl_last_25_mean": sum(res["losses"][-25:]) / len(res["losses"][-25:]),
+            "losses": [round(x, 5) for x in res["losses"]]}
+    (EARLY_EXIT_DIR / f"lab-target-L{layer}.json").write_text(json.dumps(card, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
