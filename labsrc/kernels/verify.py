@@ -144,8 +144,9 @@ def greedy_verify(logits: torch.Tensor, tokens: torch.Tensor, first: torch.Tenso
     logits, tokens, first = logits.contiguous(), tokens.contiguous(), first.contiguous()
     if not HAS_TRITON:   # no Triton on this machine (Linux wheels only): the reference computes it
         return greedy_verify_ref(logits, tokens, first)
-    preds = torch.empty(B, N, dtype=torch.int64, device=logits.device)
-    accepted = torch.empty(B, dtype=torch.int64, device=logits.device)
+    # -1 is never a valid answer: an element the kernel failed to write cannot pass for a result
+    preds = torch.full((B, N), -1, dtype=torch.int64, device=logits.device)
+    accepted = torch.full((B,), -1, dtype=torch.int64, device=logits.device)
     if B == 0:
         return preds, accepted
     block_n = triton.next_power_of_2(N)

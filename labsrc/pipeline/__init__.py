@@ -269,3 +269,24 @@ def corpus_prompts(tokenizer, n: int, length: int = 24, seed: int = 0) -> list[l
     span = (len(ids) - length) // max(n, 1)
     starts = [i * span + rng.randrange(span) for i in range(n)]
     return [ids[s:s + length].tolist() for s in starts]
+
+
+def run_local(prompts, target_model, draft_model, *, k: int = 4, schedule: str = "plain",
+              max_new_tokens: int = 32, verify: str = "kernel", depth: int = 2) -> dict:
+    """The one-stage pipeline in this process (no ranks, no messages): the same stage-0 loop and verdicts
+    as :func:`sweep` with ``stages=1``, on models already loaded. Returns the same per-job dict."""
+    import time as _time
+
+    from labsrc.pipeline import schedule as sch
+
+    prompts = _check_prompts(prompts)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    stage = Stage(target_model, range(target_model.config.num_hidden_layers), first=True, last=True)
+    draft = Stage(draft_model, range(draft_model.config.num_hidden_layers), first=True, last=True)
+    job = dict(k=k, schedule=schedule, max_new_tokens=max_new_tokens, depth=depth, prompts=prompts)
+    timeline = sch.Timeline(_time.perf_counter())
+    res = sch.run_stage0(job, stage, draft, None, sch.LastStage(verify), timeline)
+    res.update(wall=_time.perf_counter() - timeline.t0, timelines=[timeline.events], comm=0.0, stages=1,
+               k=k, schedule=schedule, depth=depth, layers=[[0, target_model.config.num_hidden_layers]])
+    return res
