@@ -126,6 +126,39 @@ def test_one_stage_equals_target_generate(models, schedule, k):
     assert committed >= len(prompts) * N_NEW
 
 
+def test_one_stage_equals_chapter_10_speculative_generate(models):
+    """The same greedy tokens as chapter 10's single-process speculative decoding (which is itself checked
+    against generate() and transformers' assisted generation)."""
+    from labsrc.speculative import speculative_generate
+
+    target, draft, prompts, _ = models
+    res = pipeline.run_local(prompts[:2], target, draft, k=4, schedule="plain", max_new_tokens=N_NEW)
+    for p, out in zip(prompts[:2], res["outputs"]):
+        ids, _ = speculative_generate(target, draft, torch.tensor(p), N_NEW, k=4, stop_at_eos=False)
+        assert out == ids[0, len(p):].tolist()
+
+
+def test_last_stage_agrees_with_chapter_10_greedy_verify():
+    """Our verdict (accepted drafts, then the correction or next token) equals labsrc.speculative.verify
+    with greedy=True on random windows: the window is [pending token, k drafts]."""
+    from labsrc.speculative import verify
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(30):
+        k, V = int(torch.randint(1, 7, (1,), generator=gen)), 11
+        target_logits = torch.randn(k + 1, V, generator=gen)
+        preds = target_logits.argmax(-1)
+        drafts = torch.where(torch.rand(k, generator=gen) < 0.6, preds[:k], torch.randint(0, V, (k,), generator=gen))
+        want_tokens, want_n = verify(drafts, torch.full((k, V), 1.0 / V), target_logits.softmax(-1), greedy=True)
+        last = sch.LastStage("kernel")
+        last.pending[0], last.pos_next[0], last.epoch[0] = 5, 10, 0
+        # window = [the known next token 5, drafts]: logits row i is the target after window token i
+        verdict = last.verdict(sch.WINDOW, 0, 0, 10, 0, [5] + drafts.tolist(), target_logits)
+        accepted, token = verdict[3], verdict[4]
+        got = drafts[:accepted - 1].tolist() + [token]
+        assert accepted - 1 == want_n and got == want_tokens.tolist()
+
+
 def test_two_gloo_ranks_equal_target_generate_both_schedules(models):
     _, _, prompts, refs = models
     jobs = [dict(k=3, schedule="plain", max_new_tokens=N_NEW),

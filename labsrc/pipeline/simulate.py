@@ -31,13 +31,11 @@ COMPUTE = ("draft", "forward", "verify")
 
 
 def expected_committed(alpha: float, k: int) -> float:
-    """Expected tokens one window of ``k`` drafts commits when each draft is accepted with probability
-    ``alpha`` up to the first rejection, plus the target's own token: ``(1 - alpha^(k+1)) / (1 - alpha)``."""
-    _check_alpha(alpha)
-    _check_int("k", k, 0)
-    if alpha == 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    """Expected tokens one window of ``k`` drafts commits: chapter 10's
+    :func:`labsrc.speculative.expected_tokens_per_step`, ``(1 - alpha^(k+1)) / (1 - alpha)``."""
+    from labsrc.speculative import expected_tokens_per_step
+
+    return expected_tokens_per_step(alpha, k)
 
 
 def source_time_per_token(t_target: float, stages: int, t_draft_k: float, t_comm: float,
