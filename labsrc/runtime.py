@@ -140,6 +140,16 @@ SIZES: dict[str, dict[str, dict]] = {
                     ppl_bucket=64, probe_n=50, ledger_n=10, ledger_ppl_windows=8, ledger_decode_tokens=128,
                     decode_reps=20),
     },
+    "pipeline": {
+        # prompts: sequences (micro-batches) of prompt_len tokens, new_tokens each; live_k: the window of the
+        # live two-rank run; sim_*: the simulator's extrapolation (P up to 8, the source's 70B settings).
+        "cpu": dict(prompts=3, prompt_len=20, new_tokens=24, live_k=4, local_ks=(2, 4, 8), sim_tokens=96,
+                    sim_stages=(1, 2, 4, 8), sim_ks=(2, 4, 8, 16), sim_seeds=4, exp_ks=(2, 4, 8, 16),
+                    exp_reps=3, exp_stages=(1, 2)),
+        "gpu": dict(prompts=4, prompt_len=32, new_tokens=64, live_k=8, local_ks=(2, 4, 8, 16), sim_tokens=256,
+                    sim_stages=(1, 2, 4, 8), sim_ks=(2, 4, 8, 16, 32), sim_seeds=16, exp_ks=(2, 4, 8, 16),
+                    exp_reps=5, exp_stages=(1, 2)),
+    },
 }
 
 

@@ -75,6 +75,17 @@ qt, kt_, vt = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 12, 16, g
 tm = tree_attention_mask([-1, 0, 0, 1, -1])
 assert torch.equal(kt.tree_attention(qt, kt_, vt, tm), kt.tree_attention_ref(qt, kt_, vt, tm))
 from labsrc import attention  # the transformers integration imports and runs too
+# greedy verification (the pipeline's last stage)
+from labsrc.kernels import verify as kvf
+lg = torch.randn(2, 5, 30, generator=g)
+tk, fs = lg.argmax(-1), torch.tensor([3, 4])
+got, want = kvf.greedy_verify(lg, tk, fs), kvf.greedy_verify_ref(lg, tk, fs)
+assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+try:
+    kvf.greedy_verify(lg, tk.float(), fs)
+    raise AssertionError("float tokens must still be refused")
+except TypeError as e:
+    assert "tokens" in str(e)
 print("no-triton checks passed")
 '''
 

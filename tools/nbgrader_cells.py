@@ -80,6 +80,11 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
     "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
     "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
+    # 11 pipeline decoding
+    "check_pipeline_bubble": (1, 10, "the bubble fraction of a pipeline timeline"),
+    "check_pipeline_balance": (2, 20, "balance measured layer times over pipeline stages"),
+    "check_pipeline_plain_time": (2, 20, "derive the plain schedule's time per token"),
+    "check_pipeline_verify_kernel": (3, 30, "greedy verification of a window (Triton kernel)"),
 }
 
 

@@ -14,7 +14,9 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
 * ``kvquant_pack``, ``kvquant_decode`` (:mod:`labsrc.bench.kvquant`): quantize-and-pack and attention straight
   from the packed INT4/INT8 cache;
 * ``tree_attention`` (:mod:`labsrc.bench.tree_attention`): verifying a speculative draft tree (its queries
-  against the cached prefix and their ancestors) in one launch, in GB/s.
+  against the cached prefix and their ancestors) in one launch, in GB/s;
+* ``greedy_verify`` (:mod:`labsrc.bench.verify`): the last pipeline stage's greedy verification (argmax of
+  each window row, compare with the drafts, accepted length), in GB/s of logits read.
 
 Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for
 ``size`` in ``"tiny"`` (a smoke run that the interpreter can do in CI) or ``"gpu"`` (real sizes). A

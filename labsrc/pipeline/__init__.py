@@ -77,6 +77,11 @@ class _Faulty:
 
 
 def _worker(rank: int, world: int, port: int, cfg: dict, results) -> None:
+    # The rank's own output (library warnings at import, a crash in C code) goes to its log file, not into
+    # the launcher's notebook or terminal; the launcher shows the log's tail when the rank dies silently.
+    log = open(os.path.join(cfg["logdir"], f"rank{rank}.log"), "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
     try:
         import torch
 
@@ -137,9 +142,21 @@ def _launch(cfg: dict, stages: int, timeout: float, startup_timeout: float) -> l
     """Start ``stages`` ranks, collect their results; raise :class:`PipelineError` on any failure."""
     import torch.multiprocessing as mp
 
+    import shutil
+    import tempfile
+
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    cfg = dict(cfg, logdir=tempfile.mkdtemp(prefix="labsrc-pipeline-"))
+
+    def log_tail(r: int) -> str:
+        try:
+            with open(os.path.join(cfg["logdir"], f"rank{r}.log")) as f:
+                return f.read()[-3000:]
+        except OSError:
+            return ""
+
     procs = [ctx.Process(target=_worker, args=(r, stages, port, cfg, results), daemon=True)
              for r in range(stages)]
     for p in procs:
@@ -168,7 +185,7 @@ def _launch(cfg: dict, stages: int, timeout: float, startup_timeout: float) -> l
                         got[rank] = payload
                     except queue_mod.Empty:
                         raise PipelineError(f"rank {r} of {stages} died with exit code {p.exitcode} "
-                                            f"without a traceback") from None
+                                            f"without a traceback; its output:\n{log_tail(r)}") from None
             if time.monotonic() - started > startup_timeout + timeout:
                 waiting = [r for r in range(stages) if r not in got]
                 raise PipelineError(f"the pipeline timed out after {startup_timeout + timeout:.0f} s; "
@@ -179,6 +196,7 @@ def _launch(cfg: dict, stages: int, timeout: float, startup_timeout: float) -> l
                 p.kill()
         for p in procs:
             p.join(timeout=10)
+        shutil.rmtree(cfg["logdir"], ignore_errors=True)
     return [got[r] for r in range(stages)]
 
 
