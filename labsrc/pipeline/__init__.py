@@ -95,8 +95,12 @@ def _worker(rank: int, world: int, port: int, cfg: dict, results) -> None:
         cuda = cfg["backend"] == "nccl"
         device = torch.device(f"cuda:{rank}") if cuda else torch.device("cpu")
         if world > 1:
-            dist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=world, timeout=timedelta(seconds=cfg["timeout"]))
+            # The rendezvous waits as long as start-up may take (ranks import torch and load models at their
+            # own pace on a busy machine); every send, receive and barrier after it gets cfg["timeout"].
+            store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                                  timeout=timedelta(seconds=cfg["startup_timeout"]))
+            dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=cfg["timeout"]))
         model, _ = load(cfg["target"], device=device)
         layers = split_layers(model.config.num_hidden_layers, world)[rank]
         stage = Stage(model, layers, first=rank == 0, last=rank == world - 1)
@@ -249,6 +253,7 @@ def sweep(prompts, jobs: list[dict], *, target: str = "lab-target", draft: str =
                 raise ValueError(f"{key} must be a positive int, got {v!r}")
         full.append(dict(job, prompts=prompts))
     cfg = dict(target=target, draft=draft, jobs=full, timeout=float(timeout), verify=verify,
+               startup_timeout=float(startup_timeout),
                backend=_backend(stages, backend), fault=fault, threads=threads)
     per_rank = _launch(cfg, stages, float(timeout), float(startup_timeout))
     out = []
