@@ -168,6 +168,9 @@ def test_two_gloo_ranks_equal_target_generate_both_schedules(models):
     for job, res in zip(jobs, results):
         assert res["outputs"] == refs, job
         assert res["layers"] == [[0, 3], [3, 6]]
+        # each rank holds only its slice: together about one model (rank 0 the embeddings, rank 1 the head)
+        total = sum(p.numel() * p.element_size() for p in models[0].parameters())
+        assert all(b < 0.75 * total for b in res["param_bytes"]) and sum(res["param_bytes"]) == total
         ranks = res["timelines"]
         assert {e[0] for e in ranks[0]} >= {"draft", "forward"} and {e[0] for e in ranks[1]} >= {"verify"}
         assert 0 < bubble_fraction(ranks, res["wall"]) < 1 and res["comm"] > 0

@@ -104,6 +104,7 @@ def _worker(rank: int, world: int, port: int, cfg: dict, results) -> None:
         model, _ = load(cfg["target"], device=device)
         layers = split_layers(model.config.num_hidden_layers, world)[rank]
         stage = Stage(model, layers, first=rank == 0, last=rank == world - 1)
+        param_bytes = stage.trim(model)   # this rank keeps only its slice of the target
         if cfg.get("fault") and cfg["fault"]["rank"] == rank:
             stage = _Faulty(stage, cfg["fault"]["mode"], cfg["fault"]["after"])
         draft_stage = None
@@ -132,7 +133,8 @@ def _worker(rank: int, world: int, port: int, cfg: dict, results) -> None:
                     st.caches.clear()
             if last is not None:
                 last.__init__(cfg["verify"])
-            res.update(events=timeline.events, comm=comm, layers=[layers.start, layers.stop])
+            res.update(events=timeline.events, comm=comm, layers=[layers.start, layers.stop],
+                       param_bytes=param_bytes)
             out.append(res)
         if world > 1:
             dist.barrier()
@@ -234,7 +236,8 @@ def sweep(prompts, jobs: list[dict], *, target: str = "lab-target", draft: str =
     ranks, so that process start-up (seconds) is paid once. Returns one dict per job: ``outputs``,
     ``windows`` (per verified window: sequence, drafted, accepted, committed tokens, stale), ``discarded``,
     ``wall`` (seconds), ``comm`` (measured one-way activation transfer), ``timelines`` (per rank, a list of
-    ``(what, start, end, seq, wid)``) and ``layers`` (per rank, ``[start, stop)``)."""
+    ``(what, start, end, seq, wid)``), ``layers`` (per rank, ``[start, stop)``) and ``param_bytes`` (per
+    rank, the target's parameters it holds)."""
     prompts = _check_prompts(prompts)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be a positive int, got {stages!r}")
@@ -261,6 +264,7 @@ def sweep(prompts, jobs: list[dict], *, target: str = "lab-target", draft: str =
         res = dict(per_rank[0][j])
         res["timelines"] = [per_rank[r][j]["events"] for r in range(stages)]
         res["layers"] = [per_rank[r][j]["layers"] for r in range(stages)]
+        res["param_bytes"] = [per_rank[r][j]["param_bytes"] for r in range(stages)]
         res.pop("events")
         res.update(k=full[j]["k"], schedule=full[j]["schedule"], stages=stages, depth=full[j]["depth"])
         out.append(res)

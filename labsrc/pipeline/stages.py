@@ -117,18 +117,34 @@ class Stage:
         if cache.length() != pos:
             raise RuntimeError(f"stage cache of sequence {seq} holds {cache.length()} positions; a window at "
                                f"{pos} would leave a hole")
+        device = next(self.layers[0].parameters()).device
+        x = x.to(device)
         h = self.inner.embed_tokens(x[None]) if self.first else x[None]
         n = h.shape[1]
-        position_ids = torch.arange(pos, pos + n)[None]
+        position_ids = torch.arange(pos, pos + n, device=device)[None]
         cos_sin = self.inner.rotary_emb(h, position_ids=position_ids)
         # Query i (at position pos + i) sees keys 0 .. pos + i: True where attention is allowed.
-        mask = (torch.arange(pos + n)[None, :] <= torch.arange(pos, pos + n)[:, None])[None, None]
+        keys = torch.arange(pos + n, device=device)
+        mask = (keys[None, :] <= position_ids[0][:, None])[None, None]
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=position_ids, cache=cache,
                       position_embeddings=cos_sin)
         if self.last:
             return self.head(self.inner.norm(h))[0]
         return h[0]
+
+    def trim(self, model) -> int:
+        """Free what this stage does not run (other layers; the embeddings off stage 0; the norm and head
+        off the last stage), so a rank holds only its slice. Returns the bytes of the parameters kept."""
+        keep = {id(layer) for layer in self.layers}
+        for i, layer in enumerate(model.model.layers):
+            if id(layer) not in keep:
+                model.model.layers[i] = torch.nn.Identity()
+        if not self.first:
+            model.model.embed_tokens = None
+        if not self.last:
+            model.model.norm, model.lm_head = None, None
+        return sum(p.numel() * p.element_size() for p in model.parameters())
 
     def drop(self, seq: int) -> None:
         self.caches.pop(seq, None)
