@@ -245,6 +245,16 @@ SIZES: dict[str, dict[str, dict]] = {
                     tree_n=8, tree_tokens=64, tree_branches=(1, 2, 3, 4),
                     self_n=10, opd_tokens=320, opd_prompt=128),
     },
+    "pipeline": {
+        # prompts: sequences (micro-batches) of prompt_len tokens, new_tokens each; live_k: the window of the
+        # live two-rank run; sim_*: the simulator's extrapolation (P up to 8, the source's 70B settings).
+        "cpu": dict(prompts=3, prompt_len=20, new_tokens=24, live_k=4, local_ks=(2, 4, 8), sim_tokens=96,
+                    sim_stages=(1, 2, 4, 8), sim_ks=(2, 4, 8, 16), sim_seeds=4, exp_ks=(2, 4, 8, 16),
+                    exp_reps=3, exp_stages=(1, 2)),
+        "gpu": dict(prompts=4, prompt_len=32, new_tokens=64, live_k=8, local_ks=(2, 4, 8, 16), sim_tokens=256,
+                    sim_stages=(1, 2, 4, 8), sim_ks=(2, 4, 8, 16, 32), sim_seeds=16, exp_ks=(2, 4, 8, 16),
+                    exp_reps=5, exp_stages=(1, 2)),
+    },
 }
 
 

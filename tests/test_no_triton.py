@@ -144,6 +144,17 @@ try:
     raise AssertionError("a wrong K must still be refused")
 except ValueError as e:
     assert "x must have shape" in str(e)
+# greedy verification (the pipeline's last stage)
+from labsrc.kernels import verify as kvf
+lg = torch.randn(2, 5, 30, generator=g)
+tk, fs = lg.argmax(-1), torch.tensor([3, 4])
+got, want = kvf.greedy_verify(lg, tk, fs), kvf.greedy_verify_ref(lg, tk, fs)
+assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+try:
+    kvf.greedy_verify(lg, tk.float(), fs)
+    raise AssertionError("float tokens must still be refused")
+except TypeError as e:
+    assert "tokens" in str(e)
 print("no-triton checks passed")
 '''
 

@@ -61,6 +61,7 @@ KERNEL_PAGES = (
     "chapters/08_linear_attention.html",
     "chapters/09_serving.html",
     "chapters/10_speculative.html",
+    "chapters/11_pipeline_decoding.html",
     "chapters/12_weight_quant.html",
     "chapters/14_memory_retrieval.html",
 )

@@ -114,6 +114,11 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_spec_tree_mask": (2, 20, "a tree mask from a parents array"),
     "check_spec_cache_keep": (2, 20, "the cache rollback that keeps greedy output identical"),
     "check_spec_residual_kernel": (4, 35, "the residual distribution as a Triton kernel"),
+    # 11 pipeline decoding
+    "check_pipeline_bubble": (1, 10, "the bubble fraction of a pipeline timeline"),
+    "check_pipeline_balance": (2, 20, "balance measured layer times over pipeline stages"),
+    "check_pipeline_plain_time": (2, 20, "derive the plain schedule's time per token"),
+    "check_pipeline_verify_kernel": (3, 30, "greedy verification of a window (Triton kernel)"),
 }
 
 

@@ -25,7 +25,9 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
 * ``int4_matmul``, ``mxfp4_matmul`` (:mod:`labsrc.bench.weight_quant`): W4A16 and MXFP4 GEMMs dequantizing in
   registers, GB/s of weight bytes and TFLOP/s beside ``torch.matmul`` on the dequantized 16-bit weight.
 * ``tree_attention`` (:mod:`labsrc.bench.tree_attention`): verifying a speculative draft tree (its queries
-  against the cached prefix and their ancestors) in one launch, in GB/s.
+  against the cached prefix and their ancestors) in one launch, in GB/s;
+* ``greedy_verify`` (:mod:`labsrc.bench.verify`): the last pipeline stage's greedy verification (argmax of
+  each window row, compare with the drafts, accepted length), in GB/s of logits read.
 
 Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for
 ``size`` in ``"tiny"`` (a smoke run that the interpreter can do in CI) or ``"gpu"`` (real sizes). A
