@@ -140,6 +140,15 @@ SIZES: dict[str, dict[str, dict]] = {
                     ppl_bucket=64, probe_n=50, ledger_n=10, ledger_ppl_windows=8, ledger_decode_tokens=128,
                     decode_reps=20),
     },
+    "distill": {
+        # kernel_*: the fused-loss check; grad_temps: the T² gradient plot; live_*: the one short distillation
+        # run the notebook does live (the experiment itself is stored: python -m labsrc.distill experiment);
+        # spec_*: chapter 10's speculative decoding with each student as the draft.
+        "cpu": dict(kernel_rows=6, kernel_vocab=1500, grad_temps=(1, 2, 4, 8, 16, 32, 64), live_steps=12,
+                    live_eval_windows=4, spec_prompts=4, spec_prompt_len=64, spec_tokens=32, spec_k=4),
+        "gpu": dict(kernel_rows=64, kernel_vocab=32000, grad_temps=(1, 2, 4, 8, 16, 32, 64), live_steps=100,
+                    live_eval_windows=16, spec_prompts=16, spec_prompt_len=128, spec_tokens=64, spec_k=4),
+    },
 }
 
 

@@ -68,6 +68,20 @@ with torch.no_grad():
     qd, kc, vc = torch.randn(2, 4, 16, generator=g), torch.randn(2, 2, 13, 16, generator=g), torch.randn(2, 2, 13, 16, generator=g)
     lens = torch.tensor([13, 5])
     assert torch.equal(ka.decode_attention(qd, kc, vc, lens), ka.decode_attention_ref(qd, kc, vc, lens))
+# the fused distillation loss: forward and the student's gradient through the reference
+from labsrc.kernels import distill as kdk
+from labsrc import distill
+s, t = torch.randn(3, 50, generator=g, requires_grad=True), torch.randn(3, 50, generator=g)
+kl = kdk.kd_kl(s, t, 2.0)
+assert torch.equal(kl, kdk.kd_kl_ref(s, t, 2.0))
+kl.sum().backward()
+assert torch.allclose(s.grad, kdk.kd_kl_backward_ref(torch.ones(3), s.detach(), t, 2.0), atol=1e-7)
+assert torch.equal(distill.kd_loss(s, t, T=2.0, fused=True), distill.kd_loss(s, t, T=2.0))
+try:
+    kdk.kd_kl(s, t.requires_grad_(True))
+    raise AssertionError("a teacher that requires grad must still be refused")
+except ValueError as e:
+    assert "teacher_logits" in str(e)
 from labsrc import attention  # the transformers integration imports and runs too
 print("no-triton checks passed")
 '''

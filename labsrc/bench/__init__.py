@@ -12,7 +12,9 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
   prefill forward and backward in TFLOP/s, flash-decoding in GB/s of K/V read;
 * ``rope`` (:mod:`labsrc.bench.rope`): rotating queries and keys, in GB/s;
 * ``kvquant_pack``, ``kvquant_decode`` (:mod:`labsrc.bench.kvquant`): quantize-and-pack and attention straight
-  from the packed INT4/INT8 cache.
+  from the packed INT4/INT8 cache;
+* ``kd_kl``, ``kd_kl_backward`` (:mod:`labsrc.bench.distill`): the fused distillation loss (temperature
+  softmaxes and their KL in one pass over the vocabulary) and its backward, in GB/s.
 
 Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for
 ``size`` in ``"tiny"`` (a smoke run that the interpreter can do in CI) or ``"gpu"`` (real sizes). A

@@ -216,11 +216,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).contiguous()
 
 
+def _new(shape, dtype, device) -> torch.Tensor:
+    """Every buffer the kernels write (the tests replace this with a NaN-filled one: nothing left unwritten)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def _forward(s2, t2, T):
     R, V = s2.shape
-    kl = torch.empty(R, dtype=torch.float32, device=s2.device)
-    lse_s = torch.empty_like(kl)
-    lse_t = torch.empty_like(kl)
+    kl, lse_s, lse_t = (_new((R,), torch.float32, s2.device) for _ in range(3))
     if R:
         _kd_kl_fwd_kernel[(R,)](s2, t2, kl, lse_s, lse_t, V, s2.stride(0), t2.stride(0), 1.0 / float(T),
                                 _bucket(V))
@@ -229,7 +232,7 @@ def _forward(s2, t2, T):
 
 def _backward(grad, s2, t2, lse_s, lse_t, T):
     R, V = s2.shape
-    ds = torch.empty_like(s2)
+    ds = _new((R, V), s2.dtype, s2.device)
     grad = grad.to(torch.float32).contiguous()
     if R:
         _kd_kl_bwd_kernel[(R,)](s2, t2, lse_s, lse_t, grad, ds, V, s2.stride(0), t2.stride(0), ds.stride(0),
