@@ -68,6 +68,12 @@ with torch.no_grad():
     qd, kc, vc = torch.randn(2, 4, 16, generator=g), torch.randn(2, 2, 13, 16, generator=g), torch.randn(2, 2, 13, 16, generator=g)
     lens = torch.tensor([13, 5])
     assert torch.equal(ka.decode_attention(qd, kc, vc, lens), ka.decode_attention_ref(qd, kc, vc, lens))
+# tree attention (speculative decoding's tree verification)
+from labsrc.kernels import tree_attention as kt
+from labsrc.speculative import tree_attention_mask
+qt, kt_, vt = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
+tm = tree_attention_mask([-1, 0, 0, 1, -1])
+assert torch.equal(kt.tree_attention(qt, kt_, vt, tm), kt.tree_attention_ref(qt, kt_, vt, tm))
 # the fused distillation loss: forward and the student's gradient through the reference
 from labsrc.kernels import distill as kdk
 from labsrc import distill

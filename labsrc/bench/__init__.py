@@ -13,6 +13,8 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
 * ``rope`` (:mod:`labsrc.bench.rope`): rotating queries and keys, in GB/s;
 * ``kvquant_pack``, ``kvquant_decode`` (:mod:`labsrc.bench.kvquant`): quantize-and-pack and attention straight
   from the packed INT4/INT8 cache;
+* ``tree_attention`` (:mod:`labsrc.bench.tree_attention`): verifying a speculative draft tree (its queries
+  against the cached prefix and their ancestors) in one launch, in GB/s;
 * ``kd_kl``, ``kd_kl_backward`` (:mod:`labsrc.bench.distill`): the fused distillation loss (temperature
   softmaxes and their KL in one pass over the vocabulary) and its backward, in GB/s.
 

@@ -1,0 +1,286 @@
+"""Speculative decoding (labsrc/speculative.py): the rejection rule against chi-square tests at fixed seeds,
+the theory against brute force, and generation against transformers' greedy and assisted generation."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from labsrc import speculative as spec
+
+
+def _rand_dist(g, *shape, sharp=1.0):
+    return torch.softmax(sharp * torch.randn(*shape, generator=g, dtype=torch.float64), -1)
+
+
+# ----------------------------------------------------------------------------- acceptance theory
+def test_acceptance_is_one_minus_tv_and_sum_of_min():
+    g = torch.Generator().manual_seed(0)
+    p, q = _rand_dist(g, 5, 11), _rand_dist(g, 5, 11)
+    a = spec.acceptance_rate(p, q)
+    assert torch.allclose(a, 1 - spec.total_variation(p, q))
+    assert torch.allclose(a, torch.stack([sum(min(x, y) for x, y in zip(pr, qr)) for pr, qr in zip(p, q)]))
+    assert torch.allclose(spec.acceptance_rate(p, p), torch.ones(5, dtype=torch.float64))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(2, 30), st.floats(0.1, 5.0), st.integers(0, 10_000))
+def test_pinsker_bound_holds_in_both_directions(v, sharp, seed):
+    g = torch.Generator().manual_seed(seed)
+    p, q = _rand_dist(g, v, sharp=sharp), _rand_dist(g, v, sharp=sharp)
+    a = spec.acceptance_rate(p, q)
+    assert a >= spec.pinsker_lower_bound(p, q) - 1e-12
+    assert a >= spec.pinsker_lower_bound(q, p) - 1e-12
+
+
+def test_one_minus_kl_without_the_square_root_is_not_a_bound():
+    # Close distributions: TV ~ sqrt(KL / 2) exceeds KL, so alpha >= 1 - KL fails; Pinsker's form holds.
+    p = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    q = torch.tensor([0.55, 0.45], dtype=torch.float64)
+    a = spec.acceptance_rate(p, q)
+    kl = spec.kl_divergence(p, q)
+    assert a < 1 - kl
+    assert a >= spec.pinsker_lower_bound(p, q)
+
+
+def test_expected_tokens_and_speedup_against_series_and_brute_force():
+    for alpha in (0.0, 0.3, 0.71, 0.9, 1.0):
+        for k in (1, 4, 8):
+            series = sum(alpha ** i for i in range(k + 1))
+            assert math.isclose(spec.expected_tokens_per_step(alpha, k), series, rel_tol=1e-12)
+            assert math.isclose(spec.speedup(alpha, k, 0.1), series / (0.1 * k + 1), rel_tol=1e-12)
+    assert spec.expected_tokens_per_step(1.0, 4) == 5.0      # k + 1, not k
+    for alpha, c in ((0.5, 0.05), (0.8, 0.02), (0.9, 0.2), (0.99, 0.0)):
+        best = max(range(1, 33), key=lambda k: spec.speedup(alpha, k, c))
+        assert spec.optimal_k(alpha, c) == best
+    assert spec.optimal_k(0.999, 0.0, k_max=7) == 7           # k_max is inclusive
+
+
+def test_adaptive_window_rule():
+    assert [spec.adaptive_window(a) for a in (0.0, 0.25, 0.3, 0.55, 0.8, 0.89, 1.0)] == [2, 2, 3, 5, 8, 8, 8]
+
+
+@pytest.mark.parametrize("fn,args,match", [
+    (spec.expected_tokens_per_step, (1.2, 4), "alpha"),
+    (spec.expected_tokens_per_step, (0.5, 0), "k must be >= 1"),
+    (spec.speedup, (0.5, 4, -0.1), "c must be"),
+    (spec.optimal_k, (0.5, 0.1, 0), "k_max"),
+])
+def test_theory_errors(fn, args, match):
+    with pytest.raises(ValueError, match=match):
+        fn(*args)
+
+
+# ----------------------------------------------------------------------------- verify
+def test_first_emitted_token_has_the_target_distribution_chi_square():
+    g = torch.Generator().manual_seed(1)
+    V, k, B = 6, 3, 40_000
+    p = _rand_dist(g, k + 1, V, sharp=1.5)
+    q = _rand_dist(g, k, V, sharp=1.5)
+    x = torch.multinomial(q, B, replacement=True, generator=g).T            # (B, k) drafts from q
+    out, n = spec.verify_batch(x, q.expand(B, k, V), p.expand(B, k + 1, V), generator=g)
+    counts = torch.bincount(out[:, 0], minlength=V)
+    _, _, pval = spec.chi_square_test(counts, p[0])
+    assert pval > 1e-3
+    # second token, given the first was accepted, follows p_1
+    second = out[n >= 1, 1]
+    _, _, pval2 = spec.chi_square_test(torch.bincount(second, minlength=V), p[1])
+    assert pval2 > 1e-3
+    # a draft far from p is caught: the first drafted tokens alone do not follow p
+    _, _, pval_q = spec.chi_square_test(torch.bincount(x[:, 0], minlength=V), p[0])
+    assert pval_q < 1e-6
+
+
+def test_accepted_count_follows_truncated_geometric():
+    g = torch.Generator().manual_seed(2)
+    V, k, B = 5, 4, 30_000
+    p1, q1 = _rand_dist(g, V), _rand_dist(g, V)
+    alpha = float(spec.acceptance_rate(p1, q1))
+    p, q = p1.expand(k + 1, V), q1.expand(k, V)
+    x = torch.multinomial(q1, B * k, replacement=True, generator=g).view(B, k)
+    _, n = spec.verify_batch(x, q.expand(B, k, V), p.expand(B, k + 1, V), generator=g)
+    theory = torch.tensor([alpha ** j * (1 - alpha) for j in range(k)] + [alpha ** k], dtype=torch.float64)
+    _, _, pval = spec.chi_square_test(torch.bincount(n, minlength=k + 1), theory)
+    assert pval > 1e-3
+    assert abs(float(n.double().mean() + 1) - spec.expected_tokens_per_step(alpha, k)) < 0.05
+
+
+def test_verify_single_matches_rule_and_lengths():
+    g = torch.Generator().manual_seed(3)
+    V, k = 7, 4
+    p, q = _rand_dist(g, k + 1, V), _rand_dist(g, k, V)
+    x = torch.multinomial(q, 1, generator=g)[:, 0]
+    tokens, n = spec.verify(x, q, p, generator=g)
+    assert tokens.shape == (n + 1,) and torch.equal(tokens[:n], x[:n])
+    # identical draft and target: everything accepted, a bonus token follows
+    tokens, n = spec.verify(x, p[:k], p, generator=g)
+    assert n == k and tokens.shape == (k + 1,)
+
+
+def test_greedy_verify_is_argmax_match():
+    V, k = 9, 5
+    g = torch.Generator().manual_seed(4)
+    p, q = _rand_dist(g, k + 1, V), _rand_dist(g, k, V)
+    arg = p.argmax(-1)
+    x = arg[:k].clone()
+    x[3] = (x[3] + 1) % V
+    tokens, n = spec.verify(x, q, p, greedy=True)
+    assert n == 3 and tokens.tolist() == arg[:4].tolist()
+    tokens, n = spec.verify(arg[:k], q, p, greedy=True)
+    assert n == k and tokens.tolist() == arg.tolist()
+
+
+def test_verify_batch_different_lengths_padding():
+    V = 4
+    p = torch.eye(V, dtype=torch.float64)[[0, 1, 2]]                   # deterministic target 0, 1, 2
+    q = torch.full((2, V), 1 / V, dtype=torch.float64)
+    x = torch.tensor([[0, 1], [3, 1]])
+    out, n = spec.verify_batch(x, q.expand(2, 2, V), p.expand(2, 3, V), generator=torch.Generator().manual_seed(0))
+    assert n.tolist() == [2, 0]
+    assert out.tolist() == [[0, 1, 2], [0, -1, -1]]
+
+
+def test_residual_distribution():
+    p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    assert torch.allclose(spec.residual_distribution(p, q), torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    assert torch.equal(spec.residual_distribution(p, p), p)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("not_dist", "not a distribution"),
+    ("negative", "negative"),
+    ("zero_q", "probability 0"),
+    ("shape_t", "target_probs must have shape"),
+    ("shape_q", "draft_probs must have shape"),
+    ("range", "draft_tokens must be in"),
+    ("float_tokens", "integer tensor"),
+    ("nan", "non-finite"),
+])
+def test_verify_errors(case, match):
+    V, k = 5, 3
+    p = torch.full((k + 1, V), 1 / V)
+    q = torch.full((k, V), 1 / V)
+    x = torch.tensor([0, 1, 2])
+    if case == "not_dist":
+        p = p * 2
+    elif case == "negative":
+        q = q.clone(); q[0, 0] = -0.1; q[0, 1] += 0.1
+    elif case == "zero_q":
+        q = q.clone(); q[1, 1] = 0.0; q[1, 0] += 1 / V
+    elif case == "shape_t":
+        p = p[:k]
+    elif case == "shape_q":
+        q = torch.full((k + 1, V), 1 / V)
+    elif case == "range":
+        x = torch.tensor([0, 1, 5])
+    elif case == "float_tokens":
+        x = x.float()
+    elif case == "nan":
+        p = p.clone(); p[0, 0] = float("nan")
+    err = TypeError if case == "float_tokens" else ValueError
+    with pytest.raises(err, match=match):
+        spec.verify(x, q, p)
+
+
+def test_chi_square_test_p_values():
+    # the chi-square survival function at known points (dof 1 and 4)
+    _, dof, pv = spec.chi_square_test([60, 40], [0.5, 0.5])
+    assert dof == 1 and abs(pv - 0.0455) < 1e-3
+    _, dof, pv = spec.chi_square_test([20, 20, 20, 20, 20], [0.2] * 5)
+    assert dof == 4 and pv == pytest.approx(1.0)
+
+
+def test_warp_logits_top_p_matches_transformers():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 50, generator=g)
+    for t, tp in ((1.0, 0.9), (0.7, 0.5), (1.3, 1.0)):
+        ours = spec.warp_logits(logits, t, tp)
+        scores = TemperatureLogitsWarper(t)(None, logits.clone())
+        if tp < 1:
+            scores = TopPLogitsWarper(tp)(None, scores)
+        theirs = torch.softmax(scores.double(), -1)
+        assert torch.allclose(ours, theirs, atol=1e-9)
+
+
+# ----------------------------------------------------------------------------- generation
+@pytest.fixture(scope="module")
+def lab_pair():
+    from labsrc.models import load
+    target, _ = load("lab-target")
+    draft, _ = load("lab-draft")
+    return target, draft
+
+
+def test_greedy_identity_with_target_generate(lab_pair):
+    target, draft = lab_pair
+    g = torch.Generator().manual_seed(6)
+    for k in range(1, 9):
+        ids = torch.randint(2, target.config.vocab_size, (1, int(torch.randint(1, 12, (1,), generator=g))),
+                            generator=g)
+        ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+        out, stats = spec.speculative_generate(target, draft, ids, 16, k=k)
+        assert torch.equal(out, ref), k
+        assert stats.new_tokens == 16 and stats.target_calls == len(stats.steps) <= 16
+        assert all(s.accepted <= s.k for s in stats.steps)
+
+
+def test_greedy_identity_adaptive_and_against_assisted_generation(lab_pair):
+    target, draft = lab_pair
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        ids = torch.randint(2, target.config.vocab_size, (1, 9), generator=g)
+        ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+        hf = target.generate(ids, max_new_tokens=20, do_sample=False, assistant_model=draft)
+        out, stats = spec.speculative_generate(target, draft, ids, 20, window="adaptive")
+        assert torch.equal(hf, ref) and torch.equal(out, ref)
+        assert all(2 <= s.k <= 8 or s.k == 20 - sum(t.emitted for t in stats.steps[:i]) - 1
+                   for i, s in enumerate(stats.steps))
+
+
+def _tiny_llama(seed, vocab=8):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)      # peaked enough that draft and target differ visibly
+    return model
+
+
+def test_sampled_output_has_target_joint_distribution_chi_square():
+    V, prompt = 6, torch.tensor([[1, 2, 3]])
+    target, draft = _tiny_llama(0, V), _tiny_llama(1, V)
+    with torch.no_grad():
+        p1 = spec.warp_logits(target(prompt).logits[0, -1], 0.8)
+        nxt = torch.cat([prompt.expand(V, 3), torch.arange(V)[:, None]], 1)
+        p2 = spec.warp_logits(target(nxt).logits[:, -1], 0.8)
+        q1 = spec.warp_logits(draft(prompt).logits[0, -1], 0.8)
+    joint = (p1[:, None] * p2).flatten()
+    assert float(spec.acceptance_rate(p1, q1)) < 0.95            # the draft really differs
+    g = torch.Generator().manual_seed(8)
+    counts = torch.zeros(V * V)
+    n = 1000
+    for _ in range(n):
+        out, _ = spec.speculative_generate(target, draft, prompt, 2, k=2, do_sample=True, temperature=0.8,
+                                           generator=g, stop_at_eos=False)
+        counts[out[0, 3] * V + out[0, 4]] += 1
+    _, _, pval = spec.chi_square_test(counts, joint)
+    assert pval > 1e-3
+
+
+def test_generate_errors(lab_pair):
+    target, draft = lab_pair
+    ids = torch.tensor([[5, 6]])
+    with pytest.raises(ValueError, match="window"):
+        spec.speculative_generate(target, draft, ids, 4, window="dynamic")
+    with pytest.raises(ValueError, match="k must be"):
+        spec.speculative_generate(target, draft, ids, 4, k=0)
+    with pytest.raises(TypeError, match="input_ids"):
+        spec.speculative_generate(target, draft, ids.float(), 4)
+    with pytest.raises(ValueError, match="temperature"):
+        spec.speculative_generate(target, draft, ids, 4, do_sample=True, temperature=0.0)
