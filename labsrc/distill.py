@@ -453,6 +453,59 @@ def evaluate_student(student, teacher, tokenizer, n_windows: int = 16, context_l
             "passkey_n": passkey_n * len(depths), "context_len": context_len}
 
 
+@torch.no_grad()
+def draft_figures(draft, target, tokenizer, n_prompts: int = 4, prompt_len: int = 64, new_tokens: int = 32,
+                  k: int = 4, seed: int = 0) -> dict:
+    """``draft`` as chapter 10's draft for ``target``: :func:`labsrc.speculative.speculative_generate`
+    (sampling at temperature 1, window ``k``) on ``n_prompts`` validation prefixes of ``prompt_len`` tokens.
+
+    Returns the measured acceptance (accepted / drafted, with its count), new tokens per target call, the
+    draft-to-target cost ratio ``c`` per call measured in the run, and the speedup that the acceptance and
+    ``c`` predict (:func:`labsrc.speculative.speedup`). Wall-clock speedups on a shared CPU are noise; the
+    tokens per target call are not.
+    """
+    from labsrc import speculative, tasks
+
+    torch.set_num_threads(1)
+    ids = tasks.corpus_ids(tokenizer, "validation")
+    gen = torch.Generator().manual_seed(seed)
+    stats = speculative.SpecStats()
+    start = len(ids) // 2  # past the windows evaluate_student scores
+    for i in range(n_prompts):
+        prompt = torch.cat([torch.tensor([tokenizer.bos_token_id]),
+                            ids[start + i * prompt_len:start + (i + 1) * prompt_len - 1]])
+        speculative.speculative_generate(target, draft, prompt, new_tokens, k=k, do_sample=True, generator=gen,
+                                         stats=stats, stop_at_eos=False)
+    alpha = stats.acceptance
+    draft_s = sum(st.draft_seconds for st in stats.steps) / max(1, stats.draft_calls)
+    target_s = sum(st.target_seconds for st in stats.steps) / max(1, stats.target_calls)
+    c = draft_s / target_s if target_s else float("nan")
+    return {"alpha": alpha, "accepted": stats.accepted, "drafted": stats.drafted,
+            "tokens_per_call": stats.tokens_per_call, "c": c, "k": k,
+            "predicted_speedup": speculative.speedup(min(1.0, max(0.0, alpha)), k, c),
+            "new_tokens": stats.new_tokens}
+
+
+def add_draft_figures(students: Path, out: Path = RESULTS, **kw) -> dict:
+    """Load each method's saved student from ``students/<method>`` and add its :func:`draft_figures` to the
+    results in ``out`` (and lab-draft's, the reference draft trained for 1,500 steps)."""
+    from labsrc.data import load_tokenizer
+    from labsrc.models import load
+
+    results = json.loads(Path(out).read_text())
+    tokenizer = load_tokenizer()
+    target, _ = load("lab-target")
+    for m in results["methods"]:
+        draft, _ = load(str(Path(students) / m))
+        results["methods"][m]["draft"] = draft_figures(draft, target, tokenizer, **kw)
+        Path(out).write_text(json.dumps(results, indent=1))
+    draft, _ = load("lab-draft")
+    results["lab_draft"] = {**evaluate_student(draft, target, tokenizer),
+                            "draft": draft_figures(draft, target, tokenizer, **kw)}
+    Path(out).write_text(json.dumps(results, indent=1))
+    return results
+
+
 def experiment(steps: int, sweep_steps: int, temps=(1.0, 2.0, 4.0, 8.0), out: Path = RESULTS,
                methods=METHODS, verbose: bool = True, save_dir: Path | None = None) -> dict:
     """Train every method for ``steps`` steps and the KD temperature sweep for ``sweep_steps``, score each
@@ -471,8 +524,8 @@ def experiment(steps: int, sweep_steps: int, temps=(1.0, 2.0, 4.0, 8.0), out: Pa
         info["final_loss"] = log[-1]["loss"]
         results["methods"][m] = {**info, **evaluate_student(student, teacher, tokenizer)}
         results["methods"][m].pop("train_config")
-        if save_dir is not None:
-            save_student(student, log, info, Path(save_dir) / m, teacher, tokenizer)
+        if save_dir is not None:  # weights only: the eval card is measured for the shipped student
+            student.save_pretrained(Path(save_dir) / m)
         out.write_text(json.dumps(results, indent=1))
     for T in temps:
         student, log, info = distill_run("kd", sweep_steps, T=T, teacher=teacher, tokenizer=tokenizer,
@@ -538,6 +591,10 @@ def main(argv=None):
     e.add_argument("--methods", default=",".join(METHODS))
     e.add_argument("--out", type=Path, default=RESULTS)
     e.add_argument("--save-dir", type=Path, default=None, help="save each method's student here")
+    d = sub.add_parser("drafts", help="add each saved student's acceptance and speedup as chapter 10's draft")
+    d.add_argument("--students", type=Path, required=True)
+    d.add_argument("--out", type=Path, default=RESULTS)
+    d.add_argument("--prompts", type=int, default=8)
     s = sub.add_parser("ship", help="train one recipe into checkpoints/lab-draft-distilled")
     s.add_argument("--method", choices=METHODS[1:], default="kd")
     s.add_argument("--steps", type=int, default=300)
@@ -547,6 +604,8 @@ def main(argv=None):
     if args.cmd == "experiment":
         experiment(args.steps, args.sweep_steps, methods=tuple(args.methods.split(",")), out=args.out,
                    save_dir=args.save_dir)
+    elif args.cmd == "drafts":
+        add_draft_figures(args.students, args.out, n_prompts=args.prompts)
     else:
         card = ship(args.method, args.steps, args.T, args.out)
         print(json.dumps({k: card[k] for k in ("validation_perplexity", "train_minutes", "distillation")},
