@@ -447,7 +447,8 @@ def evaluate_student(student, teacher, tokenizer, n_windows: int = 16, context_l
         kl += float(soft_kl(s, t, 1.0).sum())
         count += len(y)
     depths = [0.25, 0.5, 0.75]
-    pk = tasks.passkey_accuracy(student, tokenizer, context_len, depths, n=passkey_n, seed=seed)
+    pk = tasks.passkey_accuracy(student, tokenizer, context_len, depths, n=passkey_n, seed=seed) \
+        if passkey_n else None  # passkey_n=0: no probe (a quick look at the distributions only)
     return {"perplexity": math.exp(nll / count), "entropy": ent / count, "expected_acceptance": acc / count,
             "kl_teacher_student": kl / count, "tokens": count, "passkey": pk,
             "passkey_n": passkey_n * len(depths), "context_len": context_len}

@@ -119,7 +119,7 @@ def test_hidden_check_uses_other_cases_and_always_raises():
     assert visible(lambda x: x + 1).status == "failed", "the visible check still only reports"
 
 
-@pytest.mark.parametrize("module", ["kv_cache", "lab_bench", "flash_attention", "rope", "kv_quant", "eviction"])
+@pytest.mark.parametrize("module", ["kv_cache", "lab_bench", "flash_attention", "rope", "kv_quant", "eviction", "distill"])
 def test_every_chapter_check_has_a_hidden_case_set(module):
     import importlib
     import inspect

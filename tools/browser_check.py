@@ -53,7 +53,7 @@ MIN_FIGURE_COLOURS = 8        # a blank or single-colour image has 1-2 distinct 
 TIMEOUT_MS = 30_000
 # Chapters that teach a Triton kernel and must show its source.
 KERNEL_PAGES = ("chapters/01_kv_cache.html", "chapters/03_flash_attention.html", "chapters/04_rope.html",
-                "chapters/05_kv_quant.html")
+                "chapters/05_kv_quant.html", "chapters/13_distillation.html")
 # What no rendered page may contain: solution regions and hidden tests (stripped from the release version).
 FORBIDDEN_TEXT = ("### BEGIN SOLUTION", "### END SOLUTION", "### BEGIN HIDDEN TESTS", "BEGIN HIDDEN TESTS")
 # The one console error not counted: pydata-sphinx-theme (under sphinx-book-theme) logs it on a reader's first

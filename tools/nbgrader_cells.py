@@ -80,6 +80,11 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
     "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
     "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
+    # 13 distillation
+    "check_kd_loss_by_hand": (2, 15, "the KD loss by hand, padding ignored"),
+    "check_kd_soft_gradient": (2, 20, "the soft term's gradient in closed form"),
+    "check_tinybert_layer_map": (1, 10, "TinyBERT's layer mapping"),
+    "check_kd_kl_kernel": (4, 35, "the KL between temperature softmaxes in a Triton kernel"),
 }
 
 

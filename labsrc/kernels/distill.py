@@ -121,11 +121,13 @@ def _bucket(n: int) -> int:
 def _kd_kl_fwd_kernel(s_ptr, t_ptr, kl_ptr, lse_s_ptr, lse_t_ptr,
                       V, stride_s, stride_t, inv_T,
                       V_BUCKET, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2^31 at large batch x vocabulary
+    # int64: row * stride may pass 2^31 at a large batch x vocabulary
+    row = tl.program_id(0).to(tl.int64)
     s_row = s_ptr + row * stride_s
     t_row = t_ptr + row * stride_t
-    # Five fp32 scalars live in registers for the whole row: the running maxima (m_t, m_s), the rescaled sums
-    # of exponentials (z_t, z_s) and acc = sum_v exp(a_v - m_t) * (a_v - b_v).
+    # Five fp32 scalars live in registers for the whole row: the running maxima
+    # (m_t, m_s), the rescaled sums of exponentials (z_t, z_s) and
+    # acc = sum_v exp(a_v - m_t) * (a_v - b_v).
     m_t = tl.full((), float("-inf"), tl.float32)
     m_s = tl.full((), float("-inf"), tl.float32)
     z_t = tl.zeros((), tl.float32)
@@ -137,14 +139,16 @@ def _kd_kl_fwd_kernel(s_ptr, t_ptr, kl_ptr, lse_s_ptr, lse_t_ptr,
         # Padded lanes read -inf: exp(-inf) = 0, so they add nothing to any sum.
         a = tl.load(t_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_T
         b = tl.load(s_row + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_T
-        # Teacher: new maximum, rescale what was summed so far, add this block. A maximum of -inf (all -inf
-        # so far) is replaced by 0 in the exponents, so that -inf - (-inf) never makes a NaN.
+        # Teacher: new maximum, rescale what was summed so far, add this block. A
+        # maximum of -inf (all -inf so far) is replaced by 0 in the exponents, so
+        # that -inf - (-inf) never makes a NaN.
         new_t = tl.maximum(m_t, tl.max(a, 0))
         safe_t = tl.where(new_t == float("-inf"), 0.0, new_t)
         scale_t = tl.exp(m_t - safe_t)
         e = tl.exp(a - safe_t)
-        # a - b, written without ever evaluating -inf - (-inf) (the interpreter, NumPy, would warn): +inf
-        # where the student has -inf and the teacher mass; and 0 where the teacher has no mass (0 log 0 = 0)
+        # a - b, never evaluating -inf - (-inf) (NumPy, under the interpreter, would
+        # warn): +inf where the student has -inf and the teacher mass; 0 where the
+        # teacher has no mass (0 log 0 = 0)
         a_f = tl.where(a == float("-inf"), 0.0, a)
         b_f = tl.where(b == float("-inf"), 0.0, b)
         d = tl.where(b == float("-inf"), float("inf"), a_f - b_f)
@@ -157,8 +161,9 @@ def _kd_kl_fwd_kernel(s_ptr, t_ptr, kl_ptr, lse_s_ptr, lse_t_ptr,
         safe_s = tl.where(new_s == float("-inf"), 0.0, new_s)
         z_s = z_s * tl.exp(m_s - safe_s) + tl.sum(tl.exp(b - safe_s), 0)
         m_s = new_s
-    # A sum of 0 means no finite logit in the row: log-sum-exp -inf. A dead teacher row has KL 0; a dead
-    # student row under a live teacher has KL NaN, as in the reference (its softmax is 0/0).
+    # A sum of 0 means no finite logit in the row: log-sum-exp -inf. A dead teacher
+    # row has KL 0; a dead student row under a live teacher has KL NaN, as in the
+    # reference (its softmax is 0/0).
     zt_safe = tl.where(z_t > 0, z_t, 1.0)
     zs_safe = tl.where(z_s > 0, z_s, 1.0)
     lse_t = tl.where(z_t > 0, m_t + tl.log(zt_safe), float("-inf"))
@@ -179,21 +184,26 @@ def _kd_kl_bwd_kernel(s_ptr, t_ptr, lse_s_ptr, lse_t_ptr, g_ptr, ds_ptr,
     row = tl.program_id(0).to(tl.int64)
     lse_t = tl.load(lse_t_ptr + row)
     lse_s = tl.load(lse_s_ptr + row)
-    # d KL / d s_v = g * (q_v - p_v) / T; a teacher row with no finite logit has KL 0 and gradient 0.
+    # d KL / d s_v = g * (q_v - p_v) / T; a teacher row with no finite logit has
+    # KL 0 and gradient 0.
     dead = lse_t == float("-inf")
     g = tl.load(g_ptr + row) * inv_T
     safe_lse_t = tl.where(dead, 0.0, lse_t)
-    no_student = lse_s == float("-inf")  # softmax of a row with no finite logit: NaN, as in the reference
+    # the softmax of a row with no finite logit is NaN, as in the reference
+    no_student = lse_s == float("-inf")
     safe_lse_s = tl.where(no_student, 0.0, lse_s)
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         mask = cols < V
-        a = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_T
-        b = tl.load(s_ptr + row * stride_s + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_T
+        a = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=float("-inf"))
+        b = tl.load(s_ptr + row * stride_s + cols, mask=mask, other=float("-inf"))
+        a = a.to(tl.float32) * inv_T
+        b = b.to(tl.float32) * inv_T
         q = tl.where(no_student, float("nan"), tl.exp(b - safe_lse_s))
         p = tl.exp(a - safe_lse_t)
         ds = tl.where(dead, 0.0, g * (q - p))
-        tl.store(ds_ptr + row * stride_ds + cols, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+        ds_row = ds_ptr + row * stride_ds
+        tl.store(ds_row + cols, ds.to(ds_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_launch(student_logits):
