@@ -123,6 +123,7 @@ def test_generalized_jsd_matches_the_definition(beta):
     assert math.isclose(float(got), float(per[keep].mean()), rel_tol=1e-5, abs_tol=1e-7)
 
 
+@pytest.mark.filterwarnings("ignore:You are importing from 'trl.experimental'")
 @pytest.mark.parametrize("beta", [0.0, 0.5, 0.8, 1.0])
 def test_generalized_jsd_agrees_with_trl(beta):
     """TRL's GKDTrainer.generalized_jsd_loss: with labels its "batchmean" is the per-token mean, as ours;
@@ -272,3 +273,53 @@ def test_kd_loss_refuses_bad_arguments(bad, match):
 def test_generalized_jsd_refuses_a_beta_outside_unit_interval():
     with pytest.raises(ValueError, match="beta"):
         distill.generalized_jsd(torch.zeros(2, V), torch.zeros(2, V), beta=1.2)
+
+
+@pytest.mark.parametrize("method", ["gkd", "distilbert"])
+def test_distill_run_trains_every_recipe_for_a_few_steps(method):
+    """The experiment's training loop on the lab's models: two steps (GKD's on-policy branch forced), finite
+    losses, the log and the info the eval card records, a student of lab-draft's shape."""
+    from labsrc.models import load
+
+    teacher, tok = load("lab-target")
+    student, log, info = distill.distill_run(method, 2, teacher=teacher, tokenizer=tok, on_policy_frac=1.0,
+                                             gen_prompt=16, gen_new=8)
+    assert len(log) == 2 and all(math.isfinite(r["loss"]) for r in log)
+    assert info["method"] == method and info["steps"] == 2 and info["tokens"] == log[-1]["tokens"]
+    assert student.config.hidden_size == 128 and student.config.num_hidden_layers == 4
+    if method == "gkd":
+        assert all(r["on_policy"] == 1 for r in log)
+    with pytest.raises(ValueError, match="method"):
+        distill.distill_run("nope", 1, teacher=teacher, tokenizer=tok)
+
+
+def test_shipped_distilled_draft_and_its_eval_card():
+    from labsrc import models
+
+    card = models.eval_card("lab-draft-distilled")
+    assert card["teacher"] == "lab-target" and card["method"] in distill.METHODS[1:]
+    assert card["command"] == (f"python -m labsrc.distill ship --method {card['method']} "
+                               f"--steps {card['steps']} --T {card['T']}")
+    assert card["parameters"] == models.eval_card("lab-draft")["parameters"]
+    d = card["distillation"]
+    assert 0 < d["expected_acceptance"] < 1 and d["kl_teacher_student"] > 0 and d["tokens"] > 1000
+    log = models.train_log("lab-draft-distilled")
+    assert len(log) == card["steps"] and log[-1]["tokens"] == card["tokens"]
+    assert card["train_minutes"] > 0
+
+
+def test_draft_figures_measures_a_student_as_chapter_10s_draft():
+    from labsrc.data import load_tokenizer
+    from labsrc.models import load
+
+    tok = load_tokenizer()
+    target, _ = load("lab-target")
+    draft, _ = load("lab-draft")
+    d = distill.draft_figures(draft, target, tok, n_prompts=1, prompt_len=32, new_tokens=8, k=3)
+    assert 0 <= d["accepted"] <= d["drafted"] and d["alpha"] == d["accepted"] / d["drafted"]
+    assert d["new_tokens"] == 8 and 1 <= d["tokens_per_call"] <= 4 and d["c"] > 0
+    assert d["predicted_speedup"] == pytest.approx(speculative_speedup(d["alpha"], 3, d["c"]))
+
+
+def speculative_speedup(alpha, k, c):
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
