@@ -496,8 +496,10 @@ def add_draft_figures(students: Path, out: Path = RESULTS, **kw) -> dict:
     results = json.loads(Path(out).read_text())
     tokenizer = load_tokenizer()
     target, _ = load("lab-target")
-    for m in results["methods"]:
-        draft, _ = load(str(Path(students) / m))
+    from transformers import AutoModelForCausalLM
+
+    for m in results["methods"]:  # weights only (experiment's save_dir): no tokenizer beside them
+        draft = AutoModelForCausalLM.from_pretrained(Path(students) / m, dtype=torch.float32).eval()
         results["methods"][m]["draft"] = draft_figures(draft, target, tokenizer, **kw)
         Path(out).write_text(json.dumps(results, indent=1))
     draft, _ = load("lab-draft")
