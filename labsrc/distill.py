@@ -460,10 +460,11 @@ def draft_figures(draft, target, tokenizer, n_prompts: int = 4, prompt_len: int 
     """``draft`` as chapter 10's draft for ``target``: :func:`labsrc.speculative.speculative_generate`
     (sampling at temperature 1, window ``k``) on ``n_prompts`` validation prefixes of ``prompt_len`` tokens.
 
-    Returns the measured acceptance (accepted / drafted, with its count), new tokens per target call, the
-    draft-to-target cost ratio ``c`` per call measured in the run, and the speedup that the acceptance and
-    ``c`` predict (:func:`labsrc.speculative.speedup`). Wall-clock speedups on a shared CPU are noise; the
-    tokens per target call are not.
+    Returns the measured acceptance (accepted / drafted, with its count: drafts after a rejection count as
+    not accepted), new tokens per target call, the draft-to-target cost ratio ``c`` per call measured in the
+    run, and the speedup these predict, Leviathan et al.'s ``E[tokens per call] / (k c + 1)`` with the
+    measured tokens per call (:func:`labsrc.speculative.speedup` with the per-token acceptance those tokens
+    imply). Wall-clock speedups on a shared CPU are noise; the tokens per target call are not.
     """
     from labsrc import speculative, tasks
 
@@ -483,7 +484,7 @@ def draft_figures(draft, target, tokenizer, n_prompts: int = 4, prompt_len: int 
     c = draft_s / target_s if target_s else float("nan")
     return {"alpha": alpha, "accepted": stats.accepted, "drafted": stats.drafted,
             "tokens_per_call": stats.tokens_per_call, "c": c, "k": k,
-            "predicted_speedup": speculative.speedup(min(1.0, max(0.0, alpha)), k, c),
+            "predicted_speedup": stats.tokens_per_call / (k * c + 1),
             "new_tokens": stats.new_tokens}
 
 
