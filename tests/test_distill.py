@@ -248,7 +248,7 @@ def test_a_short_distillation_lowers_the_kl_to_the_teacher():
         x = torch.randn(64, 16, generator=gen)
         with torch.no_grad():
             t = teacher(x) * 3
-        loss = distill.kd_loss(student(x), t, T=2.0)  # the fused kernel: tests/kernels/test_distill.py
+        loss = distill.kd_loss(student(x), t, T=2.0)  # the fused kernel: tests/kernels/test_distill_kernel.py
         opt.zero_grad()
         loss.backward()
         opt.step()
