@@ -16,10 +16,16 @@ left out; logits are ``(..., V)`` and labels are aligned with them: no shift ins
 * :func:`tinybert_layer_map`, :func:`tinybert_loss` -- TinyBERT's uniform layer mapping ``g(m) = m * N / M``,
   hidden-state MSE through a learned projection and attention-map MSE.
 
-The experiment (:func:`distill_run`, ``python -m labsrc.distill``) trains students of ``lab-draft``'s shape for
-the same steps on the same batches as a from-scratch baseline, scores them (perplexity, entropy, pass keys,
-expected acceptance against the teacher) and writes ``labsrc/data/distill_results.json``;
-``python -m labsrc.distill ship`` trains the chosen recipe into ``checkpoints/lab-draft-distilled``.
+The experiment (:func:`distill_run`) trains students of ``lab-draft``'s shape for the same steps on the same
+batches as a from-scratch baseline, scores them (perplexity, entropy, pass keys, expected acceptance against the
+teacher) and writes ``labsrc/data/distill_results.json``::
+
+    python -m labsrc.distill experiment --steps 120 --sweep-steps 60 --save-dir /tmp/students
+    python -m labsrc.distill drafts --students /tmp/students --prompts 8   # each as chapter 10's draft
+    python -m labsrc.distill ship --method kd --steps 120 --T 2.0          # checkpoints/lab-draft-distilled
+
+Every run is deterministic from its seed, so the methods and the sweep may also run as separate processes
+(``experiment(..., methods=...)``) and give the same figures.
 """
 from __future__ import annotations
 
@@ -590,8 +596,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description="Distil lab-target into drafts of lab-draft's shape.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("experiment", help="train and score every method and the temperature sweep")
-    e.add_argument("--steps", type=int, default=300)
-    e.add_argument("--sweep-steps", type=int, default=120)
+    e.add_argument("--steps", type=int, default=120)
+    e.add_argument("--sweep-steps", type=int, default=60)
     e.add_argument("--methods", default=",".join(METHODS))
     e.add_argument("--out", type=Path, default=RESULTS)
     e.add_argument("--save-dir", type=Path, default=None, help="save each method's student here")
@@ -601,7 +607,7 @@ def main(argv=None):
     d.add_argument("--prompts", type=int, default=8)
     s = sub.add_parser("ship", help="train one recipe into checkpoints/lab-draft-distilled")
     s.add_argument("--method", choices=METHODS[1:], default="kd")
-    s.add_argument("--steps", type=int, default=300)
+    s.add_argument("--steps", type=int, default=120)
     s.add_argument("--T", type=float, default=2.0)
     s.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
