@@ -255,6 +255,15 @@ SIZES: dict[str, dict[str, dict]] = {
                     sim_stages=(1, 2, 4, 8), sim_ks=(2, 4, 8, 16, 32), sim_seeds=16, exp_ks=(2, 4, 8, 16),
                     exp_reps=5, exp_stages=(1, 2)),
     },
+    "distill": {
+        # kernel_*: the fused-loss check; grad_temps: the T² gradient plot; live_*: the one short distillation
+        # run the notebook does live (the experiment itself is stored: python -m labsrc.distill experiment);
+        # spec_*: chapter 10's speculative decoding with each student as the draft.
+        "cpu": dict(kernel_rows=6, kernel_vocab=1500, grad_temps=(1, 2, 4, 8, 16, 32, 64), live_steps=12,
+                    live_eval_windows=4, spec_prompts=4, spec_prompt_len=64, spec_tokens=32, spec_k=4),
+        "gpu": dict(kernel_rows=64, kernel_vocab=32000, grad_temps=(1, 2, 4, 8, 16, 32, 64), live_steps=100,
+                    live_eval_windows=16, spec_prompts=16, spec_prompt_len=128, spec_tokens=64, spec_k=4),
+    },
 }
 
 

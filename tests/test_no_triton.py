@@ -112,6 +112,20 @@ from labsrc.speculative import tree_attention_mask
 qt, kt_, vt = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
 tm = tree_attention_mask([-1, 0, 0, 1, -1])
 assert torch.equal(kt.tree_attention(qt, kt_, vt, tm), kt.tree_attention_ref(qt, kt_, vt, tm))
+# the fused distillation loss: forward and the student's gradient through the reference
+from labsrc.kernels import distill as kdk
+from labsrc import distill
+s, t = torch.randn(3, 50, generator=g, requires_grad=True), torch.randn(3, 50, generator=g)
+kl = kdk.kd_kl(s, t, 2.0)
+assert torch.equal(kl, kdk.kd_kl_ref(s, t, 2.0))
+kl.sum().backward()
+assert torch.allclose(s.grad, kdk.kd_kl_backward_ref(torch.ones(3), s.detach(), t, 2.0), atol=1e-7)
+assert torch.equal(distill.kd_loss(s, t, T=2.0, fused=True), distill.kd_loss(s, t, T=2.0))
+try:
+    kdk.kd_kl(s, t.requires_grad_(True))
+    raise AssertionError("a teacher that requires grad must still be refused")
+except ValueError as e:
+    assert "teacher_logits" in str(e)
 from labsrc import attention  # the transformers integration imports and runs too
 # the linear-attention kernels (chapter 8): the wrappers check, then call the chunked references
 from labsrc.kernels import linear_attention as kla

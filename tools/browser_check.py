@@ -63,6 +63,7 @@ KERNEL_PAGES = (
     "chapters/10_speculative.html",
     "chapters/11_pipeline_decoding.html",
     "chapters/12_weight_quant.html",
+    "chapters/13_distillation.html",
     "chapters/14_memory_retrieval.html",
 )
 # What no rendered page may contain: solution regions and hidden tests (stripped from the release version).

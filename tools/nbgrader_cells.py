@@ -119,6 +119,11 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_pipeline_balance": (2, 20, "balance measured layer times over pipeline stages"),
     "check_pipeline_plain_time": (2, 20, "derive the plain schedule's time per token"),
     "check_pipeline_verify_kernel": (3, 30, "greedy verification of a window (Triton kernel)"),
+    # 13 distillation
+    "check_kd_loss_by_hand": (2, 15, "the KD loss by hand, padding ignored"),
+    "check_kd_soft_gradient": (2, 20, "the soft term's gradient in closed form"),
+    "check_tinybert_layer_map": (1, 10, "TinyBERT's layer mapping"),
+    "check_kd_kl_kernel": (4, 35, "the KL between temperature softmaxes in a Triton kernel"),
 }
 
 

@@ -1,9 +1,11 @@
 """The lab's models: ``load(name_or_path) -> (model, tokenizer)``.
 
 Shipped names (see :data:`SHIPPED`): ``lab-target`` (about 9M parameters, trained at a 512-token context),
-``lab-draft`` (its small draft for speculative decoding) and ``lab-mamba`` (a 3.5M-parameter Mamba-2,
-chapter 7's state-space model, trained on the same data with a smaller budget). They live in
-``labsrc/models/checkpoints/<name>/`` and are trained by ``python -m labsrc.models.train <name>``. A local folder, or on a machine with a network a
+``lab-draft`` (its small draft for speculative decoding), ``lab-mamba`` (a 3.5M-parameter Mamba-2, chapter 7's
+state-space model, trained on the same data with a smaller budget) and ``lab-draft-distilled`` (a draft of
+lab-draft's shape distilled from lab-target, chapter 13). They live in ``labsrc/models/checkpoints/<name>/``
+and are trained by ``python -m labsrc.models.train <name>`` (the distilled draft by the command on its eval
+card, ``python -m labsrc.distill ship ...``). A local folder, or on a machine with a network a
 Hugging Face hub id, loads the same way.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
 SHIPPED = ("lab-target", "lab-draft", "lab-mamba")
+SHIPPED = ("lab-target", "lab-draft", "lab-draft-distilled")
 
 
 def resolve(name_or_path: str) -> str:
@@ -25,8 +28,10 @@ def resolve(name_or_path: str) -> str:
     if name in SHIPPED:
         path = CHECKPOINTS / name
         if not (path / "config.json").is_file():
+            how = ("python -m labsrc.distill ship" if name == "lab-draft-distilled"
+                   else f"python -m labsrc.models.train {name}")
             raise FileNotFoundError(f"shipped model {name!r} has no checkpoint at {path}; "
-                                    f"train it with `python -m labsrc.models.train {name}`")
+                                    f"train it with `{how}`")
         return str(path)
     path = Path(name)
     if path.is_dir():

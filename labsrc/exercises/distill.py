@@ -1,0 +1,213 @@
+"""Checks for the exercises of the distillation chapter.
+
+Each check calls the student's function on several seeded random cases and compares it with
+:mod:`labsrc.distill`; it prints ``passed``, what is wrong (with a hint), or ``not solved yet`` when the function
+still raises ``NotImplementedError``. Expected answers are computed here, never printed.
+
+* :func:`check_kd_loss_by_hand` -- ``fn(student_logits, teacher_logits, labels, T, alpha)``: the KD loss of
+  Hinton et al. over ``(N, V)`` logits with ``-100`` labels ignored.
+* :func:`check_kd_soft_gradient` -- ``fn(student_logits, teacher_logits, T)``: the gradient of the soft term
+  ``T² KL(p_T || q_T)`` with respect to one row of student logits, in closed form.
+* :func:`check_tinybert_layer_map` -- ``fn(n_teacher, n_student)``: TinyBERT's uniform layer mapping.
+* :func:`check_kd_kl_kernel` -- a ``@triton.jit`` kernel that computes one row's KL between temperature
+  softmaxes, one program per row, launched by the check under Triton's interpreter and compared with
+  :func:`labsrc.kernels.distill.kd_kl_ref`.
+
+A check refuses an answer that calls the :mod:`labsrc.distill` function the exercise asks the student to write.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from labsrc import distill, runtime
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, as_number,
+                                   check_function, exercise, hidden, randint, refuse_library)
+
+__all__ = ["check_kd_loss_by_hand", "check_kd_soft_gradient", "check_tinybert_layer_map", "check_kd_kl_kernel"]
+
+
+def _forbidden():
+    from labsrc.kernels import distill as kd
+    return (distill.kd_loss, distill.soft_kl, distill.generalized_jsd, distill._kl_terms, kd.kd_kl, kd.kd_kl_ref,
+            kd.kd_kl_backward_ref, distill.tinybert_layer_map)
+
+
+def _refuse(name, fn, make_inputs, seed, hint):
+    return refuse_library(name, fn, _forbidden(), hint, owner="labsrc.distill",
+                          args=make_inputs(torch.Generator().manual_seed(seed)))
+
+
+def _temperature(gen):
+    return (0.5, 1.0, 2.0, 3.0, 5.0)[randint(gen, 0, 4)]
+
+
+# ------------------------------------------------------------------------------------------ the KD loss
+def _kd_inputs(gen):
+    N, V = randint(gen, 2, 9), randint(gen, 3, 50)
+    s = torch.randn(N, V, generator=gen) * 2
+    t = torch.randn(N, V, generator=gen) * 2
+    labels = torch.randint(0, V, (N,), generator=gen)
+    labels[torch.rand(N, generator=gen) < 0.3] = -100
+    labels[0] = 0  # at least one token counts
+    alpha = (0.0, 0.25, 0.5, 0.9)[randint(gen, 0, 3)]
+    return s, t, labels, _temperature(gen), alpha
+
+
+def _kd_reference(s, t, labels, T, alpha):
+    return float(distill.kd_loss(s, t, labels, T=T, alpha=alpha))
+
+
+@exercise
+def check_kd_loss_by_hand(fn) -> Result:
+    """Check ``fn(student_logits (N, V), teacher_logits (N, V), labels (N,), T, alpha) -> float``:
+    ``alpha * CE + (1 - alpha) * T² * KL(softmax(t/T) || softmax(s/T))``, both averaged over the tokens whose
+    label is not -100."""
+    name = "KD loss by hand"
+    hint = ("the hard term is cross-entropy at temperature 1; the soft term is T*T times the mean over kept "
+            "tokens of sum_v p_v (log p_v - log q_v) with p = softmax(t/T), q = softmax(s/T).")
+    refused = _refuse(name, fn, _kd_inputs, 131, hint)
+    if refused is not None:
+        return refused
+    return check_function(name, as_number(fn), _kd_reference, _kd_inputs, trials=6, seed=131, rtol=1e-4,
+                          atol=1e-6, hint=hint)
+
+
+# ------------------------------------------------------------------------------ the soft term's gradient
+def _grad_inputs(gen):
+    V = randint(gen, 2, 40)
+    return torch.randn(V, generator=gen) * 3, torch.randn(V, generator=gen) * 3, _temperature(gen)
+
+
+def _grad_reference(s, t, T):
+    s = s.clone().requires_grad_(True)
+    distill.kd_loss(s[None], t[None], T=T).backward()
+    return s.grad
+
+
+@exercise
+def check_kd_soft_gradient(fn) -> Result:
+    """Check ``fn(student_logits (V,), teacher_logits (V,), T) -> (V,)``: the gradient of
+    ``T² KL(softmax(t/T) || softmax(s/T))`` with respect to ``s``, written in closed form (no autograd)."""
+    name = "gradient of the soft term"
+    hint = ("d KL / d s_v = (q_v - p_v) / T for the temperature softmaxes q of s/T and p of t/T; then multiply "
+            "by the T*T in front.")
+    refused = _refuse(name, fn, _grad_inputs, 132, hint)
+    if refused is not None:
+        return refused
+
+    def no_autograd(s, t, T):
+        with torch.no_grad():
+            return fn(s, t, T)
+
+    return check_function(name, no_autograd, _grad_reference, _grad_inputs, trials=6, seed=132, rtol=1e-4,
+                          atol=1e-6, hint=hint)
+
+
+# ---------------------------------------------------------------------------------- TinyBERT's layer map
+def _map_inputs(gen):
+    M = randint(gen, 1, 6)
+    return M * randint(gen, 1, 4), M
+
+
+@exercise
+def check_tinybert_layer_map(fn) -> Result:
+    """Check ``fn(n_teacher, n_student) -> list[int]`` of length ``n_student + 1``: the teacher layer each
+    student layer learns from (layer 0: the embeddings), TinyBERT's uniform strategy."""
+    name = "TinyBERT layer map"
+    hint = ("g(m) = m * N / M for m = 0..M: the embeddings to the embeddings, the last layer to the last, "
+            "evenly spaced in between.")
+    refused = _refuse(name, fn, _map_inputs, 133, hint)
+    if refused is not None:
+        return refused
+
+    def as_list(N, M):
+        got = fn(N, M)
+        return torch.tensor([int(x) for x in got]) if isinstance(got, (list, tuple, torch.Tensor)) else got
+
+    return check_function(name, as_list, lambda N, M: torch.tensor(distill.tinybert_layer_map(N, M)),
+                          _map_inputs, trials=8, seed=133, hint=hint)
+
+
+# --------------------------------------------------------------------------------------- the KL kernel
+# (rows, V): odd vocabularies, rarely powers of two, so that a missing mask shows
+_KERNEL_SIZES = ((3, 7), (1, 1), (4, 100), (2, 257), (5, 33), (1, 640))
+_GUARD = 64
+
+
+def _guarded(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    storage = torch.full((values.numel() + 2 * _GUARD,), float("nan"), dtype=values.dtype)
+    storage[_GUARD:_GUARD + values.numel()] = values.flatten()
+    return storage[_GUARD:_GUARD + values.numel()].view(values.shape), storage
+
+
+def _run_kernel(kernel, s, t, T):
+    import triton  # only reached when Triton is installed
+
+    R, V = s.shape
+    sg, _ = _guarded(s)
+    tg, _ = _guarded(t)
+    out, out_store = _guarded(torch.full((R,), float("nan")))
+    # Under the interpreter the kernel runs in NumPy, which warns about what a GPU computes silently
+    # (-inf - -inf in a masked lane, exp overflow): the comparison below is what judges the kernel.
+    with np.errstate(all="ignore"):
+        kernel[(R,)](sg, tg, out, V, 1.0 / T, BLOCK=triton.next_power_of_2(V))
+    guards = torch.cat([out_store[:_GUARD], out_store[-_GUARD:]])
+    if not bool(torch.isnan(guards).all()):
+        return out, "the kernel wrote outside the output (one value per row, at out_ptr + row)."
+    return out, None
+
+
+@exercise
+def check_kd_kl_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(s_ptr, t_ptr, out_ptr, V, inv_T, BLOCK)`` that writes, for row
+    ``r`` of the contiguous float32 ``(R, V)`` student and teacher logits, ``KL(softmax(t/T) || softmax(s/T))``
+    to ``out[r]`` (grid ``(R,)``, ``BLOCK`` the next power of two >= ``V``, so one block holds the row),
+    against :func:`labsrc.kernels.distill.kd_kl_ref`. Without Triton the check says it is skipped."""
+    name = "KD KL kernel"
+    if not runtime.HAS_TRITON:
+        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
+               "the other exercises do not need it.")
+        print(f"⏭ {name}: skipped. {why}")
+        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    from labsrc.kernels.distill import kd_kl_ref
+
+    hint = ("load the row with mask=cols < V and other=-inf, scale by inv_T, subtract each row's max before "
+            "exp; KL = sum p (a - b) - lse(a) + lse(b), and the masked lanes must add nothing.")
+    seed, sizes = 134, _KERNEL_SIZES
+    if hidden():
+        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, v + 5) for r, v in sizes)
+    if not hasattr(kernel, "__getitem__"):
+        try:
+            kernel()
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+        except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
+            pass
+        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
+                                            f"@triton.jit so that kernel[(R,)](...) launches it."))
+    gen = torch.Generator().manual_seed(seed)
+    for trial, (R, V) in enumerate(sizes):
+        # every third case has large logits at a low temperature: exp overflows without the max subtracted
+        scale = (0.5, 3.0, 60.0)[trial % 3]
+        s = torch.randn(R, V, generator=gen) * scale
+        t = torch.randn(R, V, generator=gen) * scale
+        T = _temperature(gen) if trial % 3 < 2 else 0.5
+        try:
+            out, problem = _run_kernel(kernel, s, t, T)
+        except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
+            cause = err.__cause__ or err.__context__
+            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
+                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+            return _report(Result(name, FAILED, f"trial {trial + 1} (R={R}, V={V}): the launch raised "
+                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+        if problem is None:
+            expected = kd_kl_ref(s, t, T)
+            if torch.isnan(out).any():
+                problem = f"{int(torch.isnan(out).sum())} row(s) got NaN or were never written."
+            elif not torch.allclose(out, expected, rtol=1e-4, atol=1e-5):
+                problem = f"{int((~torch.isclose(out, expected, rtol=1e-4, atol=1e-5)).sum())} of {R} rows differ."
+        if problem:
+            return _report(Result(name, FAILED, f"trial {trial + 1} (R={R}, V={V}, T={T}): {problem} "
+                                                f"Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to kd_kl_ref on {len(sizes)} launches with odd vocabularies."))
