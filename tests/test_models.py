@@ -61,8 +61,10 @@ def test_tiny_mamba_config_trains_a_mamba2():
 
 
 def test_checkpoints_fit_the_size_budget():
+    # Four shipped models (lab-target 19 MB, lab-mamba 7 MB, two 3 MB drafts) in fp16 with their logs and
+    # cards: a clone stays small, and a fifth model has to argue for its bytes.
     total = sum(f.stat().st_size for f in models.CHECKPOINTS.rglob("*") if f.is_file())
-    assert total <= 30 * 2**20, f"checkpoints take {total / 2**20:.1f} MiB"
+    assert total <= 36 * 2**20, f"checkpoints take {total / 2**20:.1f} MiB"
 
 
 @pytest.mark.parametrize("name", models.SHIPPED)

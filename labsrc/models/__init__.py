@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
-SHIPPED = ("lab-target", "lab-draft", "lab-mamba")
-SHIPPED = ("lab-target", "lab-draft", "lab-draft-distilled")
+SHIPPED = ("lab-target", "lab-draft", "lab-mamba", "lab-draft-distilled")
 
 
 def resolve(name_or_path: str) -> str:
