@@ -141,6 +141,37 @@ def _report(result: Result) -> Result:
     return result
 
 
+TRITON_MISSING = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
+                  "the other exercises do not need it.")
+
+
+def skipped_without_triton(name: str) -> Result | None:
+    """``None`` where Triton can launch kernels; elsewhere print that the kernel exercise ``name`` is skipped and
+    return its result: not solved, and not failed, since no answer could run on this machine."""
+    from labsrc import runtime
+
+    if runtime.HAS_TRITON:
+        return None
+    print(f"⏭ {name}: skipped. {TRITON_MISSING}")
+    return Result(name, NOT_SOLVED, f"skipped: {TRITON_MISSING}")
+
+
+def not_a_kernel(name: str, kernel: Any, launch: str) -> Result | None:
+    """``None`` when ``kernel`` launches as ``kernel[grid](...)`` (a ``@triton.jit`` function); else the result to
+    report: "not solved yet" for the untouched stub (it raises ``NotImplementedError``), failed for anything
+    else, with a hint naming the launch (``launch``, e.g. ``"kernel[(R,)](...)"``)."""
+    if hasattr(kernel, "__getitem__"):
+        return None
+    try:
+        kernel()
+    except NotImplementedError:
+        return Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again.")
+    except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
+        pass
+    return Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with @triton.jit so "
+                                f"that {launch} launches it.")
+
+
 def _call(answer: Any, *args: Any) -> tuple[Any, Result | None]:
     """Call ``answer`` (when callable) and turn the student-build stub into a 'not solved' result."""
     if not callable(answer):

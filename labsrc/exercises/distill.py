@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from labsrc import distill, runtime
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, as_number,
                                    check_function, exercise, hidden, randint, refuse_library)
 
@@ -165,11 +166,8 @@ def check_kd_kl_kernel(kernel) -> Result:
     to ``out[r]`` (grid ``(R,)``, ``BLOCK`` the next power of two >= ``V``, so one block holds the row),
     against :func:`labsrc.kernels.distill.kd_kl_ref`. Without Triton the check says it is skipped."""
     name = "KD KL kernel"
-    if not runtime.HAS_TRITON:
-        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
-               "the other exercises do not need it.")
-        print(f"⏭ {name}: skipped. {why}")
-        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
     from labsrc.kernels.distill import kd_kl_ref
 
     hint = ("load the row with mask=cols < V and other=-inf, scale by inv_T, subtract each row's max before "
@@ -177,15 +175,8 @@ def check_kd_kl_kernel(kernel) -> Result:
     seed, sizes = 134, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, v + 5) for r, v in sizes)
-    if not hasattr(kernel, "__getitem__"):
-        try:
-            kernel()
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-        except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
-            pass
-        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
-                                            f"@triton.jit so that kernel[(R,)](...) launches it."))
+    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(R,)](...)")) is not None:
+        return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     for trial, (R, V) in enumerate(sizes):
         # every third case has large logits at a low temperature: exp overflows without the max subtracted

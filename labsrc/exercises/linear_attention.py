@@ -23,6 +23,7 @@ import numbers
 import torch
 
 from labsrc import linear_attention as la, runtime
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
                                    check_function, exercise, hidden, randint, refuse_library)
 
@@ -244,25 +245,15 @@ def check_recurrent_kernel(kernel) -> Result:
     the next powers of two >= ``K``, ``V``. Compared with :func:`labsrc.linear_attention.linear_attention_recurrent`.
     Without Triton the check says it is skipped."""
     name = "recurrent linear attention kernel"
-    if not runtime.HAS_TRITON:
-        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
-               "the other exercises do not need it.")
-        print(f"⏭ {name}: skipped. {why}")
-        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
     hint = ("load k_t and v_t with masks offs < K and offs < V, update S = decay * S + k_t[:, None] * "
             "v_t[None, :], then o_t = tl.sum(q_t[:, None] * S, 0); every load and store needs its mask.")
     seed, sizes = 45, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, k + 3, v + 1) for t, k, v in sizes)
-    if not hasattr(kernel, "__getitem__"):
-        try:
-            kernel()
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-        except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
-            pass
-        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
-                                            f"@triton.jit so that kernel[(BH,)](...) launches it."))
+    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(BH,)](...)")) is not None:
+        return _report(unlaunchable)
     import triton
 
     gen = torch.Generator().manual_seed(seed)

@@ -19,6 +19,7 @@ import math
 import torch
 
 from labsrc import memory, runtime
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
                                    check_function, exercise, hidden, randint, refuse_library, tolerance)
 from labsrc.kernels import memory as kmem
@@ -171,11 +172,8 @@ def check_retrieved_rows_kernel(kernel) -> Result:
     ``(T, K, D)``, ``BLOCK_K >= K`` and ``BLOCK_D >= D`` powers of two (``K``, ``D`` constexpr). Sizes are
     odd. Without Triton (macOS, Windows) the check says it is skipped."""
     name = "attention over retrieved rows in Triton"
-    if not runtime.HAS_TRITON:
-        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
-               "the other exercises do not need it.")
-        print(f"⏭ {name}: skipped. {why}")
-        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
     import triton
 
     hint = ("program t loads q[t] (BLOCK_D lanes, masked d < D) and the (BLOCK_K, BLOCK_D) tile of its rows "
@@ -184,15 +182,8 @@ def check_retrieved_rows_kernel(kernel) -> Result:
     seed, sizes = 44, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 1, k + 2, d) for t, k, d in sizes)
-    if not hasattr(kernel, "__getitem__"):
-        try:
-            kernel()
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-        except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
-            pass
-        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
-                                            f"@triton.jit so that kernel[(T,)](...) launches it."))
+    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(T,)](...)")) is not None:
+        return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance(torch.float32)
     for trial, (T, K, D) in enumerate(sizes):

@@ -23,6 +23,7 @@ import math
 import torch
 
 from labsrc import runtime
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, exercise,
                                    hidden, randint, refuse_library)
 from labsrc.kernels import verify as kverify
@@ -244,11 +245,8 @@ def check_pipeline_verify_kernel(kernel) -> Result:
     ``BLOCK_N >= N`` and ``BLOCK_V >= V`` are powers of two (the whole window is one tile). Without Triton the
     check says it is skipped."""
     name = "greedy verification kernel"
-    if not runtime.HAS_TRITON:
-        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
-               "the other exercises do not need it.")
-        print(f"⏭ {name}: skipped. {why}")
-        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
     hint = ("load the (BLOCK_N, BLOCK_V) tile with other=-inf; the argmax is the smallest column where the row "
             "equals its max; token i + 1 is compared with pred i (load tokens at rows + 1), token 0 with first; "
             "accepted is the first mismatch.")
@@ -256,15 +254,8 @@ def check_pipeline_verify_kernel(kernel) -> Result:
                                             kverify.greedy_verify_ref), hint, owner="labsrc.kernels.verify")
     if refused is not None:
         return refused
-    if not hasattr(kernel, "__getitem__"):
-        try:
-            kernel()
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-        except Exception:  # noqa: BLE001 - any other failure: not a launchable kernel
-            pass
-        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
-                                            f"@triton.jit so that kernel[(B,)](...) launches it."))
+    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(B,)](...)")) is not None:
+        return _report(unlaunchable)
     seed, sizes = 34, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((b + 1, n + 2, v + 7) for b, n, v in sizes)

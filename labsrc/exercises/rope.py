@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from labsrc import rope, runtime
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
                                    as_number, check_function, exercise, hidden, randint, refuse_library,
                                    tolerance)
@@ -289,26 +290,15 @@ def check_rope_kernel(kernel) -> Result:
     ``BLOCK`` the next power of two >= ``HALF``, positions int32 or int64. Sizes are odd and ``HALF`` is
     rarely a power of two. Without Triton (macOS, Windows) the check says it is skipped."""
     name = "RoPE kernel for one head"
-    if not runtime.HAS_TRITON:
-        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
-               "the other exercises do not need it.")
-        # Not a pass and not a failure: say so in words (a Result prints as passed/failed/not solved yet).
-        print(f"⏭ {name}: skipped. {why}")
-        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
     hint = ("pair i is (x[i], x[i + HALF]); the first half gets x1*cos - x2*sin and the second x2*cos + x1*sin, "
             "with cos and sin from row p of the tables; every load and store needs the mask d < HALF.")
     seed, sizes = 26, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, h + 4) for t, h in sizes)
-    if not hasattr(kernel, "__getitem__"):   # a plain function: the stub, or a kernel without @triton.jit
-        try:
-            kernel()
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-        except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
-            pass
-        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
-                                            f"@triton.jit so that kernel[(T,)](...) launches it."))
+    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(T,)](...)")) is not None:
+        return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance(torch.float32)
     for trial, size in enumerate(sizes):

@@ -25,6 +25,7 @@ import math
 import torch
 
 from labsrc import runtime
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _call, _report, exercise,
                                    hidden, randint, refuse_library)
 from labsrc.serving import blocks as _blocks
@@ -247,22 +248,12 @@ def check_gather_kernel(kernel) -> Result:
     ``out[t, :]``. The pool is contiguous float32 ``(num_blocks, PAGE, ROW)`` (``ROW = Hkv * D``), ``table`` int32,
     ``BLOCK`` the next power of two >= ``ROW``. Without Triton the check says it is skipped."""
     name = "gather through a block table (Triton)"
-    if not runtime.HAS_TRITON:
-        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
-               "the other exercises do not need it.")
-        print(f"⏭ {name}: skipped. {why}")
-        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
     hint = ("block = tl.load(table_ptr + t // PAGE); the row starts at pool_ptr + (block * PAGE + t % PAGE) * ROW "
             "(widen block to int64 first); load and store tl.arange(0, BLOCK) with the mask < ROW.")
-    if not hasattr(kernel, "__getitem__"):
-        try:
-            kernel()
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-        except Exception:  # noqa: BLE001 - not a launchable kernel
-            pass
-        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
-                                            "@triton.jit so that kernel[(n,)](...) launches it."))
+    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(n,)](...)")) is not None:
+        return _report(unlaunchable)
     seed = 95 + (HIDDEN_SEED_OFFSET if hidden() else 0)
     gen = torch.Generator().manual_seed(seed)
     from labsrc.kernels.paged_attention import gather_kv

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from labsrc import runtime, speculative
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
                                    check_function, exercise, hidden, randint, refuse_library, tolerance)
 
@@ -142,25 +143,15 @@ def check_spec_residual_kernel(kernel) -> Result:
     residual ``max(p - q, 0) / sum`` into ``out``, or ``p`` itself where that sum is 0 (``p == q``).
     ``BLOCK`` is the next power of two >= ``V``. Without Triton the check says it is skipped."""
     name = "residual-distribution kernel"
-    if not runtime.HAS_TRITON:
-        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
-               "the other exercises do not need it.")
-        print(f"⏭ {name}: skipped. {why}")
-        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
     hint = ("row r starts at r * V; load p and q with the mask offs < V (other=0), r = max(p - q, 0), s = sum(r); "
             "store r / s where s > 0 and p otherwise, with the same mask.")
     seed, cases = 7, _KERNEL_CASES
     if hidden():
         seed, cases = seed + HIDDEN_SEED_OFFSET, cases + tuple((r + 1, v + 3) for r, v in cases)
-    if not hasattr(kernel, "__getitem__"):
-        try:
-            kernel()
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-        except Exception:  # noqa: BLE001
-            pass
-        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
-                                            f"@triton.jit so that kernel[(R,)](...) launches it."))
+    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(R,)](...)")) is not None:
+        return _report(unlaunchable)
     import triton
 
     gen = torch.Generator().manual_seed(seed)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from labsrc import runtime, ssm
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, check_function,
                                    exercise, hidden, randint, refuse_library)
 
@@ -182,26 +183,16 @@ def check_scan_kernel(kernel) -> Result:
     smaller than ``L``) and carrying the last ``h`` of each block into the next. Without Triton (macOS,
     Windows) the check says it is skipped."""
     name = "a blocked scan kernel"
-    if not runtime.HAS_TRITON:
-        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
-               "the other exercises do not need it.")
-        print(f"⏭ {name}: skipped. {why}")
-        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
     hint = ("inside a block, tl.associative_scan((a, b), 0, combine) gives each position's prefix (A, B); "
             "the state entering the block enters as h = A * carry + B, and the carry must be the last *valid* "
             "h (pad the lanes past L with the identity a = 1, b = 0).")
     seed, sizes = 74, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, L + 21, B) for r, L, B in sizes)
-    if not hasattr(kernel, "__getitem__"):
-        try:
-            kernel()
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-        except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
-            pass
-        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
-                                            "@triton.jit so that kernel[(rows,)](...) launches it."))
+    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(rows,)](...)")) is not None:
+        return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     for trial, (rows, L, block) in enumerate(sizes):
         a = torch.rand(rows, L, generator=gen) * 0.5 + 0.6
