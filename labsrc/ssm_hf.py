@@ -29,6 +29,7 @@ back to transformers' PyTorch function, so fine-tuning still works. Packed seque
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,21 @@ from labsrc.kernels import ssm as kssm
 
 __all__ = ["register", "unregister", "is_registered", "lab_ssd", "lab_mamba2_chunk_scan",
            "lab_mamba2_state_update"]
+
+
+class _PyTorchFallbackNote(logging.Filter):
+    """Drop transformers' note that a Mamba scan "is falling back to its reference PyTorch implementation".
+
+    transformers logs it once per function when ``mamba_ssm``/``causal_conv1d`` (CUDA-only packages) are not
+    installed. For this lab that fallback is the intended reference, and the lab's own kernels are what
+    :func:`register` swaps in; the note would otherwise print on chapter 7's page. Other records pass.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "is falling back to its reference PyTorch implementation" not in record.getMessage()
+
+
+logging.getLogger("transformers.integrations.hub_kernels").addFilter(_PyTorchFallbackNote())
 
 _ORIGINALS: dict[str, object] = {}
 
