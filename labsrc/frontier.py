@@ -3,12 +3,12 @@ sharing and INT8 query/key attention, plus the small recall models that compare 
 
 * :func:`lambda_init`, :func:`reparam_lambda`, :func:`diff_attention` (two calls of chapter 3's
   :func:`labsrc.kernels.attention.flash_attention`), :func:`diff_head_norm` -- the DIFF Transformer's layer
-  {cite}`ye2024differential`; the fused kernel and the direct reference are in :mod:`labsrc.kernels.frontier`.
-* :func:`mod_route` -- Mixture-of-Depths' top-``capacity`` router {cite}`raposo2024mixture`;
+  {cite}`ye2024diff`; the fused kernel and the direct reference are in :mod:`labsrc.kernels.frontier`.
+* :func:`mod_route` -- Mixture-of-Depths' top-``capacity`` router {cite}`raposo2024mod`;
   :func:`mod_flops_fraction` -- the block FLOPs it keeps.
 * :func:`shared_kv_bytes` -- cross-layer KV (MLKV {cite}`zuhri2024mlkv`), counted with :mod:`labsrc.kvmath`.
 * :func:`int8_qk_attention`, :func:`relative_error` -- attention with Q and K in INT8 after per-channel
-  smoothing (SmoothQuant {cite}`xiao2023smoothquant`, SageAttention's mean-subtracted keys
+  smoothing (SmoothQuant {cite}`xiao2022smoothquant`, SageAttention's mean-subtracted keys
   {cite}`zhang2025sageattention`), against fp32.
 * Mixers and blocks registered with chapter 8's harness (:mod:`labsrc.recall`): ``diff`` (differential
   attention), ``xkv`` (adjacent layers share one K/V), and the block kind ``mod`` (a routed softmax block).

@@ -1,6 +1,6 @@
 """Differential attention with its two softmaxes fused in one Triton kernel, and its PyTorch reference.
 
-Differential attention (the DIFF Transformer, {cite}`ye2024differential`) computes two causal attention maps
+Differential attention (the DIFF Transformer, {cite}`ye2024diff`) computes two causal attention maps
 from two query/key pairs over the same values and subtracts them:
 
     out = softmax(q1 k1^T s + causal) v - lam[h] * softmax(q2 k2^T s + causal) v
