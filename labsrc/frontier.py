@@ -13,8 +13,13 @@ sharing and INT8 query/key attention, plus the small recall models that compare 
 * Mixers and blocks registered with chapter 8's harness (:mod:`labsrc.recall`): ``diff`` (differential
   attention), ``xkv`` (adjacent layers share one K/V), and the block kind ``mod`` (a routed softmax block).
 
+* :func:`tiny_moe`, :func:`expert_prefetch` -- speculative expert routing: a small Mixtral-class MoE
+  (``transformers``' own classes) and the prediction of each layer's experts from the hidden state before it,
+  by that layer's router (:func:`prefetch_hit_rate`), against prefetching the most frequent experts.
+
 ``python -m labsrc.frontier`` trains the comparison (standard, DIFF, MoD at capacity 0.5, cross-layer KV; the
-same data, steps and width) and writes ``labsrc/data/frontier_mqar.json``.
+same data, steps and width) and writes ``labsrc/data/frontier_mqar.json``; ``python -m labsrc.frontier --moe``
+trains the small MoE and writes ``labsrc/data/frontier_moe.json``.
 """
 from __future__ import annotations
 
@@ -37,9 +42,13 @@ from labsrc.kernels.frontier import diff_attention_fused, diff_attention_ref
 __all__ = ["lambda_init", "reparam_lambda", "diff_attention", "diff_attention_ref", "diff_attention_fused",
            "diff_head_norm", "mod_route", "mod_capacity_count", "mod_flops_fraction", "shared_kv_bytes",
            "smooth_qk", "int8_qk_attention", "relative_error", "DiffMixer", "SharedKVMixer", "MoDBlock",
-           "variant_flops_per_token", "GRID", "DEFAULT_OUT", "main"]
+           "variant_flops_per_token", "prefetch_hit_rate", "most_frequent_experts", "tiny_moe",
+           "routing_and_predictions", "expert_prefetch", "mixtral_expert_bytes", "GRID", "DEFAULT_OUT", "MOE_OUT",
+           "main"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "frontier_mqar.json"
+MOE_OUT = Path(__file__).resolve().parent / "data" / "frontier_moe.json"
+PCIE5_X16_BYTES_PER_S = 64e9   # PCIe 5.0 x16, one direction: 32 GT/s x 16 lanes, 128b/130b coding (~63 GB/s)
 _FP32 = 4
 
 
@@ -341,6 +350,104 @@ def variant_flops_per_token(variant: str, d_model: int, T: int, n_layers: int = 
     return total / T
 
 
+# ------------------------------------------------------------------------------- speculative expert routing
+def prefetch_hit_rate(predicted: torch.Tensor, actual: torch.Tensor) -> tuple[int, int]:
+    """``(hits, slots)``: how many of the experts each token actually uses (``actual (N, k)``) are among the
+    ``predicted (N, m)`` ones prefetched for it; ``slots = N * k``. Duplicate ids count once."""
+    if predicted.dim() != 2 or actual.dim() != 2 or predicted.shape[0] != actual.shape[0]:
+        raise ValueError("predicted and actual must be (N, m) and (N, k) expert ids for the same N tokens")
+    hits = (actual[:, :, None] == predicted[:, None, :]).any(-1)
+    return int(hits.sum()), actual.numel()
+
+
+def most_frequent_experts(actual: torch.Tensor, n_experts: int, m: int) -> torch.Tensor:
+    """The ``m`` experts chosen most often in ``actual (N, k)`` (ties to the lower id): the baseline that
+    prefetches the same experts for every token."""
+    counts = torch.bincount(actual.flatten(), minlength=n_experts)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    return order[:m]
+
+
+def tiny_moe(vocab: int, hidden: int = 64, layers: int = 4, experts: int = 8, top_k: int = 2, seed: int = 0):
+    """A small ``MixtralForCausalLM`` (transformers' class, random init): ``experts`` SwiGLU experts per layer,
+    top-``top_k`` routing, router logits returned, the load-balancing auxiliary loss on."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                        num_local_experts=experts, num_experts_per_tok=top_k, max_position_embeddings=1024,
+                        output_router_logits=True, router_aux_loss_coef=0.02, tie_word_embeddings=True)
+    return MixtralForCausalLM(cfg)
+
+
+@torch.no_grad()
+def routing_and_predictions(model, ids: torch.Tensor):
+    """For every layer ``l >= 1``: the experts it uses per token (top-k of its router) and the experts its
+    router picks from the hidden state *before* layer ``l`` (the output of layer ``l - 1``, through layer
+    ``l``'s post-attention norm): ``[(actual (N, k), predicted (N, k)), ...]``, one pair per layer from 1.
+    The prediction is available as soon as layer ``l - 1`` finishes, so the weights can be fetched while
+    layer ``l``'s attention runs."""
+    out = model(ids, output_hidden_states=True)
+    k = model.config.num_experts_per_tok
+    pairs = []
+    for layer in range(1, model.config.num_hidden_layers):
+        block = model.model.layers[layer]
+        actual = out.router_logits[layer].topk(k, -1).indices
+        h = block.post_attention_layernorm(out.hidden_states[layer]).reshape(-1, model.config.hidden_size)
+        predicted = F.linear(h, block.mlp.gate.weight).topk(k, -1).indices
+        pairs.append((actual, predicted))
+    return pairs
+
+
+def expert_prefetch(steps: int = 300, batch: int = 8, seq_len: int = 128, eval_windows: int = 16,
+                    seed: int = 0, log: list | None = None) -> dict:
+    """Train :func:`tiny_moe` briefly on the lab corpus, then measure on validation windows how often the
+    next layer's router, applied to the current hidden state, names the experts the layer will use, against
+    prefetching the layer's most frequent experts (counted on training windows). JSON-able."""
+    from labsrc.claims import wilson
+    from labsrc.models import load
+    from labsrc import weight_quant as wq
+
+    _, tok = load("lab-target")
+    model = tiny_moe(len(tok), seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    train_ids = wq.calibration_ids(tok, steps * batch, seq_len, split="train", seed=seed)
+    t0 = time.perf_counter()
+    model.train()
+    for step in range(steps):
+        ids = train_ids[step * batch:(step + 1) * batch]
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if log is not None and (step % 50 == 0 or step == steps - 1):
+            log.append({"step": step, "loss": round(loss.item(), 3), "seconds": round(time.perf_counter() - t0, 1)})
+    model.eval()
+    E, k = model.config.num_local_experts, model.config.num_experts_per_tok
+    freq_pairs = routing_and_predictions(model, train_ids[:eval_windows])
+    eval_ids = wq.calibration_ids(tok, eval_windows, seq_len, split="validation", seed=seed + 1)
+    layers = []
+    for layer, ((actual, predicted), (train_actual, _)) in enumerate(zip(routing_and_predictions(model, eval_ids),
+                                                                          freq_pairs), start=1):
+        hits, slots = prefetch_hit_rate(predicted, actual)
+        base = most_frequent_experts(train_actual, E, k)
+        bhits, _ = prefetch_hit_rate(base.expand(actual.shape[0], -1), actual)
+        layers.append({"layer": layer, "hits": hits, "slots": slots, "hit_rate": hits / slots,
+                       "wilson95": list(wilson(hits, slots)), "baseline_hits": bhits,
+                       "baseline_hit_rate": bhits / slots, "baseline_wilson95": list(wilson(bhits, slots)),
+                       "chance": k / E})
+    return {"model": {"hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers,
+                      "experts": E, "top_k": k, "params": sum(p.numel() for p in model.parameters())},
+            "train": {"steps": steps, "batch": batch, "seq_len": seq_len, "seed": seed, "log": log or []},
+            "eval": {"windows": eval_windows, "tokens": eval_windows * seq_len}, "layers": layers}
+
+
+def mixtral_expert_bytes(hidden: int = 4096, intermediate: int = 14336, dtype_bytes: int = 2) -> int:
+    """Bytes of one SwiGLU expert (three ``hidden x intermediate`` matrices), Mixtral 8x7B's by default."""
+    return 3 * hidden * intermediate * dtype_bytes
+
+
 # --------------------------------------------------------------------------------------- the comparison
 GRID = {"standard": ("softmax", "softmax"), "diff": ("diff", "diff"), "mod": ("mod", "mod"),
         "xkv": ("xkv", "xkv")}
@@ -359,8 +466,19 @@ def main(argv=None) -> int:
     p.add_argument("--n-eval", type=int, default=150)
     p.add_argument("--max-seconds", type=float, default=None, help="wall-clock cap per run")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--moe", action="store_true", help="train the small MoE and measure expert prefetch instead")
+    p.add_argument("--moe-steps", type=int, default=300)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.moe:
+        log: list = []
+        result = expert_prefetch(steps=args.moe_steps, log=log)
+        result["train"]["torch"] = torch.__version__
+        MOE_OUT.write_text(json.dumps(result, indent=1))
+        for row in result["layers"]:
+            print(f"layer {row['layer']}: hit rate {row['hit_rate']:.3f} {row['wilson95']}, most frequent "
+                  f"{row['baseline_hit_rate']:.3f}, chance {row['chance']:.3f}", flush=True)
+        return 0
     from labsrc.claims import wilson
 
     data = recall.MQARData(recall._tokenizer(), args.n_pairs, args.context_len, args.n_train, args.n_eval)

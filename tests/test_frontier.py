@@ -186,3 +186,32 @@ def test_variant_flops():
     std = fr.variant_flops_per_token("standard", 32, 72)
     assert fr.variant_flops_per_token("mod", 32, 72) < 0.5 * std
     assert fr.variant_flops_per_token("xkv", 32, 72) < std < fr.variant_flops_per_token("diff", 32, 72)
+
+
+def test_prefetch_hit_rate_and_most_frequent_baseline():
+    actual = torch.tensor([[0, 1], [2, 3], [1, 0], [1, 2]])
+    predicted = torch.tensor([[1, 5], [3, 2], [7, 6], [1, 1]])
+    assert fr.prefetch_hit_rate(predicted, actual) == (1 + 2 + 0 + 1, 8)
+    assert fr.most_frequent_experts(actual, 8, 2).tolist() == [1, 0]     # 1 three times; 0 and 2 tie: lower id
+    with pytest.raises(ValueError, match="same N"):
+        fr.prefetch_hit_rate(predicted[:3], actual)
+
+
+def test_routing_reads_the_routers_transformers_runs():
+    """The experts `routing_and_predictions` reports as used are the top-k of the router on the very input
+    Mixtral's forward gives it (captured with a hook); the prediction uses the same router weights."""
+    model = fr.tiny_moe(60, hidden=32, layers=3, experts=4, top_k=2).eval()
+    seen = {}
+    gate = model.model.layers[2].mlp.gate
+
+    def grab(mod, inp, out):      # returns None: the output is left as it is
+        seen["x"] = inp[0].detach()
+
+    handle = gate.register_forward_hook(grab)
+    ids = torch.randint(0, 60, (2, 11))
+    pairs = fr.routing_and_predictions(model, ids)
+    handle.remove()
+    assert len(pairs) == 2 and all(a.shape == p.shape == (22, 2) for a, p in pairs)
+    want = torch.nn.functional.linear(seen["x"].reshape(-1, 32), gate.weight).topk(2, -1).indices
+    assert torch.equal(pairs[1][0], want)
+    assert fr.mixtral_expert_bytes() == 3 * 4096 * 14336 * 2
