@@ -43,7 +43,7 @@ __all__ = ["lambda_init", "reparam_lambda", "diff_attention", "diff_attention_re
            "diff_head_norm", "mod_route", "mod_capacity_count", "mod_flops_fraction", "shared_kv_bytes",
            "smooth_qk", "int8_qk_attention", "relative_error", "DiffMixer", "SharedKVMixer", "MoDBlock",
            "variant_flops_per_token", "prefetch_hit_rate", "most_frequent_experts", "tiny_moe",
-           "routing_and_predictions", "expert_prefetch", "mixtral_expert_bytes", "GRID", "DEFAULT_OUT", "MOE_OUT",
+           "routing_and_predictions", "expert_prefetch", "head_importance", "pruned_heads", "least_important", "mixtral_expert_bytes", "GRID", "DEFAULT_OUT", "MOE_OUT",
            "main"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "frontier_mqar.json"
@@ -446,6 +446,69 @@ def expert_prefetch(steps: int = 300, batch: int = 8, seq_len: int = 128, eval_w
 def mixtral_expert_bytes(hidden: int = 4096, intermediate: int = 14336, dtype_bytes: int = 2) -> int:
     """Bytes of one SwiGLU expert (three ``hidden x intermediate`` matrices), Mixtral 8x7B's by default."""
     return 3 * hidden * intermediate * dtype_bytes
+
+
+# ------------------------------------------------------------------------------------------- head pruning
+def _head_slices(model):
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_attention_heads, hd
+
+
+@torch.no_grad()
+def head_importance(model, windows: torch.Tensor) -> torch.Tensor:
+    """``(layers, heads)``: the mean L2 norm of each query head's attention output (the input of ``o_proj``,
+    one ``head_dim`` slice per head) over the tokens of ``windows``, a cheap importance score (Michel et al.
+    use the gradient of the loss with respect to a head mask instead)."""
+    H, hd = _head_slices(model)
+    scores = []
+    handles = []
+    for layer in model.model.layers:
+        def grab(mod, inp, store=scores):
+            x = inp[0].reshape(-1, H, hd)
+            store.append(x.norm(dim=-1).mean(0))
+        handles.append(layer.self_attn.o_proj.register_forward_pre_hook(grab))
+    try:
+        model(input_ids=windows)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack(scores)
+
+
+class pruned_heads:
+    """Context manager: the query heads in ``mask (layers, heads)`` (True = pruned) contribute nothing (their
+    slice of ``o_proj``'s input is zeroed), with no compensation or fine-tuning."""
+
+    def __init__(self, model, mask: torch.Tensor):
+        self.model, self.mask, self.handles = model, mask.bool(), []
+
+    def __enter__(self):
+        H, hd = _head_slices(self.model)
+        for layer, keep_mask in zip(self.model.model.layers, ~self.mask):
+            keep = keep_mask.repeat_interleave(hd).float()
+
+            def zero(mod, inp, keep=keep):
+                return (inp[0] * keep.to(inp[0].dtype),)
+            self.handles.append(layer.self_attn.o_proj.register_forward_pre_hook(zero))
+        return self.model
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        return False
+
+
+def least_important(importance: torch.Tensor, fraction: float) -> torch.Tensor:
+    """A mask of the ``round(fraction * heads)`` least important heads *of each layer* (ties to the lower
+    index), so every layer keeps some attention."""
+    L, H = importance.shape
+    n = int(math.floor(fraction * H + 0.5))
+    mask = torch.zeros(L, H, dtype=torch.bool)
+    if n:
+        order = torch.sort(importance, dim=1, stable=True).indices[:, :n]
+        mask.scatter_(1, order, True)
+    return mask
 
 
 # --------------------------------------------------------------------------------------- the comparison

@@ -215,3 +215,36 @@ def test_routing_reads_the_routers_transformers_runs():
     want = torch.nn.functional.linear(seen["x"].reshape(-1, 32), gate.weight).topk(2, -1).indices
     assert torch.equal(pairs[1][0], want)
     assert fr.mixtral_expert_bytes() == 3 * 4096 * 14336 * 2
+
+
+def test_least_important_mask():
+    imp = torch.tensor([[0.3, 0.1, 0.2, 0.1], [1.0, 2.0, 3.0, 4.0]])
+    mask = fr.least_important(imp, 0.5)
+    assert mask.tolist() == [[False, True, False, True], [True, True, False, False]]
+    assert not fr.least_important(imp, 0.1).any()
+
+
+def test_pruned_heads_zero_exactly_the_masked_heads():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 50, (1, 9))
+    with torch.no_grad():
+        base = model(ids).logits
+        with fr.pruned_heads(model, torch.zeros(2, 4, dtype=torch.bool)):
+            same = model(ids).logits
+        seen = []
+        hook = model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, i, o: seen.append(i[0]) and None)
+        mask = torch.tensor([[False] * 4, [True, False, True, False]])
+        with fr.pruned_heads(model, mask):
+            pruned = model(ids).logits
+        hook.remove()
+        after = model(ids).logits
+    assert torch.equal(base, same) and torch.equal(base, after)          # no mask: unchanged; hooks removed
+    x = seen[0].reshape(1, 9, 4, 8)
+    assert x[:, :, [0, 2]].abs().max() == 0 and x[:, :, [1, 3]].abs().max() > 0
+    assert not torch.equal(base, pruned)
+    imp = fr.head_importance(model, ids)
+    assert imp.shape == (2, 4) and (imp > 0).all()
