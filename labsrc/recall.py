@@ -9,7 +9,9 @@ The pieces, reusable by any chapter that compares mixers:
   says how many bytes it keeps for a sequence of ``T`` tokens (``memory_bytes(T)``: a KV cache grows with
   ``T``, a recurrent state does not). Registered here: ``softmax`` (causal attention), ``linear``
   (Katharopoulos's elu+1 linear attention), ``delta`` (Gated DeltaNet), ``mamba2`` (Mamba-2's SSD mixer,
-  chapter 7's :func:`labsrc.ssm.ssd_chunked`).
+  chapter 7's :func:`labsrc.ssm.ssd_chunked`). Chapter 15's :mod:`labsrc.frontier` registers ``diff``, ``xkv`` and the
+  whole-block kind ``mod`` (:data:`BLOCKS`); a mixer with a ``bind(shared, layer_index)`` method is told its
+  layer and given a dict shared by all layers, and a block's ``aux_loss`` is added to the training loss.
 * :class:`RecallModel` -- embedding, ``len(mixers)`` blocks (RMSNorm, a short causal depthwise convolution
   shared by every mixer kind, the mixer, an MLP), a head that scores the answer positions only. A hybrid is a
   list of different mixers (``("linear", "softmax")``).

@@ -248,3 +248,17 @@ def test_pruned_heads_zero_exactly_the_masked_heads():
     assert not torch.equal(base, pruned)
     imp = fr.head_importance(model, ids)
     assert imp.shape == (2, 4) and (imp > 0).all()
+
+
+def test_main_writes_the_comparison(tmp_path, capsys):
+    out = tmp_path / "frontier.json"
+    assert fr.main(["--out", str(out), "--steps", "3", "--n-train", "40", "--n-eval", "6", "--batch", "4"]) == 0
+    import json
+
+    runs = {r["model"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"standard", "diff", "mod", "xkv"}
+    assert runs["xkv"]["memory_bytes"] == runs["standard"]["memory_bytes"] // 2
+    assert "causal_accuracy" in runs["mod"] and runs["mod"]["routed_fraction"] == [0.5, 0.5]
+    for r in runs.values():
+        lo, hi = r["wilson95"]
+        assert lo <= r["accuracy"] <= hi and r["total"] > 0
