@@ -9,7 +9,9 @@ The pieces, reusable by any chapter that compares mixers:
   says how many bytes it keeps for a sequence of ``T`` tokens (``memory_bytes(T)``: a KV cache grows with
   ``T``, a recurrent state does not). Registered here: ``softmax`` (causal attention), ``linear``
   (Katharopoulos's elu+1 linear attention), ``delta`` (Gated DeltaNet), ``mamba2`` (Mamba-2's SSD mixer,
-  chapter 7's :func:`labsrc.ssm.ssd_chunked`).
+  chapter 7's :func:`labsrc.ssm.ssd_chunked`). Chapter 15's :mod:`labsrc.frontier` registers ``diff``, ``xkv`` and the
+  whole-block kind ``mod`` (:data:`BLOCKS`); a mixer with a ``bind(shared, layer_index)`` method is told its
+  layer and given a dict shared by all layers, and a block's ``aux_loss`` is added to the training loss.
 * :class:`RecallModel` -- embedding, ``len(mixers)`` blocks (RMSNorm, a short causal depthwise convolution
   shared by every mixer kind, the mixer, an MLP), a head that scores the answer positions only. A hybrid is a
   list of different mixers (``("linear", "softmax")``).
@@ -40,11 +42,12 @@ import torch.nn.functional as F
 
 from labsrc import linear_attention as la
 
-__all__ = ["MIXERS", "register_mixer", "RecallModel", "MQARData", "RecallConfig", "train", "evaluate",
+__all__ = ["MIXERS", "register_mixer", "BLOCKS", "register_block", "RecallModel", "MQARData", "RecallConfig", "train", "evaluate",
            "run", "main", "DEFAULT_OUT"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "recall_mqar.json"
 MIXERS: dict[str, Callable[..., nn.Module]] = {}
+BLOCKS: dict[str, Callable[..., nn.Module]] = {}    # a whole-block variant (Mixture-of-Depths, chapter 15)
 _FP32 = 4
 
 
@@ -55,6 +58,17 @@ def register_mixer(name: str):
             raise ValueError(f"mixer {name!r} registered twice")
         MIXERS[name] = factory
         return factory
+    return wrap
+
+
+def register_block(name: str):
+    """Decorator: register ``cls(name, d_model, head_dim, state_size) -> nn.Module`` as a whole-block kind
+    ``name`` (used in place of the ordinary block; it may set ``aux_loss``, which :func:`train` adds)."""
+    def wrap(cls):
+        if name in BLOCKS or name in MIXERS:
+            raise ValueError(f"block {name!r} registered twice")
+        BLOCKS[name] = cls
+        return cls
     return wrap
 
 
@@ -158,7 +172,7 @@ class _Block(nn.Module):
     def __init__(self, mixer: str, d_model: int, head_dim: int, state_size: int, conv: int = 4):
         super().__init__()
         if mixer not in MIXERS:
-            raise ValueError(f"unknown mixer {mixer!r}; registered: {sorted(MIXERS)}")
+            raise ValueError(f"unknown mixer {mixer!r}; registered: {sorted(MIXERS) + sorted(BLOCKS)}")
         self.norm1, self.norm2 = nn.RMSNorm(d_model), nn.RMSNorm(d_model)
         self.conv = nn.Conv1d(d_model, d_model, conv, groups=d_model, padding=conv - 1)
         self.mixer = MIXERS[mixer](d_model, head_dim, state_size)
@@ -178,7 +192,11 @@ class RecallModel(nn.Module):
         super().__init__()
         self.mixers = tuple(mixers)
         self.embed = nn.Embedding(vocab, d_model)
-        self.blocks = nn.ModuleList(_Block(m, d_model, head_dim, state_size) for m in self.mixers)
+        self.blocks = nn.ModuleList(BLOCKS.get(m, _Block)(m, d_model, head_dim, state_size) for m in self.mixers)
+        shared: dict = {}       # what a mixer leaves for a later layer (cross-layer K/V, chapter 15)
+        for i, block in enumerate(self.blocks):
+            if hasattr(block.mixer, "bind"):
+                block.mixer.bind(shared, i)
         self.norm = nn.RMSNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
 
@@ -195,7 +213,11 @@ class RecallModel(nn.Module):
 
     def memory_bytes(self, T: int) -> int:
         """Bytes the mixers keep for one sequence of ``T`` tokens (KV caches and recurrent states, fp32)."""
-        return sum(b.mixer.memory_bytes(T) for b in self.blocks)
+        return sum((b if hasattr(b, "memory_bytes") else b.mixer).memory_bytes(T) for b in self.blocks)
+
+    def aux_loss(self):
+        """The blocks' auxiliary losses of the last forward (0 for ordinary blocks)."""
+        return sum(getattr(b, "aux_loss", 0.0) for b in self.blocks)
 
 
 # ------------------------------------------------------------------------------------------------- the data
@@ -263,7 +285,7 @@ def train(cfg: RecallConfig, data: MQARData, log: list | None = None, max_second
         for group in opt.param_groups:
             group["lr"] = lr
         ids, pos, tgt = data.tensors(gen.sample(data.train_samples, cfg.batch))
-        loss = F.cross_entropy(model.logits_at(ids, pos), tgt)
+        loss = F.cross_entropy(model.logits_at(ids, pos), tgt) + model.aux_loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

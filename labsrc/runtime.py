@@ -191,6 +191,19 @@ SIZES: dict[str, dict[str, dict]] = {
                     ppl_bucket=64, probe_n=50, ledger_n=10, ledger_ppl_windows=8, ledger_decode_tokens=128,
                     decode_reps=20),
     },
+    "frontier": {
+        # needle_*: the common-mode picture; kernel_shape (B, H, T, D, Dv): the fused-kernel check; int8_*: lab-target's
+        # Q/K in INT8 (windows of int8_len tokens); live_*: the MQAR case rerun (the stored grid: python -m labsrc.frontier);
+        # moe_*: the expert-prefetch rerun (the stored run: python -m labsrc.frontier --moe); prune_windows: 512-token
+        # validation windows for head pruning
+        "cpu": dict(needle_len=64, kernel_shape=(1, 2, 37, 24, 48), int8_len=512, int8_windows=3,
+                    live_models=("diff",), live_width=32, live_steps=40, live_train=200, live_eval=40,
+                    live_pairs=2, live_len=72, moe_steps=60, moe_windows=8, prune_windows=6),
+        "gpu": dict(needle_len=256, kernel_shape=(4, 16, 2048, 64, 128), int8_len=2048, int8_windows=8,
+                    live_models=("standard", "diff", "mod", "xkv"), live_width=32, live_steps=1200,
+                    live_train=1500, live_eval=150, live_pairs=2, live_len=72, moe_steps=300, moe_windows=16,
+                    prune_windows=24),
+    },
     "memory": {
         # compare_*: the stored comparison (python -m labsrc.memory); live_*: the case the chapter reruns.
         "cpu": dict(index_sizes=(1000, 4000, 16000), index_dim=40, index_queries=64, index_k=16,

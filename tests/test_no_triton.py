@@ -86,6 +86,13 @@ gate = torch.randn(4, generator=g)
 out = torch.full_like(q, float("nan"))
 assert km.knn_memory_attention(q, kl, kl, mk, mk, gate, out=out) is out
 assert torch.equal(out, km.knn_memory_attention_ref(q, kl, kl, mk, mk, gate))
+# differential attention (chapter 15): the two softmaxes of one query block, fused
+from labsrc.kernels import frontier as kfr
+q = torch.randn(1, 2, 5, 16, generator=g)
+out = torch.full((1, 2, 5, 24), float("nan"))
+vv = torch.randn(1, 2, 5, 24, generator=g)
+assert kfr.diff_attention_fused(q, q, q.flip(2), q, vv, torch.tensor([0.3, 0.7]), out=out) is out
+assert torch.equal(out, kfr.diff_attention_ref(q, q, q.flip(2), q, vv, torch.tensor([0.3, 0.7])))
 # the SSM scans (chapter 7): validated, then the references
 from labsrc.kernels import ssm as kssm
 from labsrc import ssm

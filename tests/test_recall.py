@@ -39,8 +39,8 @@ def test_memory_bytes():
 
 
 def test_unknown_mixer_and_duplicate_registration():
-    with pytest.raises(ValueError, match="unknown mixer 'diff'"):
-        recall.RecallModel(10, 32, ("diff",))
+    with pytest.raises(ValueError, match="unknown mixer 'no-such-mixer'"):
+        recall.RecallModel(10, 32, ("no-such-mixer",))
     with pytest.raises(ValueError, match="registered twice"):
         recall.register_mixer("softmax")(recall.SoftmaxMixer)
     with pytest.raises(ValueError, match="multiple of head_dim"):

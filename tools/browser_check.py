@@ -65,6 +65,7 @@ KERNEL_PAGES = (
     "chapters/12_weight_quant.html",
     "chapters/13_distillation.html",
     "chapters/14_memory_retrieval.html",
+    "chapters/15_frontier.html",
 )
 # What no rendered page may contain: solution regions and hidden tests (stripped from the release version).
 FORBIDDEN_TEXT = ("### BEGIN SOLUTION", "### END SOLUTION", "### BEGIN HIDDEN TESTS", "BEGIN HIDDEN TESTS")

@@ -124,6 +124,10 @@ EXERCISES: dict[str, tuple[int, int, str]] = {
     "check_kd_soft_gradient": (2, 20, "the soft term's gradient in closed form"),
     "check_tinybert_layer_map": (1, 10, "TinyBERT's layer mapping"),
     "check_kd_kl_kernel": (4, 35, "the KL between temperature softmaxes in a Triton kernel"),
+    # 15 the architecture frontier
+    "check_diff_lambda": (2, 15, "the DIFF Transformer's lambda for one layer"),
+    "check_mod_capacity_topk": (2, 20, "Mixture-of-Depths' capacity top-k, ties and order"),
+    "check_diff_softmax_kernel": (4, 35, "differential attention's two softmaxes in one Triton kernel"),
 }
 
 

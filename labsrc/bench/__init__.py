@@ -28,6 +28,8 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
   against the cached prefix and their ancestors) in one launch, in GB/s;
 * ``greedy_verify`` (:mod:`labsrc.bench.verify`): the last pipeline stage's greedy verification (argmax of
   each window row, compare with the drafts, accepted length), in GB/s of logits read.
+* ``diff_attention`` (:mod:`labsrc.bench.frontier`): differential attention's two softmaxes fused in one kernel,
+  in TFLOP/s, against two calls of ``flash_attention`` and a subtraction.
 * ``kd_kl``, ``kd_kl_backward`` (:mod:`labsrc.bench.distill`): the fused distillation loss (temperature
   softmaxes and their KL in one pass over the vocabulary) and its backward, in GB/s.
 

@@ -1,0 +1,155 @@
+"""Checks for the exercises of the architecture-frontier chapter.
+
+* :func:`check_diff_lambda` -- ``fn(layer, lq1, lk1, lq2, lk2)``: the DIFF Transformer's lambda for a layer,
+  its schedule ``lambda_init`` and the re-parameterisation (:func:`labsrc.frontier.reparam_lambda`).
+* :func:`check_mod_capacity_topk` -- ``fn(scores, capacity)``: Mixture-of-Depths' routed positions, exact
+  capacity, ties to the earlier position, in position order (:func:`labsrc.frontier.mod_route`).
+* :func:`check_diff_softmax_kernel` -- a ``@triton.jit`` kernel that fuses the two softmaxes of differential
+  attention for one query block, launched by the check under Triton's interpreter and compared with
+  :func:`labsrc.kernels.frontier.diff_attention_ref`.
+
+Each check compares with :mod:`labsrc.frontier` on seeded random cases and refuses an answer that calls the
+library function the exercise asks for. Expected answers are never printed.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from labsrc import frontier, runtime
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
+                                   check_function, exercise, hidden, randint, refuse_library, tolerance)
+from labsrc.kernels import frontier as kfr
+
+__all__ = ["check_diff_lambda", "check_mod_capacity_topk", "check_diff_softmax_kernel"]
+
+
+# ------------------------------------------------------------------------------------------ lambda
+def _lambda_inputs(gen):
+    H, D = randint(gen, 1, 4), randint(gen, 2, 9)
+    vecs = [0.3 * torch.randn(H, D, generator=gen, dtype=torch.float64) for _ in range(4)]
+    return (randint(gen, 1, 40), *vecs)
+
+
+def _lambda_reference(layer, lq1, lk1, lq2, lk2):
+    return frontier.reparam_lambda(lq1, lk1, lq2, lk2, frontier.lambda_init(layer))
+
+
+@exercise
+def check_diff_lambda(fn) -> Result:
+    """Check ``fn(layer, lq1, lk1, lq2, lk2) -> (H,)``: ``exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init(layer)``
+    per head, with ``lambda_init(l) = 0.8 - 0.6 exp(-0.3 (l - 1))`` and layers counted from 1."""
+    name = "the DIFF Transformer's lambda for one layer"
+    hint = ("lambda_init starts at 0.2 in layer 1 and rises towards 0.8; the dot products run over the last "
+            "axis (one per head), and the exponentials are of the dot products, not of each element.")
+    refused = refuse_library(name, fn, (frontier.lambda_init, frontier.reparam_lambda), hint,
+                             owner="labsrc.frontier", args=_lambda_inputs(torch.Generator().manual_seed(51)))
+    if refused is not None:
+        return refused
+    return check_function(name, fn, _lambda_reference, _lambda_inputs, trials=12, seed=51, rtol=1e-9,
+                          atol=1e-12, hint=hint)
+
+
+# ------------------------------------------------------------------------------------------ MoD top-k
+def _route_inputs(gen):
+    B, T = randint(gen, 1, 4), randint(gen, 1, 33)
+    scores = torch.randint(0, 5, (B, T), generator=gen).double()    # small integers: ties happen
+    capacity = [0.5, 0.125, 0.25, 0.3, 1.0, 0.01][randint(gen, 0, 5)]
+    return scores, capacity
+
+
+@exercise
+def check_mod_capacity_topk(fn) -> Result:
+    """Check ``fn(scores, capacity) -> (B, k)`` positions: ``k = round(capacity * T)`` (halves up, at least
+    1), each row's ``k`` highest scores, ties to the earlier position, listed in increasing position."""
+    name = "Mixture-of-Depths' capacity top-k"
+    hint = ("k = max(1, floor(capacity * T + 0.5)); rank each row by score, highest first, an earlier position "
+            "before a later one at equal scores (a stable sort); keep k and put them back in position order.")
+    refused = refuse_library(name, fn, (frontier.mod_route, frontier.mod_capacity_count), hint,
+                             owner="labsrc.frontier", args=_route_inputs(torch.Generator().manual_seed(52)))
+    if refused is not None:
+        return refused
+
+    def answer(scores, capacity):
+        got = fn(scores, capacity)
+        return torch.as_tensor(got).double() if isinstance(got, (torch.Tensor, list)) else got
+
+    return check_function(name, answer, lambda s, c: frontier.mod_route(s, c).double(), _route_inputs,
+                          trials=25, seed=52, rtol=0, atol=0, hint=hint)
+
+
+# ------------------------------------------------------------------------------------------ the kernel
+_KERNEL_SIZES = ((5, 16), (1, 16), (17, 24), (16, 40), (29, 16), (9, 32))   # (T, D)
+_GUARD = 4096    # covers a whole (BLOCK_T, BLOCK_D) tile stored without a mask: no write leaves the buffer
+
+
+def _guarded(values: torch.Tensor):
+    storage = torch.full((values.numel() + 2 * _GUARD,), float("nan"), dtype=values.dtype)
+    storage[_GUARD:_GUARD + values.numel()] = values.flatten()
+    return storage[_GUARD:_GUARD + values.numel()].view(values.shape), storage
+
+
+@exercise
+def check_diff_softmax_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(q1, k1, q2, k2, v, out, lam, scale, T, D, BLOCK_T, BLOCK_D)``
+    that computes causal differential attention for one head whose ``T`` queries form one block:
+    ``out = softmax(q1 k1^T scale + causal) v - lam * softmax(q2 k2^T scale + causal) v``, all tensors
+    contiguous float32 ``(T, D)``, grid ``(1,)``, ``BLOCK_T >= max(T, 16)`` and ``BLOCK_D >= D`` powers of
+    two (``T``, ``D`` constexpr). Sizes are odd. Without Triton (macOS, Windows) the check says it is
+    skipped."""
+    name = "differential attention's two softmaxes in one kernel (Triton)"
+    if not runtime.HAS_TRITON:
+        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
+               "the other exercises do not need it.")
+        print(f"⏭ {name}: skipped. {why}")
+        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    import triton
+
+    hint = ("load the five (BLOCK_T, BLOCK_D) tiles with the mask (t < T) & (d < D); s1 = tl.dot(q1, "
+            "tl.trans(k1)) * scale and s2 likewise; set -inf where the key is after the query or past T; a "
+            "row softmax of each (subtract the row max first); out = tl.dot(p1 - lam * p2, v); store masked.")
+    seed, sizes = 53, _KERNEL_SIZES
+    if hidden():
+        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, d) for t, d in sizes)
+    if not hasattr(kernel, "__getitem__"):
+        try:
+            kernel()
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+        except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
+            pass
+        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
+                                            f"@triton.jit so that kernel[(1,)](...) launches it."))
+    gen = torch.Generator().manual_seed(seed)
+    rtol, atol = tolerance(torch.float32)
+    for trial, (T, D) in enumerate(sizes):
+        q1, k1, q2, k2, v = (torch.randn(T, D, generator=gen) for _ in range(5))
+        lam = float(torch.rand((), generator=gen)) * 0.8 + 0.1
+        scale = 1 / math.sqrt(D)
+        ins = [_guarded(t)[0] for t in (q1, k1, q2, k2, v)]
+        out, store = _guarded(torch.full_like(q1, float("nan")))
+        try:
+            kernel[(1,)](*ins, out, lam, scale, T=T, D=D, BLOCK_T=max(16, triton.next_power_of_2(T)),
+                         BLOCK_D=max(16, triton.next_power_of_2(D)))
+        except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
+            cause = err.__cause__ or err.__context__
+            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
+                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, D={D}): the launch raised "
+                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+        guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
+        problem = None
+        if not bool(torch.isnan(guards).all()):
+            problem = "the kernel wrote outside the output tensor (a row past T or a lane past D without a mask?)."
+        elif torch.isnan(out).any():
+            problem = f"{int(torch.isnan(out).sum())} output element(s) are NaN or were never written."
+        else:
+            want = kfr.diff_attention_ref(*(t[None, None] for t in (q1, k1, q2, k2, v)), lam)[0, 0]
+            if not torch.allclose(out, want, rtol=rtol, atol=atol):
+                bad = ~torch.isclose(out, want, rtol=rtol, atol=atol)
+                problem = (f"{int(bad.sum())} of {bad.numel()} elements differ (first in row "
+                           f"{int(bad.nonzero()[0, 0])}).")
+        if problem:
+            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, D={D}): {problem} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))
