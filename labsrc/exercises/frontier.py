@@ -18,6 +18,7 @@ import math
 import torch
 
 from labsrc import frontier, runtime
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
                                    check_function, exercise, hidden, randint, refuse_library, tolerance)
 from labsrc.kernels import frontier as kfr
@@ -99,11 +100,8 @@ def check_diff_softmax_kernel(kernel) -> Result:
     two (``T``, ``D`` constexpr). Sizes are odd. Without Triton (macOS, Windows) the check says it is
     skipped."""
     name = "differential attention's two softmaxes in one kernel (Triton)"
-    if not runtime.HAS_TRITON:
-        why = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
-               "the other exercises do not need it.")
-        print(f"⏭ {name}: skipped. {why}")
-        return Result(name, NOT_SOLVED, f"skipped: {why}")
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
     import triton
 
     hint = ("load the five (BLOCK_T, BLOCK_D) tiles with the mask (t < T) & (d < D); s1 = tl.dot(q1, "
@@ -112,15 +110,8 @@ def check_diff_softmax_kernel(kernel) -> Result:
     seed, sizes = 53, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, d) for t, d in sizes)
-    if not hasattr(kernel, "__getitem__"):
-        try:
-            kernel()
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-        except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
-            pass
-        return _report(Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with "
-                                            f"@triton.jit so that kernel[(1,)](...) launches it."))
+    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(1,)](...)")) is not None:
+        return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance(torch.float32)
     for trial, (T, D) in enumerate(sizes):
