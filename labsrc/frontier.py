@@ -18,7 +18,9 @@ sharing and INT8 query/key attention, plus the small recall models that compare 
   by that layer's router (:func:`prefetch_hit_rate`), against prefetching the most frequent experts.
 
 ``python -m labsrc.frontier`` trains the comparison (standard, DIFF, MoD at capacity 0.5, cross-layer KV; the
-same data, steps and width) and writes ``labsrc/data/frontier_mqar.json``; ``python -m labsrc.frontier --moe``
+same data, steps and width) and writes ``labsrc/data/frontier_mqar.json``; ``--task passkey`` trains the same
+four on :class:`labsrc.recall.PassKeyData` and writes ``labsrc/data/frontier_passkey.json``;
+``python -m labsrc.frontier --moe``
 trains the small MoE and writes ``labsrc/data/frontier_moe.json``.
 """
 from __future__ import annotations
@@ -43,11 +45,12 @@ __all__ = ["lambda_init", "reparam_lambda", "diff_attention", "diff_attention_re
            "diff_head_norm", "mod_route", "mod_capacity_count", "mod_flops_fraction", "shared_kv_bytes",
            "smooth_qk", "int8_qk_attention", "relative_error", "DiffMixer", "SharedKVMixer", "MoDBlock",
            "variant_flops_per_token", "prefetch_hit_rate", "most_frequent_experts", "tiny_moe",
-           "routing_and_predictions", "expert_prefetch", "head_importance", "pruned_heads", "least_important", "mixtral_expert_bytes", "GRID", "DEFAULT_OUT", "MOE_OUT",
+           "routing_and_predictions", "expert_prefetch", "head_importance", "pruned_heads", "least_important", "mixtral_expert_bytes", "GRID", "DEFAULT_OUT", "MOE_OUT", "PASSKEY_OUT",
            "main"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "frontier_mqar.json"
 MOE_OUT = Path(__file__).resolve().parent / "data" / "frontier_moe.json"
+PASSKEY_OUT = Path(__file__).resolve().parent / "data" / "frontier_passkey.json"
 PCIE5_X16_BYTES_PER_S = 64e9   # PCIe 5.0 x16, one direction: 32 GT/s x 16 lanes, 128b/130b coding (~63 GB/s)
 _FP32 = 4
 
@@ -518,7 +521,9 @@ GRID = {"standard": ("softmax", "softmax"), "diff": ("diff", "diff"), "mod": ("m
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--task", choices=["mqar", "passkey"], default="mqar")
+    p.add_argument("--out", type=Path, default=None, help="default: frontier_mqar.json / frontier_passkey.json")
+    p.add_argument("--key-len", type=int, default=4, help="pass key: key tokens")
     p.add_argument("--models", nargs="+", default=list(GRID), choices=list(GRID))
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--steps", type=int, default=1200)
@@ -544,9 +549,16 @@ def main(argv=None) -> int:
         return 0
     from labsrc.claims import wilson
 
-    data = recall.MQARData(recall._tokenizer(), args.n_pairs, args.context_len, args.n_train, args.n_eval)
-    result = {"task": {"name": "mqar (labsrc.tasks.mqar_sample)", "n_pairs": args.n_pairs,
-                       "context_len": args.context_len, "n_train": args.n_train, "n_eval": args.n_eval,
+    if args.task == "passkey":
+        args.out = args.out or PASSKEY_OUT
+        data = recall.PassKeyData(args.key_len, args.context_len, args.n_train, args.n_eval)
+        task = {"name": "passkey (labsrc.recall.PassKeyData)", "key_len": args.key_len,
+                "n_symbols": data.n_symbols, "n_filler": data.n_filler, "chance": data.chance}
+    else:
+        args.out = args.out or DEFAULT_OUT
+        data = recall.MQARData(recall._tokenizer(), args.n_pairs, args.context_len, args.n_train, args.n_eval)
+        task = {"name": "mqar (labsrc.tasks.mqar_sample)", "n_pairs": args.n_pairs}
+    result = {"task": {**task, "context_len": args.context_len, "n_train": args.n_train, "n_eval": args.n_eval,
                        "vocab": data.vocab},
               "train": {"steps": args.steps, "batch": args.batch, "threads": args.threads, "width": args.width,
                         "max_seconds": args.max_seconds, "torch": torch.__version__},

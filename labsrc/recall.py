@@ -17,6 +17,8 @@ The pieces, reusable by any chapter that compares mixers:
   list of different mixers (``("linear", "softmax")``).
 * :class:`MQARData` -- the task's samples over a compact vocabulary (the lab tokenizer's ids that occur in
   them), training from the corpus's train split, evaluation from its validation split.
+* :class:`PassKeyData` -- a synthetic pass key (a ``k``-token key after a marker at a random depth in filler,
+  asked for after a query marker) with the same interface, so the same models train on it.
 * :func:`train` (AdamW, cosine schedule, loss on the answer tokens) and :func:`evaluate` (exact match of
   each answer span under greedy decoding, which teacher forcing computes in one pass).
 
@@ -42,7 +44,7 @@ import torch.nn.functional as F
 
 from labsrc import linear_attention as la
 
-__all__ = ["MIXERS", "register_mixer", "BLOCKS", "register_block", "RecallModel", "MQARData", "RecallConfig", "train", "evaluate",
+__all__ = ["MIXERS", "register_mixer", "BLOCKS", "register_block", "RecallModel", "MQARData", "PassKeyData", "PassKeySample", "RecallConfig", "train", "evaluate",
            "run", "main", "DEFAULT_OUT"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "recall_mqar.json"
@@ -254,6 +256,65 @@ class MQARData:
                 for t in range(a, e):
                     pos.append((row, t - 1))
                     tgt.append(int(ids[row, t]))
+        return ids, torch.tensor(pos), torch.tensor(tgt)
+
+
+@dataclass(frozen=True)
+class PassKeySample:
+    """One pass-key sequence: token ``ids``, the answer ``spans`` (``[(start, end)]``, the key's copy after the
+    query marker) and the ``depth`` (position of the key marker)."""
+    ids: tuple[int, ...]
+    spans: tuple[tuple[int, int], ...]
+    depth: int
+
+
+class PassKeyData:
+    """A synthetic pass key in :class:`MQARData`'s token-level style, over its own small vocabulary: ``0``
+    unused, ``1`` the key marker, ``2`` the query marker, ``3 .. 3 + n_symbols - 1`` the key symbols, then
+    ``n_filler`` filler tokens. A sample of ``context_len`` tokens is random filler with the key marker and a
+    ``key_len``-symbol key at a uniformly random depth, then the query marker and the key again: the answer
+    span is those last ``key_len`` tokens (each predicted from the token before, as in MQAR), so a span is
+    right by chance with probability ``n_symbols ** -key_len``. Training and evaluation samples come from
+    separate seeded streams (a key may recur by chance; its depth and filler will not)."""
+
+    KEY, QUERY = 1, 2
+
+    def __init__(self, key_len: int = 4, context_len: int = 72, n_train: int = 1500, n_eval: int = 150,
+                 seed: int = 0, n_symbols: int = 10, n_filler: int = 32):
+        if key_len < 1 or n_symbols < 2 or n_filler < 1:
+            raise ValueError("key_len >= 1, n_symbols >= 2 and n_filler >= 1 are required")
+        if context_len < 2 * key_len + 2:
+            raise ValueError(f"context_len must be >= 2 * key_len + 2 = {2 * key_len + 2}, got {context_len}")
+        self.key_len, self.context_len = key_len, context_len
+        self.n_symbols, self.n_filler = n_symbols, n_filler
+        self.vocab = 3 + n_symbols + n_filler
+        self.chance = n_symbols ** -key_len
+        self.train_samples = self._samples(random.Random(f"passkey-train-{seed}"), n_train)
+        self.eval_samples = self._samples(random.Random(f"passkey-eval-{seed}"), n_eval)
+
+    def _samples(self, rng: random.Random, n: int) -> list[PassKeySample]:
+        k, body = self.key_len, self.context_len - 1 - self.key_len      # body: everything before the query
+        first_filler = 3 + self.n_symbols
+        out = []
+        for _ in range(n):
+            ids = [rng.randrange(first_filler, self.vocab) for _ in range(body)]
+            key = [rng.randrange(3, first_filler) for _ in range(k)]
+            depth = rng.randrange(0, body - k)                            # the marker and the key fit before the query
+            ids[depth:depth + 1 + k] = [self.KEY, *key]
+            ids += [self.QUERY, *key]
+            out.append(PassKeySample(tuple(ids), ((body + 1, body + 1 + k),), depth))
+        return out
+
+    def tensors(self, samples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(ids (N, T), positions (M, 2), targets (M,))`` as :meth:`MQARData.tensors`: every key token after the
+        query marker, predicted from the one before."""
+        ids = torch.tensor([s.ids for s in samples])
+        pos, tgt = [], []
+        for row, s in enumerate(samples):
+            for a, e in s.spans:
+                for t in range(a, e):
+                    pos.append((row, t - 1))
+                    tgt.append(s.ids[t])
         return ids, torch.tensor(pos), torch.tensor(tgt)
 
 

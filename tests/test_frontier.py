@@ -262,3 +262,18 @@ def test_main_writes_the_comparison(tmp_path, capsys):
     for r in runs.values():
         lo, hi = r["wilson95"]
         assert lo <= r["accuracy"] <= hi and r["total"] > 0
+
+
+def test_main_trains_the_same_variants_on_the_pass_key(tmp_path):
+    import json
+
+    out = tmp_path / "passkey.json"
+    assert fr.main(["--task", "passkey", "--out", str(out), "--steps", "3", "--n-train", "40", "--n-eval", "6",
+                    "--batch", "4", "--context-len", "24"]) == 0
+    result = json.loads(out.read_text())
+    assert result["task"]["chance"] == 10 ** -4 and result["task"]["context_len"] == 24
+    runs = {r["model"]: r for r in result["runs"]}
+    assert set(runs) == {"standard", "diff", "mod", "xkv"}
+    for r in runs.values():
+        lo, hi = r["wilson95"]
+        assert lo <= r["accuracy"] <= hi and r["total"] == 6       # one key per sample

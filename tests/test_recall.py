@@ -102,3 +102,42 @@ def test_stored_results_are_well_formed():
     models = {(r["model"], r["d_model"]) for r in stored["runs"]}
     widths = {w for _, w in models}
     assert models == {(m, w) for m in recall.GRID for w in widths}, "every mixer at every width"
+
+
+# ------------------------------------------------------------------------------------------- the pass key
+def test_passkey_shapes_and_answer_positions():
+    d = recall.PassKeyData(key_len=3, context_len=20, n_train=30, n_eval=10, seed=1, n_symbols=5, n_filler=7)
+    assert d.vocab == 3 + 5 + 7 and d.chance == 5 ** -3
+    assert len(d.train_samples) == 30 and len(d.eval_samples) == 10
+    for s in d.train_samples + d.eval_samples:
+        assert len(s.ids) == 20 and s.spans == ((17, 20),)
+        key = s.ids[s.depth + 1:s.depth + 4]
+        assert s.ids[s.depth] == d.KEY and s.ids[16] == d.QUERY and s.ids[17:] == key
+        assert all(3 <= t < 8 for t in key)                       # key symbols
+        assert s.ids.count(d.KEY) == 1 and s.ids.count(d.QUERY) == 1
+        others = [t for i, t in enumerate(s.ids) if not s.depth <= i < s.depth + 4 and i < 16]
+        assert all(8 <= t < d.vocab for t in others)              # everything else is filler
+    assert len({s.depth for s in d.train_samples}) > 1             # the depth varies
+    ids, pos, tgt = d.tensors(d.eval_samples[:4])
+    assert ids.shape == (4, 20) and pos.shape == (12, 2) and tgt.shape == (12,)
+    assert pos[:3].tolist() == [[0, 16], [0, 17], [0, 18]]         # predicted from the token before
+    assert torch.equal(tgt, ids[pos[:, 0], pos[:, 1] + 1])
+
+
+def test_passkey_is_deterministic_in_its_seed():
+    a, b = recall.PassKeyData(n_train=20, n_eval=5), recall.PassKeyData(n_train=20, n_eval=5)
+    c = recall.PassKeyData(n_train=20, n_eval=5, seed=1)
+    assert a.train_samples == b.train_samples and a.eval_samples == b.eval_samples
+    assert a.train_samples != c.train_samples
+    assert a.train_samples[:5] != a.eval_samples                   # separate streams
+    with pytest.raises(ValueError, match="context_len"):
+        recall.PassKeyData(key_len=4, context_len=9)
+
+
+def test_a_trained_softmax_model_finds_the_pass_key_above_chance():
+    torch.set_num_threads(1)
+    d = recall.PassKeyData(key_len=2, context_len=24, n_train=400, n_eval=60, n_symbols=8, n_filler=16)
+    model = recall.train(recall.RecallConfig(("softmax", "softmax"), 32, steps=150, batch=32), d)
+    right, total = recall.evaluate(model, d)
+    assert total == 60
+    assert wilson(right, total)[0] > 10 * d.chance                 # the interval's lower end, not the point
