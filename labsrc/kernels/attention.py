@@ -797,6 +797,19 @@ def _check_out(name, out, shape, like):
                          f"{out.stride()} for shape {tuple(out.shape)}")
 
 
+def _check_kv_match_q(q, k, v) -> tuple[int, int]:
+    """k and v of one shape (B, Hkv, Tk, D), with q's batch size and head dim; returns (Hkv, Tk)."""
+    B, D = q.shape[0], q.shape[-1]
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
+    Bk, Hkv, Tk, Dk = k.shape
+    if Bk != B:
+        raise ValueError(f"k must have the same batch size as q ({B}), got {Bk}")
+    if Dk != D:
+        raise ValueError(f"k must have the same head dim as q ({D}), got {Dk}")
+    return Hkv, Tk
+
+
 def _check_attention_args(q, k, v, causal, sm_scale, out, lse_out, need_kernel_device=True, allow_float64=False):
     _check_tensor("q", q, 4, "(B, Hq, Tq, D)")
     _check_tensor("k", k, 4, "(B, Hkv, Tk, D)")
@@ -810,13 +823,7 @@ def _check_attention_args(q, k, v, causal, sm_scale, out, lse_out, need_kernel_d
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     _check_scale(sm_scale)
     B, Hq, Tq, D = q.shape
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
-    Bk, Hkv, Tk, Dk = k.shape
-    if Bk != B:
-        raise ValueError(f"k must have the same batch size as q ({B}), got {Bk}")
-    if Dk != D:
-        raise ValueError(f"k must have the same head dim as q ({D}), got {Dk}")
+    Hkv, Tk = _check_kv_match_q(q, k, v)
     if min(B, Hq, Tq, D) < 1 or min(Hkv, Tk) < 1:
         raise ValueError(f"q and k must be non-empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if Hq % Hkv != 0:

@@ -27,9 +27,9 @@ import torch
 from labsrc import runtime
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
 from labsrc.kernels.attention import (LOG2E, _batch_chunks, _check_device, _check_float_dtype,
-                                      _check_head_dim, _check_heads_on_grid, _check_last_dim_contiguous,
-                                      _check_offsets, _check_out, _check_scale, _check_tensor,
-                                      _default_scale, _kernel_operand, _launch_flags, _online_softmax_step,
+                                      _check_head_dim, _check_heads_on_grid, _check_kv_match_q,
+                                      _check_last_dim_contiguous, _check_offsets, _check_out, _check_scale,
+                                      _check_tensor, _default_scale, _kernel_operand, _launch_flags, _online_softmax_step,
                                       _softmax_finish)
 
 __all__ = ["tree_attention", "tree_attention_ref", "MAX_TREE_NODES"]
@@ -52,13 +52,7 @@ def _check_tree_args(q, k, v, tree_mask, sm_scale, out, need_kernel_device=True,
         raise TypeError(f"tree_mask must be a bool (or integer 0/1) tensor, got {tree_mask.dtype}")
     _check_scale(sm_scale)
     B, Hq, N, D = q.shape
-    if tuple(v.shape) != tuple(k.shape):
-        raise ValueError(f"v must have the same shape as k {tuple(k.shape)}, got {tuple(v.shape)}")
-    Bk, Hkv, T, Dk = k.shape
-    if Bk != B:
-        raise ValueError(f"k must have the same batch size as q ({B}), got {Bk}")
-    if Dk != D:
-        raise ValueError(f"k must have the same head dim as q ({D}), got {Dk}")
+    Hkv, T = _check_kv_match_q(q, k, v)
     if min(B, Hq, N, D, Hkv) < 1:
         raise ValueError(f"q and k must be non-empty, got q {tuple(q.shape)} and k {tuple(k.shape)}")
     if T < N:
