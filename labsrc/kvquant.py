@@ -877,6 +877,10 @@ class KVarNLayer(DynamicLayer):
             self.keys = torch.cat([self.keys[..., :a, :], qk.dequantize(), self.keys[..., b:, :]], dim=-2)
             self.values = torch.cat([self.values[..., :a, :], qv.dequantize(), self.values[..., b:, :]], dim=-2)
             self.n_quantized = b
+        return self._serve()
+
+    def _serve(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V attention reads: the stored rows, with the incomplete group quantized if ``quantize_partial``."""
         self._partial = None
         end = self.cumulative_length - self.window
         if self.quantize_partial and end > self.n_quantized:
@@ -902,7 +906,28 @@ class KVarNLayer(DynamicLayer):
         self._partial = None
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("KVarNLayer cannot be cropped: quantized groups are not split")
+        """Remove the newest ``-tokens_to_remove`` tokens (transformers' convention: a count <= 0).
+
+        Only tokens still in the full-precision tail can be removed: a quantized group is not split, and its
+        codes were computed with the removed tokens' range. The tail always holds the newest ``window``
+        tokens, so a cache with ``window >= n`` can always roll back ``n`` tokens, which is how speculative
+        decoding uses it (rejected drafts never reach the quantized store).
+        """
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(f"tokens_to_remove must be an int <= 0 (minus the number of tokens to drop), "
+                             f"got {tokens_to_remove!r}")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        tail = self.cumulative_length - self.n_quantized
+        if n > tail:
+            raise ValueError(f"cannot remove the newest {n} tokens: only {tail} are still in full precision "
+                             f"(the older ones are quantized in whole groups); build the cache with "
+                             f"window >= {n} to roll back {n} tokens")
+        self.keys = self.keys[..., :-n, :]
+        self.values = self.values[..., :-n, :]
+        self.cumulative_length -= n
+        self._serve()   # recompute the served partial group, if any, for the shorter tail
 
     def _map_batch(self, f: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Apply a batch-axis operation to every stored tensor (codes, steps, per-sequence stats, the tail)."""
@@ -961,7 +986,8 @@ class KVarNCache(Cache):
     * ``normalize`` and ``stats``: KVarN normalisation with calibrated statistics (``calibrate(...)``, one
       :class:`KVStats` per layer); ``normalize=True, stats=None`` normalises each flushed chunk with its own
       statistics (stored with it).
-    * ``window``: the most recent ``window`` tokens stay in full precision (KIVI's residual).
+    * ``window``: the most recent ``window`` tokens stay in full precision (KIVI's residual); up to ``window``
+      newest tokens can be removed again with ``crop`` (speculative decoding's rollback).
     * ``quantize_partial``: also serve the trailing incomplete group quantized (otherwise its tokens stay in
       full precision until the group fills up, as in KIVI). Use it to compare groupings fairly at lengths
       that are not a multiple of ``group_size``.

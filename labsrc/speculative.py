@@ -15,7 +15,10 @@ token then has exactly the target's distribution (Leviathan et al. 2023, Chen et
 * :func:`tree_attention_mask`, :func:`tree_verify_logits`, :func:`tree_speculative_generate`: greedy tree
   speculation verified in one target forward with the Triton tree-attention kernel.
 * :func:`early_exit_draft`, :func:`train_early_exit_head` (``python -m labsrc.speculative train-early-exit``):
-  self-speculation from the target's first half; :func:`draft_opd_generate`: online draft updates (Draft-OPD).
+  the target's first half as a draft; :func:`self_speculative_generate`: self-speculation with one shared KV
+  cache (the draft's keys, values and hidden states are reused by verification; :func:`run_layers`,
+  :func:`count_layer_tokens` measure it); :func:`draft_opd_generate`: online draft updates (Draft-OPD).
+* ``speculative_generate(..., draft_cache=...)``: a quantized draft KV cache (10.4.5).
 * :func:`alpha_along`, :func:`acceptance_by_position`, :func:`plain_decode`, :func:`task_prompts`: measurement.
 
 Chapter 10 teaches this module; chapters 11 and 13 import it (keep the signatures stable).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +39,8 @@ __all__ = [
     "warp_logits", "speculative_generate", "SpecStats", "StepStats", "chi_square_test",
     "tree_attention_mask", "tree_depths", "tree_verify_logits", "tree_speculative_generate",
     "early_exit_draft", "train_early_exit_head", "alpha_along", "acceptance_by_position", "plain_decode",
-    "task_prompts", "draft_opd_generate",
+    "task_prompts", "draft_opd_generate", "self_speculative_generate", "run_layers", "count_layer_tokens",
+    "cache_nbytes",
 ]
 
 _PROB_TOL = 1e-3
@@ -375,6 +380,8 @@ class SpecStats:
     prefill_seconds: float = 0.0
     wall_seconds: float = 0.0
     new_tokens: int = 0
+    target_cache_bytes: int = 0    # peak stored bytes of the target's KV cache (after each verification)
+    draft_cache_bytes: int = 0     # peak stored bytes of the draft's own KV cache; 0 when it shares the target's
 
     @property
     def drafted(self) -> int:
@@ -396,13 +403,24 @@ class SpecStats:
 
 
 def _rollback(cache, length: int) -> None:
-    """Cut a transformers cache back to its first ``length`` positions."""
+    """Cut a transformers cache back to its first ``length`` positions (``crop(-n)`` drops the newest ``n``)."""
     extra = cache.get_seq_length() - length
     if extra > 0:
-        try:
-            cache.crop(-extra)
-        except ValueError:            # older transformers: crop(max_length)
-            cache.crop(length)
+        cache.crop(-extra)
+
+
+def cache_nbytes(cache) -> int:
+    """Stored bytes of a transformers KV cache: a quantized cache's own count (``nbytes``), else the keys and
+    values of every layer."""
+    if cache is None:
+        return 0
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes)
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "is_initialized", True) and getattr(layer, "keys", None) is not None:
+            total += layer.keys.nbytes + layer.values.nbytes
+    return total
 
 
 def _new_cache(model):
@@ -427,22 +445,118 @@ def _eos_ids(model) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
-def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, k: int = 4,
-                         do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                         generator: torch.Generator | None = None, window: str = "fixed",
-                         stats: SpecStats | None = None, stop_at_eos: bool = True
-                         ) -> tuple[torch.Tensor, SpecStats]:
-    """Generate with ``draft`` proposing and ``target`` verifying; returns ``(ids (1, T + n), stats)``.
+class _TwoModels:
+    """A separate draft model: each model keeps its own KV cache (``draft_cache(draft)`` builds the draft's)."""
 
-    Both models keep a transformers KV cache; after each verification both are cut back to the accepted
-    prefix (the rejected drafts' keys and values must not stay in the cache). ``do_sample=False`` gives the
-    target's greedy output token for token (the same as ``target.generate(do_sample=False)``);
-    ``do_sample=True`` samples from the target's distribution after ``temperature`` and ``top_p``.
-    ``window="adaptive"`` re-chooses ``k`` each cycle from an EMA (rho = 0.9) of the acceptance,
-    ``k = max(2, min(8, floor(alpha_hat * 10)))``, starting from ``alpha_hat = k / 10``. Generation stops at
-    ``max_new_tokens`` or after the target's end-of-sequence token (``stop_at_eos``). Pass ``stats`` to
-    collect into an existing :class:`SpecStats`. Batch size 1: ``input_ids`` is ``(T,)`` or ``(1, T)``.
+    def __init__(self, target, draft, draft_cache=None):
+        self.target, self.draft = target, draft
+        self.tcache = _new_cache(target)
+        self.dcache = _new_cache(draft) if draft_cache is None else draft_cache(draft)
+        if not (hasattr(self.dcache, "get_seq_length") and hasattr(self.dcache, "crop")):
+            raise TypeError(f"draft_cache(draft) must return a transformers Cache, got {type(self.dcache).__name__}")
+
+    def prefill(self, ids):
+        _forward(self.target, ids, self.tcache)
+        _forward(self.draft, ids, self.dcache)
+
+    def draft_length(self) -> int:
+        return self.dcache.get_seq_length()
+
+    def target_length(self) -> int:
+        return self.tcache.get_seq_length()
+
+    def draft_next(self, ids) -> torch.Tensor:
+        return _forward(self.draft, ids, self.dcache)[-1]
+
+    def score(self, feed) -> torch.Tensor:
+        return _forward(self.target, feed, self.tcache)
+
+    def rollback(self, length: int) -> None:
+        _rollback(self.tcache, length)
+        _rollback(self.dcache, min(self.dcache.get_seq_length(), length))
+
+    def cache_bytes(self) -> tuple[int, int]:
+        return cache_nbytes(self.tcache), cache_nbytes(self.dcache)
+
+
+@torch.no_grad()
+def run_layers(model, hidden: torch.Tensor, cache, start: int, stop: int) -> torch.Tensor:
+    """Run decoder layers ``start..stop-1`` of a Llama-style ``model`` on ``hidden (1, n, d)``, the positions
+    right after what layer ``start`` has cached; each layer appends its keys and values to ``cache``.
+
+    The causal mask and the rotary positions are sized against layer ``start``'s cache length, so the layers
+    of one cache may hold different lengths (self-speculation's lower layers run ahead of the upper ones)."""
+    from transformers.masking_utils import create_causal_mask
+
+    body = model.model
+    past = cache.get_seq_length(start)
+    positions = torch.arange(past, past + hidden.shape[1], device=hidden.device)[None]
+    mask = create_causal_mask(config=body.config, inputs_embeds=hidden, attention_mask=None, cache=cache,
+                              position_ids=positions, layer_idx=start)
+    rotary = body.rotary_emb(hidden, position_ids=positions)
+    for layer in body.layers[start:stop]:
+        hidden = layer(hidden, attention_mask=mask, position_embeddings=rotary, position_ids=positions,
+                       cache=cache, use_cache=True)
+    return hidden
+
+
+class _SharedBody:
+    """Self-speculation with one KV cache: the draft is the target's first ``layer`` layers plus an exit head.
+
+    Drafting runs only the lower layers; they append to the target's own cache, so the lower layers run ahead
+    of the upper ones by the drafted positions, and their outputs (the hidden states at layer ``layer``) are
+    kept. Verification runs the lower layers only on the last drafted token (the one the draft sampled but did
+    not feed) and the upper layers on every pending position, starting from the kept hidden states: the lower
+    half's keys, values and activations are computed once per position, never twice.
     """
+
+    def __init__(self, target, layer, head):
+        exit_model = early_exit_draft(target, layer, head)
+        self.target, self.layer = target, exit_model.config.num_hidden_layers
+        self.n_layers = target.config.num_hidden_layers
+        self.exit_norm, self.exit_head = exit_model.model.norm, exit_model.lm_head
+        self.cache = _new_cache(target)
+        self.hidden: torch.Tensor | None = None   # layer-``layer`` outputs, positions target_length..draft_length-1
+
+    def prefill(self, ids):
+        _forward(self.target, ids, self.cache)
+
+    def draft_length(self) -> int:
+        return self.cache.get_seq_length(0)
+
+    def target_length(self) -> int:
+        return self.cache.get_seq_length(self.n_layers - 1)
+
+    @torch.no_grad()
+    def _lower(self, ids) -> torch.Tensor:
+        return run_layers(self.target, self.target.model.embed_tokens(ids), self.cache, 0, self.layer)
+
+    @torch.no_grad()
+    def draft_next(self, ids) -> torch.Tensor:
+        h = self._lower(ids)
+        self.hidden = h if self.hidden is None else torch.cat([self.hidden, h], dim=1)
+        return self.exit_head(self.exit_norm(h[:, -1])).float()[0]
+
+    @torch.no_grad()
+    def score(self, feed) -> torch.Tensor:
+        done = 0 if self.hidden is None else self.hidden.shape[1]
+        assert self.target_length() + done == self.draft_length(), "lower layers out of step with the kept states"
+        parts = [] if self.hidden is None else [self.hidden]
+        if feed.shape[1] > done:      # the last drafted token (and, with no drafts, the newest) is new to them
+            parts.append(self._lower(feed[:, done:]))
+        self.hidden = None
+        h = run_layers(self.target, torch.cat(parts, dim=1), self.cache, self.layer, self.n_layers)
+        return self.target.lm_head(self.target.model.norm(h))[0].float()
+
+    def rollback(self, length: int) -> None:
+        self.hidden = None            # every layer has scored the same positions again: nothing is ahead
+        _rollback(self.cache, length)
+
+    def cache_bytes(self) -> tuple[int, int]:
+        return cache_nbytes(self.cache), 0   # the draft has no cache of its own
+
+
+def _check_generate_args(input_ids, max_new_tokens, k, window, do_sample, temperature, top_p) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
         raise TypeError("input_ids must be a torch.long tensor of token ids")
     if input_ids.dim() == 1:
@@ -454,11 +568,75 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
     _check_k(k)
     if window not in ("fixed", "adaptive"):
         raise ValueError(f"window must be 'fixed' or 'adaptive', got {window!r}")
+    if do_sample:
+        warp_logits(torch.zeros(2), temperature, top_p)  # validates temperature and top_p
+    return input_ids
+
+
+def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, k: int = 4,
+                         do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                         generator: torch.Generator | None = None, window: str = "fixed",
+                         stats: SpecStats | None = None, stop_at_eos: bool = True, draft_cache=None
+                         ) -> tuple[torch.Tensor, SpecStats]:
+    """Generate with ``draft`` proposing and ``target`` verifying; returns ``(ids (1, T + n), stats)``.
+
+    Both models keep a transformers KV cache; after each verification both are cut back to the accepted
+    prefix (the rejected drafts' keys and values must not stay in the cache). ``do_sample=False`` gives the
+    target's greedy output token for token (the same as ``target.generate(do_sample=False)``);
+    ``do_sample=True`` samples from the target's distribution after ``temperature`` and ``top_p``.
+    ``window="adaptive"`` re-chooses ``k`` each cycle from an EMA (rho = 0.9) of the acceptance,
+    ``k = max(2, min(8, floor(alpha_hat * 10)))``, starting from ``alpha_hat = k / 10``. Generation stops at
+    ``max_new_tokens`` or after the target's end-of-sequence token (``stop_at_eos``). Pass ``stats`` to
+    collect into an existing :class:`SpecStats`. Batch size 1: ``input_ids`` is ``(T,)`` or ``(1, T)``.
+    ``draft_cache``: a function ``draft -> Cache`` for the draft's KV cache, e.g. a quantized
+    :class:`labsrc.kvquant.KVarNCache` (10.4.5); it must be able to drop the newest ``k - 1`` tokens.
+    """
+    input_ids = _check_generate_args(input_ids, max_new_tokens, k, window, do_sample, temperature, top_p)
     if target.config.vocab_size != draft.config.vocab_size:
         raise ValueError(f"target and draft must share a vocabulary: {target.config.vocab_size} != "
                          f"{draft.config.vocab_size}")
-    if do_sample:
-        warp_logits(torch.zeros(2), temperature, top_p)  # validates temperature and top_p
+    if draft_cache is not None and not callable(draft_cache):
+        raise TypeError(f"draft_cache must be a function draft -> Cache, got {type(draft_cache).__name__}")
+    engine = _TwoModels(target, draft, draft_cache)
+    _check_rollback_window(engine.dcache, (8 if window == "adaptive" else k) - 1)
+    return _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperature, top_p, generator,
+                      window, stats, stop_at_eos)
+
+
+def _check_rollback_window(cache, need: int) -> None:
+    """A quantized draft cache must hold the newest ``need`` tokens in full precision: a rejection drops up to
+    ``k - 1`` drafted tokens, and quantized groups cannot be split (:meth:`labsrc.kvquant.KVarNLayer.crop`)."""
+    from labsrc.kvquant import KVarNLayer
+
+    for layer in getattr(cache, "layers", []):
+        if isinstance(layer, KVarNLayer) and layer.enabled and layer.window < need:
+            raise ValueError(f"draft_cache keeps the newest {layer.window} tokens in full precision, but a "
+                             f"rejection can roll back {need} drafted tokens; build it with window >= {need}")
+
+
+def self_speculative_generate(target, input_ids: torch.Tensor, max_new_tokens: int, k: int = 4,
+                              layer: int | None = None, head: dict | str | None = "shipped",
+                              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                              generator: torch.Generator | None = None, window: str = "fixed",
+                              stats: SpecStats | None = None, stop_at_eos: bool = True
+                              ) -> tuple[torch.Tensor, SpecStats]:
+    """Self-speculation with one shared KV cache (CLaSp / LayerSkip): ``target``'s first ``layer`` layers and
+    an early-exit head (:func:`early_exit_draft`'s ``layer`` and ``head``) draft, the full ``target`` verifies.
+
+    Unlike ``speculative_generate(target, early_exit_draft(target), ...)``, which keeps a second cache for the
+    draft and recomputes the lower layers in every verification, the draft writes its keys and values into
+    the target's cache and verification starts at layer ``layer`` from the hidden states the draft already
+    computed. Same arguments, output and statistics as :func:`speculative_generate`.
+    """
+    input_ids = _check_generate_args(input_ids, max_new_tokens, k, window, do_sample, temperature, top_p)
+    return _speculate(_SharedBody(target, layer, head), target, input_ids, max_new_tokens, k, do_sample,
+                      temperature, top_p, generator, window, stats, stop_at_eos)
+
+
+def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperature, top_p, generator, window,
+               stats, stop_at_eos) -> tuple[torch.Tensor, SpecStats]:
+    """The draft-verify loop shared by :func:`speculative_generate` and :func:`self_speculative_generate`;
+    ``engine`` owns the caches (``prefill``, ``draft_next``, ``score``, ``rollback``, ``cache_bytes``)."""
     stats = SpecStats() if stats is None else stats
     device = next(target.parameters()).device
     seq = input_ids.to(device)
@@ -471,11 +649,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
             return warp_logits(logits, temperature, top_p)
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
 
-    tcache, dcache = _new_cache(target), _new_cache(draft)
     t0 = time.perf_counter()
     if seq.shape[1] > 1:   # prefill everything but the last token; the last is fed with the first window
-        _forward(target, seq[:, :-1], tcache)
-        _forward(draft, seq[:, :-1], dcache)
+        engine.prefill(seq[:, :-1])
     stats.prefill_seconds += time.perf_counter() - t0
     produced = 0
     while produced < max_new_tokens:
@@ -484,9 +660,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
         # ---- draft kk tokens, one draft call each
         t0 = time.perf_counter()
         drafted, qs = [], []
-        pending = seq[:, dcache.get_seq_length():]
+        pending = seq[:, engine.draft_length():]
         for _ in range(kk):
-            q = dist(_forward(draft, pending, dcache)[-1])
+            q = dist(engine.draft_next(pending))
             tok = (torch.multinomial(q, 1, generator=generator) if do_sample else q.argmax(-1, keepdim=True))
             drafted.append(int(tok))
             qs.append(q)
@@ -496,13 +672,16 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
         # ---- one target call scores the last token and all drafts
         t0 = time.perf_counter()
         x = torch.tensor(drafted, dtype=torch.long, device=device)
-        feed = torch.cat([seq[:, tcache.get_seq_length():], x[None]], dim=1)
-        logits = _forward(target, feed, tcache)[-(kk + 1):]
+        feed = torch.cat([seq[:, engine.target_length():], x[None]], dim=1)
+        logits = engine.score(feed)[-(kk + 1):]
         stats.target_calls += 1
         p = dist(logits)
         q_all = torch.stack(qs) if qs else p.new_zeros((0, p.shape[-1]))
         out, n_acc = verify(x, q_all, p, generator=generator, greedy=not do_sample)
         t_target = time.perf_counter() - t0
+        t_bytes, d_bytes = engine.cache_bytes()     # the peak: the drafts are still cached
+        stats.target_cache_bytes = max(stats.target_cache_bytes, t_bytes)
+        stats.draft_cache_bytes = max(stats.draft_cache_bytes, d_bytes)
         emitted = out.tolist()
         # stop after an end-of-sequence token, as generate() does
         for j, t in enumerate(emitted):
@@ -511,9 +690,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
                 break
         seq = torch.cat([seq, torch.tensor([emitted], dtype=torch.long, device=device)], dim=1)
         produced += len(emitted)
-        # ---- roll both caches back to the accepted prefix: everything but the newest token is cached
-        _rollback(tcache, seq.shape[1] - 1)
-        _rollback(dcache, min(dcache.get_seq_length(), seq.shape[1] - 1))
+        # ---- roll the caches back to the accepted prefix: everything but the newest token is cached
+        engine.rollback(seq.shape[1] - 1)
         acc_mask = tuple(j < n_acc for j in range(kk))
         if kk:
             alpha_hat = 0.9 * alpha_hat + 0.1 * (n_acc / kk)
@@ -525,6 +703,28 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
     stats.new_tokens += min(produced, max_new_tokens)
     stats.wall_seconds += time.perf_counter() - t_start
     return seq[:, : input_ids.shape[1] + max_new_tokens], stats
+
+
+@contextmanager
+def count_layer_tokens(model):
+    """Count the token positions each decoder layer of ``model`` processes inside the ``with`` block.
+
+    Yields a list, one count per layer, filled in as the layers run (forward pre-hooks, removed on exit).
+    A draft that shares the target's layers (:func:`early_exit_draft`) is counted too: this is how the
+    chapter measures the lower-layer work that self-speculation with a shared cache saves.
+    """
+    counts = [0] * len(model.model.layers)
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        def hook(module, args, kwargs, i=i):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            counts[i] += hidden.shape[0] * hidden.shape[1]
+        hooks.append(layer.register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        yield counts
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 # ----------------------------------------------------------------------------------------------- tree generation

@@ -649,3 +649,45 @@ def test_group_range_property(t, d, g, seed):
     assert r.shape == (-(-t // g),)
     torch.testing.assert_close(r, _group_range_ref(x, g))
     assert float(r.max()) <= float(x.max() - x.min()) + 1e-6
+
+
+@pytest.mark.parametrize("make", [
+    lambda cfg: kq.KVarNCache.per_token(cfg, bits=4, window=4),
+    lambda cfg: kq.KVarNCache(cfg, bits=4, group_size=8, normalize=False, window=4),
+    lambda cfg: kq.KVarNCache(cfg, bits=4, group_size=8, normalize=False, window=4, quantize_partial=True),
+    lambda cfg: kq.KVarNCache.kivi(cfg, bits=2, group_size=8, window=4),
+])
+def test_cache_crop_drops_the_newest_tokens_like_a_cache_that_never_saw_them(tiny_llama, make):
+    # Speculative decoding's rollback: after 22 tokens, feeding 3 drafts, dropping them and feeding 3 others
+    # must leave exactly the cache (and the logits) of feeding the 22 and then the 3 others. (The 22 go in
+    # one forward in both: a token's keys at layer 1 depend on which earlier keys were quantized when it
+    # was computed, so the two caches must see the same chunks.)
+    cfg = tiny_llama.config
+    gen = torch.Generator().manual_seed(8)
+    ids, other = torch.randint(0, 97, (1, 25), generator=gen), torch.randint(0, 97, (1, 3), generator=gen)
+    with torch.no_grad():
+        rolled = make(cfg)
+        tiny_llama(input_ids=ids[:, :22], cache=rolled, use_cache=True)
+        tiny_llama(input_ids=ids[:, 22:], cache=rolled, use_cache=True)
+        rolled.crop(-3)
+        assert rolled.get_seq_length() == 22
+        got = tiny_llama(input_ids=other, cache=rolled, use_cache=True).logits
+        fresh = make(cfg)
+        tiny_llama(input_ids=ids[:, :22], cache=fresh, use_cache=True)
+        want = tiny_llama(input_ids=other, cache=fresh, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert rolled.nbytes_breakdown() == fresh.nbytes_breakdown()
+    rolled.crop(0)                                       # nothing to drop
+    assert rolled.get_seq_length() == 25
+
+
+def test_cache_crop_refuses_to_split_quantized_tokens(tiny_llama):
+    cfg = tiny_llama.config
+    cache = kq.KVarNCache.per_token(cfg, bits=4, window=2)
+    with torch.no_grad():
+        tiny_llama(input_ids=torch.arange(10)[None], cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="only 2 are still in full precision.*window >= 3"):
+        cache.crop(-3)
+    with pytest.raises(ValueError, match="tokens_to_remove must be an int <= 0"):
+        cache.crop(5)
+    assert cache.get_seq_length() == 10                  # a refused crop changes nothing

@@ -386,3 +386,127 @@ def test_adaptive_windows_follow_the_rule_except_where_the_budget_cuts(lab_pair)
     _, stats = spec.speculative_generate(target, draft, torch.tensor([[4, 9, 33, 70]]), 30, window="adaptive")
     assert stats.steps[-1].cut or stats.steps[-1].k >= 2
     assert all(2 <= s.k <= 8 for s in stats.steps if not s.cut)
+
+
+# ----------------------------------------------------------------------------- self-speculation with one cache
+def test_run_layers_in_two_halves_equals_the_full_forward():
+    model = _tiny_llama_d16(11, vocab=32, layers=3)
+    ids = torch.randint(0, 32, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True).hidden_states
+        cache = spec._new_cache(model)
+        model(ids[:, :5], cache=cache, use_cache=True)           # five positions cached in every layer
+        low = spec.run_layers(model, model.model.embed_tokens(ids[:, 5:]), cache, 0, 1)
+        assert cache.get_seq_length(0) == 9 and cache.get_seq_length(1) == 5   # layer 0 ran ahead
+        high = spec.run_layers(model, low, cache, 1, 3)
+    torch.testing.assert_close(low, ref[1][:, 5:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model.model.norm(high), ref[3][:, 5:], rtol=1e-5, atol=1e-5)
+    assert all(cache.get_seq_length(i) == 9 for i in range(3))
+
+
+def test_self_speculation_reuses_the_first_half_and_is_greedy_identical(lab_pair):
+    target, _ = lab_pair
+    g = torch.Generator().manual_seed(12)
+    for k in range(1, 9):
+        ids = torch.randint(2, target.config.vocab_size, (1, int(torch.randint(1, 20, (1,), generator=g))),
+                            generator=g)
+        ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+        with spec.count_layer_tokens(target) as shared:
+            out, st = spec.self_speculative_generate(target, ids, 16, k=k)
+        assert torch.equal(out, ref), k
+        # one cache: every layer processed each position once, the prompt plus every verified window
+        assert shared == [ids.shape[1] - 1 + sum(s.k + 1 for s in st.steps)] * 6
+        assert st.draft_cache_bytes == 0 and st.target_cache_bytes > 0
+        with spec.count_layer_tokens(target) as separate:
+            out2, st2 = spec.speculative_generate(target, spec.early_exit_draft(target), ids, 16, k=k)
+        assert torch.equal(out2, ref) and st2.accepted == st.accepted
+        # a separate draft cache: the lower half runs again for the draft, the upper half does the same work
+        assert separate[3:] == shared[3:] and all(a > b for a, b in zip(separate[:3], shared[:3]))
+        assert st2.draft_cache_bytes > 0
+
+
+def test_self_speculation_adaptive_and_untrained_head(lab_pair):
+    target, _ = lab_pair
+    ids = torch.tensor([[5, 17, 300, 41, 9, 9]])
+    ref = target.generate(ids, max_new_tokens=20, do_sample=False)
+    for head, layer in (("shipped", None), (None, 2), (None, 5)):
+        out, st = spec.self_speculative_generate(target, ids, 20, layer=layer, head=head, window="adaptive")
+        assert torch.equal(out, ref), (head, layer)
+    out, st = spec.self_speculative_generate(target, ids, 1, k=4)      # no room to draft: one verification
+    assert torch.equal(out, ref[:, :7]) and st.drafted == 0 and st.target_calls == 1
+    with pytest.raises(ValueError, match="layer"):
+        spec.self_speculative_generate(target, ids, 4, layer=6)
+    with pytest.raises(ValueError, match="window"):
+        spec.self_speculative_generate(target, ids, 4, window="dynamic")
+
+
+def _joint_chi_square(run, target, V, temperature=0.8, n=1000):
+    """p-value of the joint law of two sampled tokens after the prompt [1, 2, 3] against the target's."""
+    prompt = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        p1 = spec.warp_logits(target(prompt).logits[0, -1], temperature)
+        nxt = torch.cat([prompt.expand(V, 3), torch.arange(V)[:, None]], 1)
+        p2 = spec.warp_logits(target(nxt).logits[:, -1], temperature)
+    g = torch.Generator().manual_seed(9)
+    counts = torch.zeros(V * V)
+    for _ in range(n):
+        out = run(prompt, g)
+        counts[out[0, 3] * V + out[0, 4]] += 1
+    return spec.chi_square_test(counts, (p1[:, None] * p2).flatten())[2]
+
+
+def test_self_speculation_sampled_output_has_target_joint_distribution():
+    V = 6
+    target = _tiny_llama_d16(3, vocab=V, layers=2)
+    exit_draft = spec.early_exit_draft(target, layer=1, head=None)
+    with torch.no_grad():
+        prompt = torch.tensor([[1, 2, 3]])
+        p1 = spec.warp_logits(target(prompt).logits[0, -1], 0.8)
+        q1 = spec.warp_logits(exit_draft(prompt).logits[0, -1], 0.8)
+    assert float(spec.acceptance_rate(p1, q1)) < 0.95            # the exit really differs
+    pval = _joint_chi_square(lambda ids, g: spec.self_speculative_generate(
+        target, ids, 2, k=2, layer=1, head=None, do_sample=True, temperature=0.8, generator=g,
+        stop_at_eos=False)[0], target, V)
+    assert pval > 1e-3
+
+
+# ----------------------------------------------------------------------------- a quantized draft cache
+def test_quantized_draft_cache_keeps_greedy_output_and_stores_less(lab_pair):
+    from labsrc.kvquant import KVarNCache
+    target, draft = lab_pair
+    g = torch.Generator().manual_seed(13)
+    for k, window in ((4, "fixed"), (8, "fixed"), (4, "adaptive")):
+        ids = torch.randint(2, target.config.vocab_size, (1, 40), generator=g)
+        ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+        _, full = spec.speculative_generate(target, draft, ids, 16, k=k, window=window)
+        out, st = spec.speculative_generate(target, draft, ids, 16, k=k, window=window,
+                                            draft_cache=lambda m: KVarNCache.per_token(m.config, bits=2, window=8))
+        assert torch.equal(out, ref), (k, window)
+        assert 0 < st.draft_cache_bytes < full.draft_cache_bytes / 4      # 2-bit codes beside fp32 keys
+        assert st.target_cache_bytes == full.target_cache_bytes
+
+
+def test_quantized_draft_cache_sampled_output_has_target_joint_distribution():
+    from labsrc.kvquant import KVarNCache
+    V = 6
+    target, draft = _tiny_llama(0, V), _tiny_llama(1, V)
+    pval = _joint_chi_square(lambda ids, g: spec.speculative_generate(
+        target, draft, ids, 2, k=2, do_sample=True, temperature=0.8, generator=g, stop_at_eos=False,
+        draft_cache=lambda m: KVarNCache.per_token(m.config, bits=2, window=1))[0], target, V)
+    assert pval > 1e-3
+
+
+def test_quantized_draft_cache_errors(lab_pair):
+    from labsrc.kvquant import KVarNCache
+    target, draft = lab_pair
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="window >= 3"):
+        spec.speculative_generate(target, draft, ids, 8, k=4,
+                                  draft_cache=lambda m: KVarNCache.per_token(m.config, bits=4, window=2))
+    with pytest.raises(ValueError, match="window >= 7"):
+        spec.speculative_generate(target, draft, ids, 8, window="adaptive",
+                                  draft_cache=lambda m: KVarNCache.per_token(m.config, bits=4, window=4))
+    with pytest.raises(TypeError, match="draft_cache"):
+        spec.speculative_generate(target, draft, ids, 8, draft_cache="int4")
+    with pytest.raises(TypeError, match="draft_cache"):
+        spec.speculative_generate(target, draft, ids, 8, draft_cache=lambda m: None)
