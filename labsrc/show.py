@@ -18,13 +18,15 @@ _PACKAGE_ROOT = Path(__file__).resolve().parent
 
 def _unwrap(obj):
     """The Python function behind a Triton kernel: ``@triton.autotune`` wraps a ``JITFunction``, which wraps
-    the function (``.fn`` twice); without Triton the stand-in decorators return the function itself."""
+    the function (``.fn`` twice); without Triton the stand-in decorators return the function itself. A
+    ``functools.wraps`` decorator (``@torch.no_grad()``) is followed through ``__wrapped__``, so the file shown
+    is the function's own, not the decorator's."""
     for _ in range(3):
         inner = getattr(obj, "fn", None)
         if inner is None or inner is obj:
             break
         obj = inner
-    return obj
+    return inspect.unwrap(obj) if callable(obj) else obj
 
 
 def source_of(obj, *, start: str | None = None, end: str | None = None) -> tuple[str, str]:

@@ -19,7 +19,8 @@ token then has exactly the target's distribution (Leviathan et al. 2023, Chen et
   cache (the draft's keys, values and hidden states are reused by verification; :func:`run_layers`,
   :func:`count_layer_tokens` measure it); :func:`draft_opd_generate`: online draft updates (Draft-OPD).
 * ``speculative_generate(..., draft_cache=...)``: a quantized draft KV cache (10.4.5).
-* :func:`alpha_along`, :func:`acceptance_by_position`, :func:`plain_decode`, :func:`task_prompts`: measurement.
+* :func:`alpha_along`, :func:`alpha_with_draft_cache`, :func:`acceptance_by_position`, :func:`plain_decode`,
+  :func:`task_prompts`: measurement.
 
 Chapter 10 teaches this module; chapters 11 and 13 import it (keep the signatures stable).
 """
@@ -40,7 +41,7 @@ __all__ = [
     "tree_attention_mask", "tree_depths", "tree_verify_logits", "tree_speculative_generate",
     "early_exit_draft", "train_early_exit_head", "alpha_along", "acceptance_by_position", "plain_decode",
     "task_prompts", "draft_opd_generate", "self_speculative_generate", "run_layers", "count_layer_tokens",
-    "cache_nbytes",
+    "cache_nbytes", "alpha_with_draft_cache",
 ]
 
 _PROB_TOL = 1e-3
@@ -516,7 +517,8 @@ class _SharedBody:
         self.n_layers = target.config.num_hidden_layers
         self.exit_norm, self.exit_head = exit_model.model.norm, exit_model.lm_head
         self.cache = _new_cache(target)
-        self.hidden: torch.Tensor | None = None   # layer-``layer`` outputs, positions target_length..draft_length-1
+        # layer-``layer`` outputs of the positions the lower half ran ahead on (target_length..draft_length-1)
+        self.hidden: torch.Tensor | None = None
 
     def prefill(self, ids):
         _forward(self.target, ids, self.cache)
@@ -539,13 +541,15 @@ class _SharedBody:
 
     @torch.no_grad()
     def score(self, feed) -> torch.Tensor:
-        done = 0 if self.hidden is None else self.hidden.shape[1]
-        assert self.target_length() + done == self.draft_length(), "lower layers out of step with the kept states"
+        # feed = the positions the upper layers have not seen: the newest token and the drafts
+        done = 0 if self.hidden is None else self.hidden.shape[1]   # of those, the lower half ran
+        assert self.target_length() + done == self.draft_length(), "lower layers out of step"
         parts = [] if self.hidden is None else [self.hidden]
-        if feed.shape[1] > done:      # the last drafted token (and, with no drafts, the newest) is new to them
+        if feed.shape[1] > done:      # the last drafted token was sampled, never fed: run it
             parts.append(self._lower(feed[:, done:]))
         self.hidden = None
-        h = run_layers(self.target, torch.cat(parts, dim=1), self.cache, self.layer, self.n_layers)
+        h = torch.cat(parts, dim=1)   # layer-`layer` states of every pending position
+        h = run_layers(self.target, h, self.cache, self.layer, self.n_layers)
         return self.target.lm_head(self.target.model.norm(h))[0].float()
 
     def rollback(self, length: int) -> None:
@@ -876,6 +880,34 @@ def alpha_along(target, draft, ids: torch.Tensor, temperature: float = 1.0) -> t
     p = warp_logits(target(input_ids=ids).logits[0].float(), temperature)
     q = warp_logits(draft(input_ids=ids).logits[0].float(), temperature)
     return torch.minimum(p, q).sum(-1)
+
+
+@torch.no_grad()
+def alpha_with_draft_cache(target, draft, ids: torch.Tensor, draft_cache, n_decode: int = 32,
+                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a draft cache (e.g. a quantized one) does to the acceptance, position by position.
+
+    ``ids (T,)`` is fed to the draft as decoding would: ``ids[:T - n_decode]`` in one prefill into
+    ``draft_cache(draft)``, then the last ``n_decode`` tokens one at a time, each reading the cache. Returns
+    ``(alpha_cache, alpha_full, tv)``, each ``(n_decode,)``: ``sum_x min(p, q')`` with the draft's
+    distribution ``q'`` through that cache, ``sum_x min(p, q)`` with its exact distribution ``q`` (one forward
+    without a cache), and ``TV(q, q')``. Since ``min(p, q') >= min(p, q) - (q - q')_+`` term by term,
+    ``|alpha_cache - alpha_full| <= tv`` at every position.
+    """
+    ids = ids.reshape(1, -1).to(next(target.parameters()).device)
+    T = ids.shape[1]
+    if isinstance(n_decode, bool) or not isinstance(n_decode, int) or not 1 <= n_decode < T:
+        raise ValueError(f"n_decode must be an int in [1, {T - 1}] (ids has {T} tokens), got {n_decode!r}")
+    if not callable(draft_cache):
+        raise TypeError(f"draft_cache must be a function draft -> Cache, got {type(draft_cache).__name__}")
+    cache = draft_cache(draft)
+    _forward(draft, ids[:, : T - n_decode], cache)
+    q_cache = torch.cat([_forward(draft, ids[:, t: t + 1], cache) for t in range(T - n_decode, T)])
+    q_cache = warp_logits(q_cache, temperature)
+    q = warp_logits(draft(input_ids=ids).logits[0, T - n_decode:].float(), temperature)
+    p = warp_logits(target(input_ids=ids).logits[0, T - n_decode:].float(), temperature)
+    return (torch.minimum(p, q_cache).sum(-1), torch.minimum(p, q).sum(-1),
+            0.5 * (q - q_cache).abs().sum(-1))
 
 
 def acceptance_by_position(stats: SpecStats | list[SpecStats], k: int) -> tuple[list[int], list[int]]:

@@ -510,3 +510,23 @@ def test_quantized_draft_cache_errors(lab_pair):
         spec.speculative_generate(target, draft, ids, 8, draft_cache="int4")
     with pytest.raises(TypeError, match="draft_cache"):
         spec.speculative_generate(target, draft, ids, 8, draft_cache=lambda m: None)
+
+
+def test_alpha_with_draft_cache_moves_by_at_most_the_total_variation(lab_pair):
+    from labsrc.kvquant import KVarNCache
+    target, draft = lab_pair
+    ids = torch.randint(2, target.config.vocab_size, (60,), generator=torch.Generator().manual_seed(14))
+    # a full-precision cache changes nothing (decoding one token at a time = one forward, to rounding)
+    a_fp, a_full, tv_fp = spec.alpha_with_draft_cache(target, draft, ids, spec._new_cache, n_decode=20)
+    torch.testing.assert_close(a_fp, a_full, rtol=0, atol=1e-4)
+    assert float(tv_fp.max()) < 1e-4 and a_fp.shape == (20,)
+    torch.testing.assert_close(a_full, spec.alpha_along(target, draft, ids)[-20:], rtol=0, atol=1e-5)
+    for bits in (4, 2):
+        a_q, a_full, tv = spec.alpha_with_draft_cache(
+            target, draft, ids, lambda m: KVarNCache.per_token(m.config, bits=bits, window=4), n_decode=20)
+        assert float(tv.mean()) > 1e-4                                   # the cache really moved the draft
+        assert bool(((a_q - a_full).abs() <= tv + 1e-6).all())           # and the acceptance moved less
+    with pytest.raises(ValueError, match="n_decode"):
+        spec.alpha_with_draft_cache(target, draft, ids, spec._new_cache, n_decode=60)
+    with pytest.raises(TypeError, match="draft_cache"):
+        spec.alpha_with_draft_cache(target, draft, ids, "int4")
