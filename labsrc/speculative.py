@@ -18,7 +18,9 @@ token then has exactly the target's distribution (Leviathan et al. 2023, Chen et
   the target's first half as a draft; :func:`self_speculative_generate`: self-speculation with one shared KV
   cache (the draft's keys, values and hidden states are reused by verification; :func:`run_layers`,
   :func:`count_layer_tokens` measure it); :func:`draft_opd_generate`: online draft updates (Draft-OPD).
-* ``speculative_generate(..., draft_cache=...)``: a quantized draft KV cache (10.4.5).
+* ``speculative_generate(..., draft_cache=...)``: a quantized draft KV cache (10.4.5); :func:`fit_kv_projection`,
+  :class:`KVProjection`, :func:`cache_features`: the draft's prompt cache projected from the target's
+  (``speculative_generate(..., kv_projection=...)``), skipping the draft's prefill (10.4.5).
 * :func:`alpha_along`, :func:`alpha_with_draft_cache`, :func:`acceptance_by_position`, :func:`plain_decode`,
   :func:`task_prompts`: measurement.
 
@@ -41,7 +43,7 @@ __all__ = [
     "tree_attention_mask", "tree_depths", "tree_verify_logits", "tree_speculative_generate",
     "early_exit_draft", "train_early_exit_head", "alpha_along", "acceptance_by_position", "plain_decode",
     "task_prompts", "draft_opd_generate", "self_speculative_generate", "run_layers", "count_layer_tokens",
-    "cache_nbytes", "alpha_with_draft_cache",
+    "cache_nbytes", "alpha_with_draft_cache", "KVProjection", "fit_kv_projection", "cache_features",
 ]
 
 _PROB_TOL = 1e-3
@@ -449,8 +451,8 @@ def _eos_ids(model) -> set[int]:
 class _TwoModels:
     """A separate draft model: each model keeps its own KV cache (``draft_cache(draft)`` builds the draft's)."""
 
-    def __init__(self, target, draft, draft_cache=None):
-        self.target, self.draft = target, draft
+    def __init__(self, target, draft, draft_cache=None, kv_projection=None):
+        self.target, self.draft, self.kv_projection = target, draft, kv_projection
         self.tcache = _new_cache(target)
         self.dcache = _new_cache(draft) if draft_cache is None else draft_cache(draft)
         if not (hasattr(self.dcache, "get_seq_length") and hasattr(self.dcache, "crop")):
@@ -458,7 +460,10 @@ class _TwoModels:
 
     def prefill(self, ids):
         _forward(self.target, ids, self.tcache)
-        _forward(self.draft, ids, self.dcache)
+        if self.kv_projection is not None:    # the draft's prompt cache from the target's, without a draft run
+            self.dcache = self.kv_projection.draft_cache(self.target, self.draft, self.tcache)
+        else:
+            _forward(self.draft, ids, self.dcache)
 
     def draft_length(self) -> int:
         return self.dcache.get_seq_length()
@@ -580,8 +585,8 @@ def _check_generate_args(input_ids, max_new_tokens, k, window, do_sample, temper
 def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens: int, k: int = 4,
                          do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
                          generator: torch.Generator | None = None, window: str = "fixed",
-                         stats: SpecStats | None = None, stop_at_eos: bool = True, draft_cache=None
-                         ) -> tuple[torch.Tensor, SpecStats]:
+                         stats: SpecStats | None = None, stop_at_eos: bool = True, draft_cache=None,
+                         kv_projection: KVProjection | None = None) -> tuple[torch.Tensor, SpecStats]:
     """Generate with ``draft`` proposing and ``target`` verifying; returns ``(ids (1, T + n), stats)``.
 
     Both models keep a transformers KV cache; after each verification both are cut back to the accepted
@@ -594,6 +599,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
     collect into an existing :class:`SpecStats`. Batch size 1: ``input_ids`` is ``(T,)`` or ``(1, T)``.
     ``draft_cache``: a function ``draft -> Cache`` for the draft's KV cache, e.g. a quantized
     :class:`labsrc.kvquant.KVarNCache` (10.4.5); it must be able to drop the newest ``k - 1`` tokens.
+    ``kv_projection``: build the draft's cache of the prompt from the target's with a :class:`KVProjection`
+    instead of running the draft over the prompt (10.4.5's draft KV sharing).
     """
     input_ids = _check_generate_args(input_ids, max_new_tokens, k, window, do_sample, temperature, top_p)
     if target.config.vocab_size != draft.config.vocab_size:
@@ -601,7 +608,11 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
                          f"{draft.config.vocab_size}")
     if draft_cache is not None and not callable(draft_cache):
         raise TypeError(f"draft_cache must be a function draft -> Cache, got {type(draft_cache).__name__}")
-    engine = _TwoModels(target, draft, draft_cache)
+    if kv_projection is not None and not isinstance(kv_projection, KVProjection):
+        raise TypeError(f"kv_projection must be a KVProjection, got {type(kv_projection).__name__}")
+    if kv_projection is not None and draft_cache is not None:
+        raise ValueError("give draft_cache or kv_projection, not both (a projected cache is a DynamicCache)")
+    engine = _TwoModels(target, draft, draft_cache, kv_projection)
     _check_rollback_window(engine.dcache, (8 if window == "adaptive" else k) - 1)
     return _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperature, top_p, generator,
                       window, stats, stop_at_eos)
@@ -729,6 +740,98 @@ def count_layer_tokens(model):
     finally:
         for h in hooks:
             h.remove()
+
+
+# ----------------------------------------------------------------------------------------------- draft KV from the target
+def _rope_tables(model, n: int):
+    from labsrc.rope import rope_cos_sin
+    rotary = model.model.rotary_emb
+    return rope_cos_sin(rotary.inv_freq, n, getattr(rotary, "attention_scaling", 1.0))
+
+
+def cache_features(model, cache) -> torch.Tensor:
+    """Every layer's cached keys (rotation by position undone) and values, one row per position: ``(T, F)``
+    with ``F = layers x 2 x kv_heads x head_dim`` (the first sequence of the batch). Keys are stored rotated by their position (RoPE); undoing
+    the rotation leaves what a position-independent linear map can relate across models."""
+    from labsrc.rope import apply_rope_ref
+
+    n = cache.get_seq_length()
+    cfg = model.config
+    if n == 0:
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return torch.zeros(0, cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim)
+    cos, sin = _rope_tables(model, n)
+    cols = []
+    for layer in cache.layers[: model.config.num_hidden_layers]:
+        k = layer.keys[:1, :, :n].float()
+        _, k = apply_rope_ref(k, k, cos, -sin)                      # rotate back by -position
+        for x in (k, layer.values[:1, :, :n].float()):             # (1, H, T, D) -> (T, H * D)
+            cols.append(x[0].transpose(0, 1).reshape(n, -1))
+    return torch.cat(cols, dim=1)
+
+
+@dataclass
+class KVProjection:
+    """A linear map from the target's KV cache to the draft's (10.4.5): ``draft features = [target features,
+    1] @ weight``, fitted by :func:`fit_kv_projection`. :meth:`draft_cache` turns a target cache into a
+    draft cache for the same positions without running the draft."""
+    weight: torch.Tensor           # (F_target + 1, F_draft)
+    r2: float                      # fraction of the draft features' variance explained on the fitting data
+    n_positions: int               # positions fitted on
+
+    @torch.no_grad()
+    def draft_cache(self, target, draft, target_cache):
+        """A ``DynamicCache`` for ``draft`` holding every position of ``target_cache``, projected."""
+        from labsrc.rope import apply_rope_ref
+
+        x = cache_features(target, target_cache)
+        if x.shape[1] + 1 != self.weight.shape[0]:
+            raise ValueError(f"target_cache has {x.shape[1]} features per position but the projection was "
+                             f"fitted on {self.weight.shape[0] - 1}: another target?")
+        y = torch.cat([x, x.new_ones(len(x), 1)], 1).double() @ self.weight.double()
+        cfg = draft.config
+        heads = cfg.num_key_value_heads
+        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        if y.shape[1] != cfg.num_hidden_layers * 2 * heads * dim:
+            raise ValueError("the projection was fitted for a draft of another shape")
+        n = len(y)
+        cos, sin = _rope_tables(draft, n)
+        dtype = next(draft.parameters()).dtype
+        cache = _new_cache(draft)
+        for i, block in enumerate(y.float().split(2 * heads * dim, dim=1)):      # one block per layer
+            k, v = (t.reshape(n, heads, dim).transpose(0, 1)[None]                # (1, H, T, D)
+                    for t in block.split(heads * dim, dim=1))
+            _, k = apply_rope_ref(k, k, cos, sin)                     # rotate to each position again
+            cache.update(k.to(dtype), v.to(dtype), i)
+        return cache
+
+
+@torch.no_grad()
+def fit_kv_projection(target, draft, sequences, ridge: float = 1e-3) -> KVProjection:
+    """Fit :class:`KVProjection` by ridge regression on ``sequences`` (token id tensors): run both models over
+    each, then solve ``min ||[X, 1] W - Y||^2 + ridge * trace(X^T X) / F * ||W||^2`` in float64, ``X`` the
+    target's :func:`cache_features`, ``Y`` the draft's, one row per position."""
+    if not sequences:
+        raise ValueError("sequences must hold at least one token sequence")
+    if not isinstance(ridge, (int, float)) or isinstance(ridge, bool) or not ridge >= 0:
+        raise ValueError(f"ridge must be a number >= 0, got {ridge!r}")
+    xs, ys = [], []
+    for ids in sequences:
+        ids = ids.reshape(1, -1).to(next(target.parameters()).device)
+        tc, dc = _new_cache(target), _new_cache(draft)
+        _forward(target, ids, tc)
+        _forward(draft, ids, dc)
+        xs.append(cache_features(target, tc))
+        ys.append(cache_features(draft, dc))
+    x, y = torch.cat(xs).double(), torch.cat(ys).double()
+    x1 = torch.cat([x, x.new_ones(len(x), 1)], 1)
+    gram = x1.T @ x1
+    reg = ridge * torch.trace(x.T @ x) / x.shape[1]
+    gram[:-1, :-1] += reg * torch.eye(x.shape[1], dtype=x.dtype)     # the bias is not shrunk
+    w = torch.linalg.solve(gram, x1.T @ y)
+    resid = y - x1 @ w
+    r2 = 1 - float(resid.pow(2).sum() / (y - y.mean(0)).pow(2).sum())
+    return KVProjection(weight=w.float(), r2=r2, n_positions=len(x))
 
 
 # ----------------------------------------------------------------------------------------------- tree generation
@@ -883,12 +986,18 @@ def alpha_along(target, draft, ids: torch.Tensor, temperature: float = 1.0) -> t
 
 
 @torch.no_grad()
-def alpha_with_draft_cache(target, draft, ids: torch.Tensor, draft_cache, n_decode: int = 32,
-                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What a draft cache (e.g. a quantized one) does to the acceptance, position by position.
+def alpha_with_draft_cache(target, draft, ids: torch.Tensor, draft_cache=None, n_decode: int = 32,
+                           temperature: float = 1.0, kv_projection: KVProjection | None = None,
+                           draft_prefix: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a draft cache (a quantized one, or one projected from the target's) does to the acceptance,
+    position by position.
 
     ``ids (T,)`` is fed to the draft as decoding would: ``ids[:T - n_decode]`` in one prefill into
-    ``draft_cache(draft)``, then the last ``n_decode`` tokens one at a time, each reading the cache. Returns
+    ``draft_cache(draft)`` (or, with ``kv_projection``, projected from the target's cache of that prefix),
+    then the last ``n_decode`` tokens one at a time, each reading the cache. ``draft_prefix`` (a control)
+    fills the draft's cache from other tokens instead of ``ids[:T - n_decode]``: another text's prefix, or
+    none (an empty tensor). Returns
     ``(alpha_cache, alpha_full, tv)``, each ``(n_decode,)``: ``sum_x min(p, q')`` with the draft's
     distribution ``q'`` through that cache, ``sum_x min(p, q)`` with its exact distribution ``q`` (one forward
     without a cache), and ``TV(q, q')``. Since ``min(p, q') >= min(p, q) - (q - q')_+`` term by term,
@@ -898,10 +1007,28 @@ def alpha_with_draft_cache(target, draft, ids: torch.Tensor, draft_cache, n_deco
     T = ids.shape[1]
     if isinstance(n_decode, bool) or not isinstance(n_decode, int) or not 1 <= n_decode < T:
         raise ValueError(f"n_decode must be an int in [1, {T - 1}] (ids has {T} tokens), got {n_decode!r}")
-    if not callable(draft_cache):
-        raise TypeError(f"draft_cache must be a function draft -> Cache, got {type(draft_cache).__name__}")
-    cache = draft_cache(draft)
-    _forward(draft, ids[:, : T - n_decode], cache)
+    if draft_prefix is not None:
+        if kv_projection is not None:
+            raise ValueError("give kv_projection or draft_prefix, not both")
+        if not isinstance(draft_prefix, torch.Tensor) or draft_prefix.dtype != torch.long:
+            raise TypeError("draft_prefix must be a torch.long tensor of token ids")
+        prefix = draft_prefix.reshape(1, -1).to(ids.device)
+    else:
+        prefix = ids[:, : T - n_decode]
+    if kv_projection is not None:
+        if draft_cache is not None:
+            raise ValueError("give draft_cache or kv_projection, not both")
+        if not isinstance(kv_projection, KVProjection):
+            raise TypeError(f"kv_projection must be a KVProjection, got {type(kv_projection).__name__}")
+        tcache = _new_cache(target)
+        _forward(target, ids[:, : T - n_decode], tcache)
+        cache = kv_projection.draft_cache(target, draft, tcache)
+    else:
+        if draft_cache is not None and not callable(draft_cache):
+            raise TypeError(f"draft_cache must be a function draft -> Cache, got {type(draft_cache).__name__}")
+        cache = (draft_cache or _new_cache)(draft)
+        if prefix.shape[1]:
+            _forward(draft, prefix, cache)
     q_cache = torch.cat([_forward(draft, ids[:, t: t + 1], cache) for t in range(T - n_decode, T)])
     q_cache = warp_logits(q_cache, temperature)
     q = warp_logits(draft(input_ids=ids).logits[0, T - n_decode:].float(), temperature)

@@ -530,3 +530,72 @@ def test_alpha_with_draft_cache_moves_by_at_most_the_total_variation(lab_pair):
         spec.alpha_with_draft_cache(target, draft, ids, spec._new_cache, n_decode=60)
     with pytest.raises(TypeError, match="draft_cache"):
         spec.alpha_with_draft_cache(target, draft, ids, "int4")
+
+
+# ----------------------------------------------------------------------------- the draft's cache projected from the target's
+def test_kv_projection_of_a_model_onto_itself_recovers_its_cache(lab_pair):
+    target, _ = lab_pair
+    g = torch.Generator().manual_seed(15)
+    fit = [torch.randint(2, target.config.vocab_size, (120,), generator=g) for _ in range(12)]
+    proj = spec.fit_kv_projection(target, target, fit, ridge=1e-9)
+    assert proj.r2 > 0.9999 and proj.n_positions == 12 * 120
+    ids = torch.randint(2, target.config.vocab_size, (1, 77), generator=g)
+    tc = spec._new_cache(target)
+    spec._forward(target, ids, tc)
+    pc = proj.draft_cache(target, target, tc)
+    assert pc.get_seq_length() == 77
+    for a, b in zip(tc.layers, pc.layers):        # keys re-rotated to their positions, values as they were
+        torch.testing.assert_close(b.keys, a.keys, rtol=0, atol=2e-2)
+        torch.testing.assert_close(b.values, a.values, rtol=0, atol=2e-2)
+
+
+def test_cache_features_undo_the_rotation():
+    model = _tiny_llama_d16(16, vocab=32, layers=2)
+    ids = torch.randint(0, 32, (1, 11), generator=torch.Generator().manual_seed(3))
+    cache = spec._new_cache(model)
+    spec._forward(model, ids, cache)
+    feats = spec.cache_features(model, cache)
+    assert feats.shape == (11, 2 * 2 * 1 * 16)
+    # the un-rotated key of layer 0 is k_proj of the normalised embedding, whatever the position
+    with torch.no_grad():
+        attn = model.model.layers[0]
+        h = attn.input_layernorm(model.model.embed_tokens(ids))
+        k = attn.self_attn.k_proj(h)[0]
+    torch.testing.assert_close(feats[:, :16], k, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_projection_keeps_greedy_output_and_nearly_keeps_alpha(lab_pair):
+    target, draft = lab_pair
+    g = torch.Generator().manual_seed(17)
+    fit = [torch.randint(2, target.config.vocab_size, (150,), generator=g) for _ in range(16)]
+    proj = spec.fit_kv_projection(target, draft, fit)
+    assert 0.3 < proj.r2 < 1.0
+    ids = torch.randint(2, target.config.vocab_size, (1, 60), generator=g)
+    ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+    with spec.count_layer_tokens(draft) as counts:
+        out, st = spec.speculative_generate(target, draft, ids, 16, k=4, kv_projection=proj)
+    assert torch.equal(out, ref)
+    assert counts[0] <= sum(s.k + 1 for s in st.steps) < 59     # the prompt never went through the draft
+    a_p, a_full, _ = spec.alpha_with_draft_cache(target, draft, ids[0], n_decode=20, kv_projection=proj)
+    a_c, _, _ = spec.alpha_with_draft_cache(target, draft, ids[0], n_decode=20)
+    assert abs(float(a_p.mean()) - float(a_c.mean())) < 0.1
+    # the controls: the draft reading no prefix, or another text's, is not the draft reading this one
+    a_none, a_same, _ = spec.alpha_with_draft_cache(target, draft, ids[0], n_decode=20,
+                                                    draft_prefix=torch.zeros(0, dtype=torch.long))
+    torch.testing.assert_close(a_same, a_full)
+    assert not torch.allclose(a_none, a_c)
+    a_own, _, _ = spec.alpha_with_draft_cache(target, draft, ids[0], n_decode=20, draft_prefix=ids[0, :40])
+    torch.testing.assert_close(a_own, a_c)                 # its own prefix, passed explicitly: the same
+    with pytest.raises(ValueError, match="not both"):
+        spec.alpha_with_draft_cache(target, draft, ids[0], kv_projection=proj, draft_prefix=ids[0, :4])
+    with pytest.raises(ValueError, match="not both"):
+        spec.speculative_generate(target, draft, ids, 4, kv_projection=proj, draft_cache=spec._new_cache)
+    with pytest.raises(TypeError, match="kv_projection"):
+        spec.speculative_generate(target, draft, ids, 4, kv_projection="linear")
+    dc = spec._new_cache(draft)
+    spec._forward(draft, ids, dc)
+    with pytest.raises(ValueError, match="another target"):
+        proj.draft_cache(draft, draft, dc)
+    assert proj.draft_cache(target, draft, spec._new_cache(target)).get_seq_length() == 0
+    with pytest.raises(ValueError, match="sequences"):
+        spec.fit_kv_projection(target, draft, [])
