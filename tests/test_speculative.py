@@ -214,13 +214,18 @@ def lab_pair():
     return target, draft
 
 
+def _prompt_and_greedy(target, g, max_len, new_tokens=16):
+    """A random prompt of 1..max_len tokens and the target's greedy continuation (the reference output)."""
+    n = int(torch.randint(1, max_len + 1, (1,), generator=g))
+    ids = torch.randint(2, target.config.vocab_size, (1, n), generator=g)
+    return ids, target.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+
+
 def test_greedy_identity_with_target_generate(lab_pair):
     target, draft = lab_pair
     g = torch.Generator().manual_seed(6)
     for k in range(1, 9):
-        ids = torch.randint(2, target.config.vocab_size, (1, int(torch.randint(1, 12, (1,), generator=g))),
-                            generator=g)
-        ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+        ids, ref = _prompt_and_greedy(target, g, max_len=11)
         out, stats = spec.speculative_generate(target, draft, ids, 16, k=k)
         assert torch.equal(out, ref), k
         assert stats.new_tokens == 16 and stats.target_calls == len(stats.steps) <= 16
@@ -408,9 +413,7 @@ def test_self_speculation_reuses_the_first_half_and_is_greedy_identical(lab_pair
     target, _ = lab_pair
     g = torch.Generator().manual_seed(12)
     for k in range(1, 9):
-        ids = torch.randint(2, target.config.vocab_size, (1, int(torch.randint(1, 20, (1,), generator=g))),
-                            generator=g)
-        ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+        ids, ref = _prompt_and_greedy(target, g, max_len=19)
         with spec.count_layer_tokens(target) as shared:
             out, st = spec.self_speculative_generate(target, ids, 16, k=k)
         assert torch.equal(out, ref), k
