@@ -20,8 +20,9 @@ host is refused (the book must work offline) and counts as a failure. Each page 
 * on chapter 1, the figures in the code-cell outputs loaded (``naturalWidth > 0``), are more than a few KB
   and are not blank (more than a handful of distinct colours);
 * what a reader should never see: text from a solution or a hidden test (the book renders the release
-  version), an executed cell's stderr (library warnings are silenced at their source), or a printed Python
-  dict, ``namespace(...)``, dataclass or object repr where prose, a figure or a table belongs;
+  version), an executed cell's stderr (library warnings are silenced at their source), a printed Python
+  dict, ``namespace(...)``, dataclass or object repr where prose, a figure or a table belongs, or a Markdown
+  table from ``display(Markdown(...))`` left as a paragraph of pipes;
 * on each kernel chapter, the Triton kernel's own source, rendered from ``labsrc`` (``labsrc.show``): a
   highlighted block holding ``@triton.jit``;
 
@@ -261,6 +262,14 @@ REPRS_JS = r"""
     const text = el.innerText;
     const m = text.match(repr);
     if (m) out.push({kind: 'printed repr: ' + text.slice(m.index, m.index + 80).trim(), cell: cellOf(el)});
+  }
+  // A Markdown table that was not parsed as one shows its pipes and its |---| rule as text.
+  const rule = /\|\s*:?(?:-{3,}|\u2014|\u2013)\s*:?\|/;   // the |:---| row (smart dashes or not)
+  for (const el of document.querySelectorAll('.cell_output p')) {
+    const text = el.innerText;
+    if (rule.test(text)) {
+      out.push({kind: 'a Markdown table shown as text: ' + text.trim().slice(0, 80), cell: cellOf(el)});
+    }
   }
   return out;
 }
