@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from labsrc import rope
+from labsrc.models import config_head_dim
 
 __all__ = ["set_rope", "finetune"]
 
@@ -43,14 +44,14 @@ def set_rope(model, method: str, factor: float | None = None, **params) -> dict:
         config.lab_rope_theta = float(config.rope_parameters["rope_theta"])
     base = config.lab_rope_theta
     trained = int(getattr(config, "lab_trained_context", config.max_position_embeddings))
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = config_head_dim(config)
     if method == "default":
         new = {"rope_type": "default", "rope_theta": base}
     else:
         if factor is None or float(factor) < 1:
             raise ValueError(f"method {method!r} needs factor >= 1 (new length / trained length), got {factor!r}")
         if method == "ntk":
-            new = {"rope_type": "default", "rope_theta": rope.ntk_base(base, float(factor), head_dim)}
+            new = {"rope_type": "default", "rope_theta": rope.ntk_base(base, float(factor), dim)}
         else:
             new = {"rope_type": _HF_TYPES[method], "rope_theta": base, "factor": float(factor),
                    "original_max_position_embeddings": trained, **params}

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labsrc import kvmath, recall
+from labsrc.models import config_head_dim
 from labsrc.kernels.attention import flash_attention
 from labsrc.kernels.frontier import _check_args as _check_diff_args
 from labsrc.kernels.frontier import diff_attention_fused, diff_attention_ref
@@ -454,8 +455,7 @@ def mixtral_expert_bytes(hidden: int = 4096, intermediate: int = 14336, dtype_by
 # ------------------------------------------------------------------------------------------- head pruning
 def _head_slices(model):
     cfg = model.config
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_attention_heads, hd
+    return cfg.num_attention_heads, config_head_dim(cfg)
 
 
 @torch.no_grad()

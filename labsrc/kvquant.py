@@ -1006,8 +1006,8 @@ class KVarNCache(Cache):
             stats = list(stats)
             if len(stats) != n_layers:
                 raise ValueError(f"stats has {len(stats)} layers but the model has {n_layers}")
-            head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-            want = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, head_dim)
+            from labsrc.models import config_head_dim
+            want = (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads, config_head_dim(cfg))
             for i, st in enumerate(stats):
                 if not isinstance(st, KVStats):
                     raise TypeError(f"stats[{i}] must be a KVStats, got {type(st).__name__}")

@@ -71,6 +71,12 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | to
     return model, tokenizer
 
 
+def config_head_dim(config) -> int:
+    """The per-head width of a transformers config: ``head_dim`` where the config sets it (Llama may decouple
+    it from the hidden size), else ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def eval_card(name_or_path: str) -> dict:
     """The eval card (``eval_card.json``) written when a shipped or local model was trained."""
     where = Path(resolve(name_or_path))

@@ -25,6 +25,7 @@ import torch
 import labsrc  # noqa: F401  (interpreter switch before triton loads)
 from labsrc.kernels import kv_store as _kv
 from labsrc.kernels import paged_attention as _pa
+from labsrc.models import config_head_dim
 from labsrc.serving.blocks import BlockManager, slot_mapping
 from labsrc.serving.scheduler import SamplingParams, Scheduled, Scheduler, Sequence
 
@@ -158,8 +159,7 @@ class Engine:
         self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         hkv = cfg.num_key_value_heads
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (num_blocks, block_size, hkv, d)
+        shape = (num_blocks, block_size, hkv, config_head_dim(cfg))
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
         self.max_len = int(getattr(cfg, "max_position_embeddings", 1 << 30))
