@@ -742,24 +742,30 @@ def count_layer_tokens(model):
             h.remove()
 
 
-# ----------------------------------------------------------------------------------------------- draft KV from the target
+# ------------------------------------------------------------------------------------------- draft KV from the target
 def _rope_tables(model, n: int):
     from labsrc.rope import rope_cos_sin
     rotary = model.model.rotary_emb
     return rope_cos_sin(rotary.inv_freq, n, getattr(rotary, "attention_scaling", 1.0))
 
 
+def _kv_layout(config) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)``: the shape of one position's keys (and values) in a model's cache."""
+    from labsrc.models import config_head_dim
+    return config.num_hidden_layers, config.num_key_value_heads, config_head_dim(config)
+
+
 def cache_features(model, cache) -> torch.Tensor:
     """Every layer's cached keys (rotation by position undone) and values, one row per position: ``(T, F)``
-    with ``F = layers x 2 x kv_heads x head_dim`` (the first sequence of the batch). Keys are stored rotated by their position (RoPE); undoing
-    the rotation leaves what a position-independent linear map can relate across models."""
+    with ``F = layers x 2 x kv_heads x head_dim`` (the first sequence of the batch). Keys are stored rotated
+    by their position (RoPE); undoing the rotation leaves what a position-independent linear map can relate
+    across models."""
     from labsrc.rope import apply_rope_ref
 
     n = cache.get_seq_length()
-    cfg = model.config
     if n == 0:
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return torch.zeros(0, cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim)
+        layers, heads, dim = _kv_layout(model.config)
+        return torch.zeros(0, layers * 2 * heads * dim)
     cos, sin = _rope_tables(model, n)
     cols = []
     for layer in cache.layers[: model.config.num_hidden_layers]:
@@ -789,10 +795,8 @@ class KVProjection:
             raise ValueError(f"target_cache has {x.shape[1]} features per position but the projection was "
                              f"fitted on {self.weight.shape[0] - 1}: another target?")
         y = torch.cat([x, x.new_ones(len(x), 1)], 1).double() @ self.weight.double()
-        cfg = draft.config
-        heads = cfg.num_key_value_heads
-        dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if y.shape[1] != cfg.num_hidden_layers * 2 * heads * dim:
+        layers, heads, dim = _kv_layout(draft.config)
+        if y.shape[1] != layers * 2 * heads * dim:
             raise ValueError("the projection was fitted for a draft of another shape")
         n = len(y)
         cos, sin = _rope_tables(draft, n)
@@ -825,8 +829,8 @@ def fit_kv_projection(target, draft, sequences, ridge: float = 1e-3) -> KVProjec
         ys.append(cache_features(draft, dc))
     x, y = torch.cat(xs).double(), torch.cat(ys).double()
     x1 = torch.cat([x, x.new_ones(len(x), 1)], 1)
-    gram = x1.T @ x1
-    reg = ridge * torch.trace(x.T @ x) / x.shape[1]
+    gram = x1.T @ x1                                                   # its top-left block is X^T X
+    reg = ridge * torch.trace(gram[:-1, :-1]) / x.shape[1]
     gram[:-1, :-1] += reg * torch.eye(x.shape[1], dtype=x.dtype)     # the bias is not shrunk
     w = torch.linalg.solve(gram, x1.T @ y)
     resid = y - x1 @ w
@@ -1015,13 +1019,14 @@ def alpha_with_draft_cache(target, draft, ids: torch.Tensor, draft_cache=None, n
         prefix = draft_prefix.reshape(1, -1).to(ids.device)
     else:
         prefix = ids[:, : T - n_decode]
+    tcache = _new_cache(target)          # one target forward: its logits give p, its cache the projection
+    p = warp_logits(_forward(target, ids, tcache)[T - n_decode:], temperature)
     if kv_projection is not None:
         if draft_cache is not None:
             raise ValueError("give draft_cache or kv_projection, not both")
         if not isinstance(kv_projection, KVProjection):
             raise TypeError(f"kv_projection must be a KVProjection, got {type(kv_projection).__name__}")
-        tcache = _new_cache(target)
-        _forward(target, ids[:, : T - n_decode], tcache)
+        _rollback(tcache, T - n_decode)  # the prefix only: the draft decodes the rest itself
         cache = kv_projection.draft_cache(target, draft, tcache)
     else:
         if draft_cache is not None and not callable(draft_cache):
@@ -1032,7 +1037,6 @@ def alpha_with_draft_cache(target, draft, ids: torch.Tensor, draft_cache=None, n
     q_cache = torch.cat([_forward(draft, ids[:, t: t + 1], cache) for t in range(T - n_decode, T)])
     q_cache = warp_logits(q_cache, temperature)
     q = warp_logits(draft(input_ids=ids).logits[0, T - n_decode:].float(), temperature)
-    p = warp_logits(target(input_ids=ids).logits[0, T - n_decode:].float(), temperature)
     return (torch.minimum(p, q_cache).sum(-1), torch.minimum(p, q).sum(-1),
             0.5 * (q - q_cache).abs().sum(-1))
 
