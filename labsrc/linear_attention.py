@@ -29,6 +29,8 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from labsrc.decay import segsum
+
 __all__ = ["FEATURE_MAPS", "phi", "linear_attention", "softmax_attention", "orthogonal_projection",
            "performer_features", "favor_attention", "linear_attention_recurrent", "lightning_attention",
            "gated_delta_rule_recurrent", "gated_delta_rule_chunked", "check_linear_inputs",
@@ -304,7 +306,9 @@ def lightning_attention(q, k, v, decay=None, block_size: int = 64, scale: float 
     """:func:`linear_attention_recurrent` block by block (Lightning attention, Qin et al.): inside a block of
     ``n`` tokens the output is a masked ``n x n`` product with decay ``lambda^(i-j)`` (intra-block), plus the
     state carried in from earlier blocks, decayed by ``lambda^(i+1)`` (inter-block); the state then advances
-    once per block. No cumulative sum over the whole sequence is ever formed. Same arguments and results."""
+    once per block. No cumulative sum over the whole sequence is ever formed, and the decays between two
+    positions are segment sums (:func:`labsrc.decay.segsum`), exact for the smallest decays a float holds.
+    Same arguments and results."""
     check_linear_inputs(q, k, v, decay, scale, initial_state, output_final_state, block_size, "block_size")
     work = _work(q)
     B, T, H, K = q.shape
@@ -316,17 +320,14 @@ def lightning_attention(q, k, v, decay=None, block_size: int = 64, scale: float 
     for s in range(0, T, block_size):
         qb, kb, vb = qs[:, :, s:s + block_size], ks[:, :, s:s + block_size], vs[:, :, s:s + block_size]
         n = qb.shape[2]
-        pos = torch.arange(1, n + 1, dtype=work, device=q.device)
-        gam = log_lam[:, None] * pos[None, :]                       # (H, n): log lambda^(i+1)
-        diff = gam[:, :, None] - gam[:, None, :]                    # log lambda^(i-j)
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        dmat = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
-        intra = ((qb @ kb.transpose(-1, -2)) * dmat) @ vb
+        steps = log_lam[:, None].expand(H, n)                       # (H, n): log lambda per step
+        gam = steps.cumsum(-1)                                      # log lambda^(i+1)
+        seg = segsum(steps)                                         # log lambda^(i-j), -inf above the diagonal
+        intra = ((qb @ kb.transpose(-1, -2)) * seg.exp()) @ vb
         inter = (qb * gam.exp()[None, :, :, None]) @ S
         out.append(intra + inter)
-        last = gam[:, -1]
-        S = (S * last.exp()[None, :, None, None]
-             + (kb * (last[:, None] - gam).exp()[None, :, :, None]).transpose(-1, -2) @ vb)
+        S = (S * gam[:, -1].exp()[None, :, None, None]
+             + (kb * seg[:, -1].exp()[None, :, :, None]).transpose(-1, -2) @ vb)
     o = torch.cat(out, 2).transpose(1, 2).to(v.dtype)
     return o, (S if output_final_state else None)
 
@@ -343,7 +344,8 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, scale: float | None = None, ini
         S   <- S + beta_t * k_t (v_t - S^T k_t)^T   # one step of online regression of v on k
         o_t  = S^T (scale * q_t)
 
-    ``q, k (B, T, H, K)``, ``v (B, T, H, V)``, ``g (B, T, H)`` the log of the decay (``<= 0``), ``beta
+    ``q, k (B, T, H, K)``, ``v (B, T, H, V)``, ``g (B, T, H)`` the log of the decay (``<= 0``; ``-inf`` is a
+    decay of exactly zero, a reset of the state), ``beta
     (B, T, H)`` in ``[0, 1]``, ``scale`` default ``K ** -0.5``, state ``(B, H, K, V)``. Any ``T >= 1``.
     Returns ``(o, final_state)``: ``o`` in ``v``'s dtype, the state float32 (float64 for float64 inputs) or
     None unless ``output_final_state``. The keys are used as given (flash-linear-attention's layers
@@ -380,7 +382,11 @@ def gated_delta_rule_chunked(q, k, v, g, beta, scale: float | None = None, initi
     * ``O = diag(exp(gamma)) Q S + lower(Q K^T * exp(gamma_i - gamma_j)) V_new``;
     * ``S <- exp(gamma_last) S + (K * exp(gamma_last - gamma))^T V_new``.
 
-    The last chunk may be shorter (any ``T >= 1``); nothing is padded. A NaN in an input reaches every output
+    The factors ``exp(gamma_i - gamma_j)`` and ``exp(gamma_last - gamma)`` are computed from segment sums of
+    ``g`` (:func:`labsrc.decay.segsum`), never as differences of the cumulative sums: after one very negative
+    ``g`` those lose every later small ``g`` in float32 spacing. ``g = -inf`` is a decay of exactly zero: the
+    state is reset, as in the recurrent form. The last chunk may be shorter (any ``T >= 1``); nothing is
+    padded. A NaN in an input reaches every output
     of its chunk (the chunk's products mix all its tokens, and 0 * NaN is NaN) and every later output of
     its head, where the recurrent form only reaches the later ones.
     """
@@ -396,11 +402,12 @@ def gated_delta_rule_chunked(q, k, v, g, beta, scale: float | None = None, initi
     for s in range(0, T, chunk_size):
         qc, kc, vc = qs[:, :, s:s + chunk_size], ks[:, :, s:s + chunk_size], vs[:, :, s:s + chunk_size]
         bc = bs[:, :, s:s + chunk_size]
-        gam = gs[:, :, s:s + chunk_size].cumsum(-1)                    # (B, H, n)
+        gc = gs[:, :, s:s + chunk_size]
+        gam = gc.cumsum(-1)                                            # (B, H, n)
         n = qc.shape[2]
-        diff = gam[..., :, None] - gam[..., None, :]
+        seg = segsum(gc)                                               # gamma_i - gamma_j, summed directly
+        decay = seg.exp()                                              # 0 above the diagonal
         lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()   # 0 above the diagonal
         strict = torch.eye(n, dtype=torch.bool, device=q.device).logical_not() & lower
         a = torch.where(strict, (bc[..., None] * kc) @ kc.transpose(-1, -2) * decay, torch.zeros_like(decay))
         eye = torch.eye(n, dtype=work, device=q.device).expand_as(a)
@@ -410,8 +417,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, scale: float | None = None, initi
         v_new = u - w @ S
         o = (qc * gam.exp()[..., None]) @ S + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
         out.append(o)
-        last = gam[..., -1]
-        S = S * last.exp()[..., None, None] + (kc * (last[..., None] - gam).exp()[..., None]).transpose(-1, -2) @ v_new
+        S = S * gam[..., -1].exp()[..., None, None] + (kc * seg[..., -1, :].exp()[..., None]).transpose(-1, -2) @ v_new
     o = torch.cat(out, 2).transpose(1, 2).to(v.dtype)
     return o, (S if output_final_state else None)
 

@@ -26,6 +26,8 @@ from numbers import Real
 import torch
 import torch.nn.functional as F
 
+from labsrc.decay import segsum
+
 __all__ = [
     "hippo_legs", "discretize", "ssm_recurrent", "ssm_kernel", "ssm_conv", "legs_memory", "legs_reconstruct",
     "selective_scan_ref", "selective_scan_loop", "check_selective_scan_args",
@@ -541,34 +543,25 @@ def ssd_recurrent(x, dt, A, B, C, D=None, initial_state=None):
     return y.to(x.dtype), S
 
 
-def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """``out[..., t, s] = a[..., s+1] + ... + a[..., t]`` for ``s <= t`` and ``-inf`` above the diagonal.
-
-    Summed directly (a masked cumulative sum) rather than as a difference of two prefix sums, which would
-    cancel catastrophically once the prefix sums grow large.
-    """
-    T = a.shape[-1]
-    rep = a[..., :, None].expand(*a.shape, T)  # rep[..., k, s] = a[k]
-    strict = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device), diagonal=-1)  # k > s
-    out = torch.cumsum(rep.masked_fill(~strict, 0), dim=-2)  # out[t, s] = sum_{s < k <= t} a[k]
-    keep = torch.tril(torch.ones(T, T, dtype=torch.bool, device=a.device))
-    return out.masked_fill(~keep, -torch.inf)
-
-
 def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     """Mamba-2's chunked SSD algorithm: the same result as :func:`ssd_recurrent`, computed chunk by chunk.
 
-    The sequence is cut into chunks of ``chunk_size`` (the last one padded with ``dt = 0``, which neither
-    decays nor writes the state). With ``a_t = dt_t A`` and ``cs_t`` its cumulative sum inside a chunk:
+    The sequence is cut into chunks of ``chunk_size`` (the last one padded with ``dt = 0`` and log-decay 0,
+    which neither decay nor write the state). With ``a_t = dt_t A`` and ``cs_t`` its cumulative sum inside a
+    chunk:
 
     1. *intra-chunk* (the quadratic, attention-like form): ``y_t += sum_{s <= t} (C_t . B_s)
-       exp(cs_t - cs_s) dt_s x_s`` -- a masked matrix product, on tensor cores in a real kernel;
-    2. *chunk states*: ``P_c = sum_s exp(cs_last - cs_s) dt_s x_s B_s^T``, what chunk ``c`` adds to the state;
+       exp(a_{s+1} + ... + a_t) dt_s x_s`` -- a masked matrix product, on tensor cores in a real kernel;
+    2. *chunk states*: ``P_c = sum_s exp(a_{s+1} + ... + a_last) dt_s x_s B_s^T``, what chunk ``c`` adds to
+       the state;
     3. *state passing* (a scan over chunks): ``S_{c+1} = exp(cs_last) S_c + P_c``, from ``initial_state``;
     4. *inter-chunk output*: ``y_t += exp(cs_t) S_c C_t`` -- the state chunk ``c`` starts from, decayed to ``t``.
 
     Then ``y += D x``. Arguments and returns as in :func:`ssd_recurrent` (plus ``chunk_size``, a positive int;
-    any ``l >= 1`` works). Work: ``O(l Q (n + p))`` for chunk size ``Q`` against the recurrence's
+    any ``l >= 1`` works). The decays between two positions (steps 1 and 2) are segment sums
+    (:func:`labsrc.decay.segsum`), never ``exp(cs_t - cs_s)``: that difference loses the small log-decays that
+    follow a very negative one, and turns a log-decay of ``-inf`` (``A = -inf``: a decay of exactly zero, which
+    resets the state as in the recurrence) into NaN. Work: ``O(l Q (n + p))`` for chunk size ``Q`` against the recurrence's
     ``O(l n p)`` in ``l`` sequential steps; only ``l / Q`` steps (3) are sequential.
     """
     bsz, l, h, p, g, n = check_ssd_args(x, dt, A, B, C, D, initial_state, chunk_size)
@@ -580,17 +573,19 @@ def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64
     dtc = F.pad(dt.to(cd), (0, 0, 0, pad)).reshape(bsz, nc, Q, h)
     Bh = F.pad(_heads(B.to(cd), h), (0, 0, 0, 0, 0, pad)).reshape(bsz, nc, Q, h, n)
     Ch = F.pad(_heads(C.to(cd), h), (0, 0, 0, 0, 0, pad)).reshape(bsz, nc, Q, h, n)
-    a = (dtc * A.to(cd)).permute(0, 1, 3, 2)  # (b, c, h, Q): log-decay of each step
-    cs = torch.cumsum(a, -1)  # (b, c, h, Q)
+    # log-decay of each step, (b, c, h, Q); padded steps get 0 (not 0 * A, which is NaN for A = -inf)
+    a = F.pad(dt.to(cd) * A.to(cd), (0, 0, 0, pad)).reshape(bsz, nc, Q, h).permute(0, 1, 3, 2)
+    cs = torch.cumsum(a, -1)  # (b, c, h, Q): from the chunk's start, a sum of terms of one sign
+    seg = segsum(a)  # (b, c, h, t, s): log-decay from s to t, summed directly
     xdt = xc * dtc[..., None]  # dt_s x_s, (b, c, Q, h, p)
 
     # 1. intra-chunk: a (Q x Q) lower-triangular "attention" per chunk and head
-    Lmask = torch.exp(_segsum(a))  # (b, c, h, t, s)
+    Lmask = torch.exp(seg)  # (b, c, h, t, s), 0 above the diagonal
     scores = torch.einsum("bcthn,bcshn->bchts", Ch, Bh) * Lmask
     y = torch.einsum("bchts,bcshp->bcthp", scores, xdt)
 
     # 2. what each chunk writes into the state, decayed to the chunk's end
-    to_end = torch.exp(cs[..., -1:] - cs)  # (b, c, h, Q)
+    to_end = torch.exp(seg[..., -1, :])  # (b, c, h, Q): from each step to the chunk's end
     P = torch.einsum("bchs,bcshp,bcshn->bchpn", to_end, xdt, Bh)
 
     # 3. state passing between chunks (sequential over nc = ceil(l / Q) chunks)
@@ -623,7 +618,7 @@ def ssd_decay_mask(dt: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"A must have shape (h,) with h = {dt.shape[2]}, got {tuple(A.shape)}")
     cd = _compute_dtype(dt, A)
     a = (dt.to(cd) * A.to(cd)).permute(0, 2, 1)  # (b, h, l)
-    return torch.exp(_segsum(a))
+    return torch.exp(segsum(a))
 
 
 def ssd_attention(x, dt, A, B, C, D=None):

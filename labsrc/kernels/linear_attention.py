@@ -17,6 +17,11 @@ Per chunk, with ``gamma`` the cumulative log decay inside the chunk (``tl.cumsum
 * inter-chunk: ``(Q * exp(gamma)) S``, the state carried in (``tl.dot``);
 * the state update ``S <- exp(gamma_last) S + (K * exp(gamma_last - gamma))^T X``.
 
+The differences ``gamma_i - gamma_j`` are never computed as differences: a ``tl.cumsum`` down the columns of
+a masked tile sums each segment of log decays directly (:func:`labsrc.kernels._decay.chunk_segsum`), so a
+very negative gate does not wipe out the small ones after it, and ``g = -inf`` (a decay of exactly zero)
+resets the state as in the recurrence instead of giving NaN.
+
 For linear attention ``X = V``. For the delta rule ``X`` is the chunk's corrected values
 ``V_new = T (beta V) - T (beta exp(gamma) K) S`` with ``T = (I + A)^{-1}``, ``A`` the strictly lower triangle
 of ``diag(beta) K K^T * exp(gamma_i - gamma_j)``. ``A`` is nilpotent (``A^BLOCK_T = 0``), so the inverse is the
@@ -34,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from labsrc import runtime
+from labsrc.kernels._decay import chunk_segsum, last_row
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
 from labsrc.linear_attention import (check_delta_inputs, check_linear_inputs, gated_delta_rule_chunked,
                                      lightning_attention)
@@ -83,7 +89,6 @@ def _chunk_linear_attention_kernel(
     if HAS_DECAY:
         log_lam = tl.log(tl.load(lam_ptr + h).to(tl.float32))
     rows = tl.arange(0, BLOCK_T)
-    causal = rows[:, None] >= rows[None, :]
     for t0 in range(0, T, BLOCK_T):
         t = t0 + rows
         mt = t < T
@@ -93,16 +98,17 @@ def _chunk_linear_attention_kernel(
         v_off = b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + offs_v[None, :]
         v = tl.load(v_ptr + v_off, mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
         # gamma_i = (i + 1) log(lambda) for the tokens of this chunk; padded rows add no decay
-        gam = tl.cumsum(tl.where(mt, log_lam, 0.0), 0)
-        decay = tl.exp(tl.where(causal, gam[:, None] - gam[None, :], float("-inf")))
+        steps = tl.where(mt, log_lam, 0.0)
+        gam = tl.cumsum(steps, 0)
+        seg = chunk_segsum(steps, BLOCK_T)             # gamma_i - gamma_j, summed directly (-inf above)
+        decay = tl.exp(seg)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
         o = tl.dot(scores, v, input_precision=PRECISION)                              # intra-chunk
         o += tl.dot(q * tl.exp(gam)[:, None], S, input_precision=PRECISION)          # inter-chunk
         o_off = b * s_ob + t[:, None].to(tl.int64) * s_ot + h * s_oh + offs_v[None, :]
         tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-        last = tl.sum(tl.where(mt, log_lam, 0.0), 0)
-        k_dec = k * tl.exp(last - gam)[:, None]
-        S = S * tl.exp(last) + tl.dot(tl.trans(k_dec), v, input_precision=PRECISION)
+        k_dec = k * tl.exp(last_row(seg, BLOCK_T))[:, None]
+        S = S * tl.exp(tl.sum(steps, 0)) + tl.dot(tl.trans(k_dec), v, input_precision=PRECISION)
     if STORE_HT:
         tl.store(ht_ptr + state_off, S, mask=mk[:, None] & mv[None, :])
 
@@ -132,7 +138,6 @@ def _chunk_gated_delta_rule_kernel(
     else:
         S = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     rows = tl.arange(0, BLOCK_T)
-    causal = rows[:, None] >= rows[None, :]
     strict = rows[:, None] > rows[None, :]
     eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     for t0 in range(0, T, BLOCK_T):
@@ -151,8 +156,8 @@ def _chunk_gated_delta_rule_kernel(
         beta = tl.load(beta_ptr + b * s_bb + t64 * s_bt + h * s_bh, mask=mt, other=0.0)
         g, beta = g.to(tl.float32), beta.to(tl.float32)
         gam = tl.cumsum(g, 0)              # log decay from the chunk's start
-        diff = gam[:, None] - gam[None, :]
-        decay = tl.exp(tl.where(causal, diff, float("-inf")))
+        seg = chunk_segsum(g, BLOCK_T)     # gamma_i - gamma_j, summed directly (-inf above the diagonal)
+        decay = tl.exp(seg)
         # the UT transform T = (I + A)^-1; A is strictly lower, so A^BLOCK_T = 0
         # and T = (I - A)(I + A^2)(I + A^4)... (LOG2_T factors)
         kk = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION)
@@ -175,9 +180,8 @@ def _chunk_gated_delta_rule_kernel(
         tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty),
                  mask=mt[:, None] & mv[None, :])
         # the state advances once per chunk
-        last = tl.sum(g, 0)
-        k_dec = k * tl.exp(last - gam)[:, None]
-        S = S * tl.exp(last) + tl.dot(tl.trans(k_dec), v_new, input_precision=PRECISION)
+        k_dec = k * tl.exp(last_row(seg, BLOCK_T))[:, None]
+        S = S * tl.exp(tl.sum(g, 0)) + tl.dot(tl.trans(k_dec), v_new, input_precision=PRECISION)
     if STORE_HT:
         tl.store(ht_ptr + state_off, S, mask=mkv)
 

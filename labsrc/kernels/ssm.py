@@ -13,7 +13,10 @@ Three kernels, each beside the PyTorch reference it is tested against (in :mod:`
 * :func:`ssd` -- Mamba-2's SSD, same arguments and results as :func:`labsrc.ssm.ssd_chunked`. One program per
   (batch, head, block of head dims) keeps the state ``S (BLOCK_P, BLOCK_N)`` in registers and walks the
   chunks: the intra-chunk output is two ``tl.dot`` (``C B^T`` masked by the decay, times ``dt x``), the
-  inter-chunk output one more (``C S^T``), and the state update a fourth.
+  inter-chunk output one more (``C S^T``), and the state update a fourth. The decays between two steps of a
+  chunk come from segment sums of ``dt A`` (:func:`labsrc.kernels._decay.chunk_segsum`), never from
+  differences of prefix sums, so extreme gates (a very negative ``dt A``, or ``A = -inf``: a decay of exactly
+  zero) give the recurrence's result rather than O(1) errors or NaN.
 
 Conventions: inputs are float32, float16 or bfloat16 (``dt``, ``A``, ``D``, ``delta_bias`` and
 ``initial_state`` are read as float32); every tile is upcast to float32 right after its load, so the state and
@@ -35,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from labsrc import runtime, ssm
+from labsrc.kernels._decay import chunk_segsum, last_row
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
 
 __all__ = ["linear_scan", "selective_scan", "ssd", "linear_scan_ref", "selective_scan_ref", "ssd_ref",
@@ -150,7 +154,6 @@ def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, s0_ptr, y_ptr, sT_ptr
         S = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
     if HAS_D:
         d_skip = tl.load(D_ptr + hi)
-    causal = offs_q[:, None] >= offs_q[None, :]
     for start in range(0, L, BLOCK_Q):
         t = start + offs_q
         mask_t = t < L
@@ -162,13 +165,14 @@ def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, s0_ptr, y_ptr, sT_ptr
         bc_off = (tok * G + gi)[:, None] * N + offs_n[None, :]
         Bm = tl.load(B_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
         Cm = tl.load(C_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
-        a = dt * a_h                                  # log-decay of each step
+        a = tl.where(mask_t, dt * a_h, 0.0)           # log-decay of each step (0 past the end, even for A = -inf)
         cs = tl.cumsum(a, axis=0)                     # cs_t = a_0 + ... + a_t inside the chunk
         total = tl.sum(a, axis=0)                     # the whole chunk's log-decay
+        seg = chunk_segsum(a, BLOCK_Q)                # a_{s+1} + ... + a_t, summed directly; -inf above
         xdt = xv * dt[:, None]
         # 1. intra-chunk: (C B^T) o decay, a causal (Q, Q) "attention" matrix, times dt x
         scores = tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
-        decay = tl.exp(tl.where(causal, cs[:, None] - cs[None, :], float("-inf")))  # 0 above the diagonal
+        decay = tl.exp(seg)                           # 0 above the diagonal
         y = tl.dot(scores * decay, xdt, input_precision=PRECISION)            # (Q, P)
         # 2. inter-chunk: the state the chunk starts from, read by C and decayed to each step
         y += tl.dot(Cm, tl.trans(S), input_precision=PRECISION) * tl.exp(cs)[:, None]
@@ -176,7 +180,7 @@ def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, s0_ptr, y_ptr, sT_ptr
             y += d_skip * xv
         tl.store(y_ptr + (tok * H + hi)[:, None] * P + offs_p[None, :], y.to(y_ptr.dtype.element_ty), mask=mx)
         # 3. state passing: decay the state over the chunk, add what the chunk writes (decayed to its end)
-        w = tl.exp(total - cs)
+        w = tl.exp(last_row(seg, BLOCK_Q))            # from each step to the chunk's end
         S = tl.exp(total) * S + tl.dot(tl.trans(xdt * w[:, None]), Bm, input_precision=PRECISION)
     tl.store(sT_ptr + state_off, S, mask=mask_s)
 
