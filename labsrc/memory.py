@@ -128,8 +128,10 @@ class KVMemory:
 
     Rows are stored as float32 on the CPU (FAISS is a CPU library here). ``search`` returns the
     ``min(top_k, len(memory))`` best rows per query, best first; an approximate index may find fewer for a
-    query (IVF when its probed cells hold fewer rows): those slots get score ``-inf``, id ``-1`` and zero
-    rows, which any softmax then ignores.
+    query (IVF when its probed cells hold fewer rows): those slots get score ``-inf``, id ``-1``, zero rows and
+    ``valid = False``. Pass ``valid`` on as ``mem_valid`` to :func:`knn_memory_attention` (or
+    :func:`joint_softmax_attention`): an attention that recomputes the scores from the keys would otherwise
+    score a zero row 0 and weight it like a real one.
     """
 
     def __init__(self, dim: int, index: str = "exact", dim_v: int | None = None, *, nlist: int | None = None,
@@ -208,21 +210,24 @@ class KVMemory:
         scores = torch.from_numpy(scores).float().masked_fill(ids < 0, float("-inf"))
         return scores, ids
 
-    def search(self, queries, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(scores (M, k), keys (M, k, dim), values (M, k, dim_v))`` by inner product, best first."""
+    def search(self, queries, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(scores (M, k), keys (M, k, dim), values (M, k, dim_v), valid (M, k))`` by inner product, best
+        first; ``valid`` is False where the index found no row (the row is zeros and its score ``-inf``)."""
         scores, ids = self.search_ids(queries, top_k)
         safe = ids.clamp(min=0)
-        found = (ids >= 0)[..., None]
-        return scores, self.keys[safe] * found, self.values[safe] * found
+        valid = ids >= 0
+        found = valid[..., None]
+        return scores, self.keys[safe] * found, self.values[safe] * found, valid
 
 
-def joint_softmax_attention(q, k_local, v_local, mem_k, mem_v, sm_scale=None):
+def joint_softmax_attention(q, k_local, v_local, mem_k, mem_v, sm_scale=None, mem_valid=None):
     """The source's formula: **one** softmax over the local keys (causal) and the retrieved rows together,
     ``softmax(q [K_local; K_retrieved]^T / sqrt(D)) [V_local; V_retrieved]``. This is what training-free
     retrieval of past KV (:func:`retrieval_logits`, Unlimiformer, InfLLM) computes; the Memorizing
     Transformer instead keeps two softmaxes and learns a gate (:func:`knn_memory_attention_ref`). Shapes
-    as there; fp32 arithmetic (fp64 for fp64 inputs)."""
-    knn_memory_attention_ref(q, k_local, v_local, mem_k, mem_v, q.new_zeros(q.shape[1]), sm_scale)  # checks
+    and ``mem_valid`` (the retrieved rows that are real) as there; fp32 arithmetic (fp64 for fp64 inputs)."""
+    knn_memory_attention_ref(q, k_local, v_local, mem_k, mem_v, q.new_zeros(q.shape[1]), sm_scale,
+                             mem_valid=mem_valid)  # checks
     B, H, T, D = q.shape
     hkv, tk = k_local.shape[1], k_local.shape[2]
     scale = 1.0 / math.sqrt(D) if sm_scale is None else float(sm_scale)
@@ -234,9 +239,14 @@ def joint_softmax_attention(q, k_local, v_local, mem_k, mem_v, sm_scale=None):
     i = torch.arange(T, device=q.device)[:, None]
     j = torch.arange(tk, device=q.device)[None, :]
     s_loc = s_loc.masked_fill(j > i + (tk - T), float("-inf"))
-    s_mem = torch.einsum("bhtd,bhtkd->bhtk", qf, mem_k.to(compute)) * scale
+    mk, mv = mem_k.to(compute), mem_v.to(compute)
+    if mem_valid is not None:  # padded rows are never read (see knn_memory_attention_ref)
+        mk, mv = (x.masked_fill(~mem_valid[..., None], 0.0) for x in (mk, mv))
+    s_mem = torch.einsum("bhtd,bhtkd->bhtk", qf, mk) * scale
+    if mem_valid is not None:
+        s_mem = s_mem.masked_fill(~mem_valid, float("-inf"))
     p = torch.softmax(torch.cat([s_loc, s_mem], -1), -1)
-    out = p[..., :tk] @ vl + torch.einsum("bhtk,bhtkd->bhtd", p[..., tk:], mem_v.to(compute))
+    out = p[..., :tk] @ vl + torch.einsum("bhtk,bhtkd->bhtd", p[..., tk:], mv)
     return out.to(q.dtype)
 
 

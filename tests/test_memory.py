@@ -35,8 +35,9 @@ def test_exact_search_equals_brute_force_with_ties_and_returns_rows():
     scores, ids = mem.search_ids(queries, 7)
     want_s, want_i = brute_force(keys, queries, 7)
     assert torch.equal(ids, want_i) and torch.allclose(scores, want_s)
-    s, k, v = mem.search(queries, 7)
+    s, k, v, valid = mem.search(queries, 7)
     assert torch.equal(k, keys[want_i]) and torch.equal(v, values[want_i]) and torch.allclose(s, want_s)
+    assert bool(valid.all()), "the exact index finds every row it is asked for"
 
 
 def test_k_larger_than_memory_returns_every_row_and_empty_memory_is_an_error():
@@ -44,7 +45,7 @@ def test_k_larger_than_memory_returns_every_row_and_empty_memory_is_an_error():
     with pytest.raises(ValueError, match="empty"):
         mem.search(torch.randn(2, 4), 3)
     mem.add(torch.randn(5, 4), torch.randn(5, 4))
-    s, k, v = mem.search(torch.randn(2, 4), 50)
+    s, k, v, valid = mem.search(torch.randn(2, 4), 50)
     assert s.shape == (2, 5) and k.shape == (2, 5, 4) and v.shape == (2, 5, 4)
     assert bool((s[:, :-1] >= s[:, 1:]).all()), "best first"
 
@@ -164,6 +165,47 @@ def test_gate_limits_and_joint_softmax_differ():
     joint = M.joint_softmax_attention(q, kl, vl, mk, mv)
     half = M.knn_memory_attention_ref(q, kl, vl, mk, mv, torch.zeros(2, dtype=torch.float64))
     assert (joint - half).abs().max() > 1e-3
+
+
+def _drop_padding(mk, mv, valid, t):
+    """The rows of query ``t`` that the search really found (what an attention over them must read)."""
+    return mk[0, 0, t][valid[t]], mv[0, 0, t][valid[t]]
+
+
+def test_padded_search_rows_take_no_weight():
+    """An IVF index with one row per cell and nprobe=1 finds one row per query, not top_k: the other slots
+    are padding. The attention must read only the found rows (the memory output used to shrink, the zero
+    rows taking their softmax share), in the reference, the kernel and the joint softmax alike."""
+    from labsrc.kernels.memory import knn_memory_attention
+
+    g = torch.Generator().manual_seed(7)
+    D, T = 16, 5
+    keys = torch.randn(12, D, generator=g)
+    mem = M.KVMemory(D, "faiss-ivf", nlist=12, nprobe=1)
+    mem.add(keys, torch.randn(12, D, generator=g) + 3.0)     # values far from 0: a zero row would show
+    q = torch.randn(1, 1, T, D, generator=g)
+    scores, mk, mv, valid = mem.search(q[0, 0], 4)
+    assert (~valid).any() and valid[:, 0].all(), "the index found fewer rows than asked for"
+    assert bool((scores[~valid] == float("-inf")).all())
+    mk, mv, valid = mk[None, None], mv[None, None], valid[None, None]
+    kl, vl = torch.randn(1, 1, T, D, generator=g), torch.randn(1, 1, T, D, generator=g)
+    gate = torch.tensor([30.0])                               # sigmoid(30) = 1: the memory half alone
+    ref = M.knn_memory_attention_ref(q, kl, vl, mk, mv, gate, mem_valid=valid)
+    with torch.no_grad():
+        ker = knn_memory_attention(q, kl, vl, mk, mv, gate, mem_valid=valid)
+    for t in range(T):
+        k_t, v_t = _drop_padding(mk, mv, valid[0, 0], t)
+        want = torch.softmax(k_t @ q[0, 0, t] / D ** 0.5, 0) @ v_t
+        torch.testing.assert_close(ref[0, 0, t], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ker[0, 0, t], want, rtol=1e-5, atol=1e-5)
+    unmasked = M.knn_memory_attention_ref(q, kl, vl, mk, mv, gate)
+    assert (unmasked - ref).abs().max() > 0.5, "without the mask the padding is weighted (the old defect)"
+    # the joint softmax reads the same rows
+    joint = M.joint_softmax_attention(q, kl, vl, mk, mv, mem_valid=valid)
+    joint_found = [M.joint_softmax_attention(q[:, :, t:t + 1], kl[:, :, :t + 1], vl[:, :, :t + 1],
+                                             mk[:, :, t:t + 1, valid[0, 0, t]], mv[:, :, t:t + 1, valid[0, 0, t]])
+                   for t in range(T)]
+    torch.testing.assert_close(joint, torch.cat(joint_found, 2), rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------- retrieval of past KV

@@ -12,11 +12,17 @@ Each query attends twice, with two separate softmaxes, and a per-head gate mixes
 
 Layouts: ``q (B, H, T, D)``, ``k_local``/``v_local`` ``(B, Hkv, Tk, D)`` with ``H % Hkv == 0`` (query head
 ``h`` reads local head ``h // (H // Hkv)``), ``mem_k``/``mem_v`` ``(B, H, T, K, D)`` (``K >= 0``: ``K = 0`` is an
-empty memory), ``gate (H,)``. The output is ``(B, H, T, D)`` in ``q.dtype``; the arithmetic is fp32.
+empty memory), ``gate (H,)``, and optionally ``mem_valid (B, H, T, K)``, a bool mask of the retrieved rows that
+are real. An approximate index can find fewer than ``K`` rows for a query
+(:meth:`labsrc.memory.KVMemory.search` pads the rest and says which are real): a row with ``mem_valid`` False
+is never read, so it takes no weight in the memory softmax (a zero key would otherwise score 0 and take its
+share, and a padded row's NaN could not leak in either). The output is ``(B, H, T, D)`` in ``q.dtype``; the
+arithmetic is fp32.
 
 The softmax rule shared with :mod:`labsrc.kernels.attention`: a set of scores that are all ``-inf``
 contributes nothing, and a softmax with no finite score gives 0. So a query that sees no local key (only when
-``T > Tk``) has ``attn_local = 0``, and an empty memory (``K = 0``) has ``attn_mem = 0``: the output is then the
+``T > Tk``) has ``attn_local = 0``, and an empty memory (``K = 0``, or no valid row) has ``attn_mem = 0``: the
+output is then the
 other attention times its weight, not renormalised (the gate is a mix, not a softmax over the two). A NaN in
 a query, a visible key or value gives NaN in that row, as in the reference.
 
@@ -63,7 +69,7 @@ def _check_tensor(name, t, ndim, dims):
         raise ValueError(f"{name} must have {ndim} dimensions {dims}, got shape {tuple(t.shape)}")
 
 
-def _check_args(q, k_local, v_local, mem_k, mem_v, gate, sm_scale, out, *, allow_float64):
+def _check_args(q, k_local, v_local, mem_k, mem_v, gate, sm_scale, out, *, allow_float64, mem_valid=None):
     _check_tensor("q", q, 4, "(B, H, T, D)")
     _check_tensor("k_local", k_local, 4, "(B, Hkv, Tk, D)")
     _check_tensor("v_local", v_local, 4, "(B, Hkv, Tk, D)")
@@ -104,6 +110,16 @@ def _check_args(q, k_local, v_local, mem_k, mem_v, gate, sm_scale, out, *, allow
         raise ValueError(f"mem_v must have the shape of mem_k {tuple(mem_k.shape)}, got {tuple(mem_v.shape)}")
     if tuple(gate.shape) != (H,):
         raise ValueError(f"gate must hold one logit per head, shape ({H},), got {tuple(gate.shape)}")
+    if mem_valid is not None:
+        if not isinstance(mem_valid, torch.Tensor):
+            raise TypeError(f"mem_valid must be a bool torch.Tensor or None, got {type(mem_valid).__name__}")
+        if mem_valid.dtype != torch.bool:
+            raise TypeError(f"mem_valid must be a bool tensor (True for a real retrieved row), got {mem_valid.dtype}")
+        if tuple(mem_valid.shape) != tuple(mem_k.shape[:4]):
+            raise ValueError(f"mem_valid must have shape (B, H, T, K) = {tuple(mem_k.shape[:4])}, got "
+                             f"{tuple(mem_valid.shape)}")
+        if mem_valid.device != q.device:
+            raise ValueError(f"mem_valid must be on the device of q ({q.device}), got {mem_valid.device}")
     if sm_scale is not None:
         if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
             raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}")
@@ -135,15 +151,17 @@ def _softmax_attend(scores, values):
     return (probs.unsqueeze(-2) @ values).squeeze(-2)
 
 
-def knn_memory_attention_ref(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=None, return_parts=False):
+def knn_memory_attention_ref(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=None, return_parts=False,
+                             mem_valid=None):
     """The Memorizing Transformer's gated mix of local and memory attention, written directly.
 
     ``out = sigmoid(gate[h]) * softmax(q mem_k^T s) mem_v + (1 - sigmoid(gate[h])) * softmax(q k_local^T s
-    + causal) v_local`` per head ``h``, ``s = sm_scale``. Shapes and rules as in the module docstring. The
+    + causal) v_local`` per head ``h``, ``s = sm_scale``, the memory softmax over the rows ``mem_valid`` marks
+    real (all of them when it is None). Shapes and rules as in the module docstring. The
     arithmetic is fp32 (fp64 for fp64 inputs, which only the reference accepts). With ``return_parts`` also
     returns ``(attn_mem, attn_local)``, each ``(B, H, T, D)`` in the compute dtype. Differentiable.
     """
-    _check_args(q, k_local, v_local, mem_k, mem_v, gate, sm_scale, None, allow_float64=True)
+    _check_args(q, k_local, v_local, mem_k, mem_v, gate, sm_scale, None, allow_float64=True, mem_valid=mem_valid)
     B, H, T, D = q.shape
     Hkv, Tk = k_local.shape[1], k_local.shape[2]
     scale = _scale(D, sm_scale)
@@ -156,8 +174,13 @@ def knn_memory_attention_ref(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=N
     j = torch.arange(Tk, device=q.device)[None, :]
     local_scores = local_scores.masked_fill(j > i + (Tk - T), float("-inf"))
     attn_local = _softmax_attend(local_scores, vl[:, :, None].expand(B, H, T, Tk, D))
-    mem_scores = torch.einsum("bhtd,bhtkd->bhtk", qf, mem_k.to(compute)) * scale  # (B, H, T, K)
-    attn_mem = _softmax_attend(mem_scores, mem_v.to(compute))
+    mk, mv = mem_k.to(compute), mem_v.to(compute)
+    if mem_valid is not None:  # a padded row is never read: no score, no value (not even a NaN one)
+        mk, mv = (x.masked_fill(~mem_valid[..., None], 0.0) for x in (mk, mv))
+    mem_scores = torch.einsum("bhtd,bhtkd->bhtk", qf, mk) * scale  # (B, H, T, K)
+    if mem_valid is not None:
+        mem_scores = mem_scores.masked_fill(~mem_valid, float("-inf"))
+    attn_mem = _softmax_attend(mem_scores, mv)
     g = torch.sigmoid(gate.to(compute))[None, :, None, None]
     out = (g * attn_mem + (1 - g) * attn_local).to(q.dtype)
     return (out, attn_mem, attn_local) if return_parts else out
@@ -168,15 +191,16 @@ def knn_memory_attention_ref(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=N
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _knn_memory_attention_kernel(
-        Q, KL, VL, MK, MV, G, O,
+        Q, KL, VL, MK, MV, MM, G, O,
         stride_qb, stride_qh, stride_qt,
         stride_klb, stride_klh, stride_kln,
         stride_vlb, stride_vlh, stride_vln,
         stride_mkb, stride_mkh, stride_mkt, stride_mkn,
         stride_mvb, stride_mvh, stride_mvt, stride_mvn,
+        stride_mmb, stride_mmh, stride_mmt, stride_mmn,
         stride_ob, stride_oh, stride_ot,
         H, GROUP, T, TK, K, D, qk_scale,
-        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+        HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     # One program per query row: axis 0 is the position t, axis 1 the (batch, head) pair. Every offset is
     # int64, so no product of an index and a stride can overflow 32 bits.
     t = tl.program_id(0).to(tl.int64)
@@ -217,9 +241,12 @@ def _knn_memory_attention_kernel(
     acc_m = tl.zeros((1, BLOCK_D), tl.float32)
     mk_base = MK + b * stride_mkb + h * stride_mkh + t * stride_mkt
     mv_base = MV + b * stride_mvb + h * stride_mvh + t * stride_mvt
+    mm_base = MM + b * stride_mmb + h * stride_mmh + t * stride_mmt
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         k_mask = offs_k < K
+        if HAS_VALID:  # rows the search did not find (padding) are treated like rows past K: never read
+            k_mask = k_mask & (tl.load(mm_base + offs_k * stride_mmn, mask=k_mask, other=0) != 0)
         tile_mask = k_mask[:, None] & d_mask[None, :]
         mk = tl.load(mk_base + offs_k[:, None] * stride_mkn + offs_d[None, :], mask=tile_mask, other=0.0)
         s = tl.sum(q[None, :] * mk.to(tl.float32), 1) * qk_scale
@@ -249,7 +276,7 @@ def _dense_last(t):
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def knn_memory_attention(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=None, out=None):
+def knn_memory_attention(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=None, out=None, mem_valid=None):
     """Gated local + memory attention in one Triton kernel; equal to :func:`knn_memory_attention_ref`.
 
     Args:
@@ -259,6 +286,8 @@ def knn_memory_attention(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=None,
         gate: ``(H,)`` the per-head gate logits ``b``; ``g = sigmoid(b)`` weighs the memory.
         sm_scale: the score scale of both softmaxes, ``1/sqrt(D)`` by default.
         out: an optional output buffer of q's shape and dtype (written in place).
+        mem_valid: ``(B, H, T, K)`` bool, True for a real retrieved row (None: all are real). Rows marked
+            False are never read and take no weight, as rows past ``K`` would.
 
     Every tensor may be a strided or expanded view: the kernel reads through the strides (a last dimension
     that is not dense is copied first); ``gate`` is read as contiguous float32. Returns ``(B, H, T, D)`` in
@@ -266,7 +295,7 @@ def knn_memory_attention(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=None,
     device or output buffer, for inputs that require grad (inference only) and for a launch beyond
     Triton's limits (more than 65535 (batch, head) pairs, more than 2^31 - 1 positions).
     """
-    _check_args(q, k_local, v_local, mem_k, mem_v, gate, sm_scale, out, allow_float64=False)
+    _check_args(q, k_local, v_local, mem_k, mem_v, gate, sm_scale, out, allow_float64=False, mem_valid=mem_valid)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_local, v_local, mem_k, mem_v, gate)):
         raise ValueError("knn_memory_attention is inference-only (no backward): an input requires grad. Run it "
                          "under torch.no_grad(), or train through knn_memory_attention_ref")
@@ -282,19 +311,24 @@ def knn_memory_attention(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=None,
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if not HAS_TRITON:  # no Triton here (Linux wheels only): the reference computes the same thing
-        return out.copy_(knn_memory_attention_ref(q, k_local, v_local, mem_k, mem_v, gate, sm_scale))
+        return out.copy_(knn_memory_attention_ref(q, k_local, v_local, mem_k, mem_v, gate, sm_scale,
+                                                  mem_valid=mem_valid))
     K, Tk, Hkv = mem_k.shape[3], k_local.shape[2], k_local.shape[1]
     q, k_local, v_local, mem_k, mem_v = (_dense_last(t) for t in (q, k_local, v_local, mem_k, mem_v))
     g = gate.to(torch.float32).contiguous()
+    # the mask as bytes, read through its strides (an expanded mask stays expanded); q stands in when absent
+    mm = mem_valid.to(torch.uint8) if mem_valid is not None else None
+    mm_strides = mm.stride() if mm is not None else (0, 0, 0, 0)
     block_n, block_k, block_d = _blocks(D, K)
     _knn_memory_attention_kernel[(T, B * H)](
-        q, k_local, v_local, mem_k, mem_v, g, out,
+        q, k_local, v_local, mem_k, mem_v, mm if mm is not None else q, g, out,
         q.stride(0), q.stride(1), q.stride(2),
         k_local.stride(0), k_local.stride(1), k_local.stride(2),
         v_local.stride(0), v_local.stride(1), v_local.stride(2),
         mem_k.stride(0), mem_k.stride(1), mem_k.stride(2), mem_k.stride(3),
         mem_v.stride(0), mem_v.stride(1), mem_v.stride(2), mem_v.stride(3),
+        *mm_strides,
         out.stride(0), out.stride(1), out.stride(2),
         H, H // Hkv, T, Tk, K, D, _scale(D, sm_scale) * LOG2E,
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4)
+        HAS_VALID=mem_valid is not None, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4)
     return out

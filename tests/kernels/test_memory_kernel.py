@@ -190,3 +190,43 @@ def test_property_random_bad_arguments_are_refused_by_name(case):
     mutate(args)
     with pytest.raises(exc, match=match):
         knn_memory_attention(*args)
+
+
+# --------------------------------------------------------------------- padded (invalid) retrieved rows
+@settings(max_examples=8, deadline=None)
+@given(T=st.integers(1, 6), K=st.integers(1, 40), D=st.sampled_from([16, 24]), H=st.sampled_from([1, 2]),
+       density=st.sampled_from([0.0, 0.3, 0.8]), expanded=st.booleans(), seed=st.integers(0, 2**16))
+def test_invalid_rows_are_never_read(T, K, D, H, density, expanded, seed):
+    """Rows marked invalid hold NaN here: the kernel and the reference must neither weight nor read them,
+    and must equal the reference over the valid rows only; a query with no valid row has a memory half of
+    0. The mask may be an expanded view (one mask shared by the heads)."""
+    args = make(1, H, 1, T, T + 2, K, D, torch.float32, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    valid = torch.rand(1, 1 if expanded else H, T, K, generator=g) < density
+    valid = valid.expand(1, H, T, K) if expanded else valid
+    mk, mv = args[3].clone(), args[4].clone()
+    mk[~valid] = float("nan")
+    mv[~valid] = float("nan")
+    args[3], args[4] = mk, mv
+    got = check(args, torch.float32, mem_valid=valid)
+    assert not torch.isnan(got).any()
+    _, mem, _ = knn_memory_attention_ref(*args, mem_valid=valid, return_parts=True)
+    for h in range(H):
+        for t in range(T):
+            keep = valid[0, h, t]
+            if not keep.any():
+                assert torch.equal(mem[0, h, t], torch.zeros(D)), "no valid row: the memory half is 0"
+                continue
+            s = mk[0, h, t][keep] @ args[0][0, h, t] / D ** 0.5
+            want = torch.softmax(s, 0) @ mv[0, h, t][keep]
+            torch.testing.assert_close(mem[0, h, t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_mem_valid_errors():
+    args = make(1, 2, 1, 3, 3, 4, 16, torch.float32, 0)
+    with pytest.raises(TypeError, match="mem_valid must be a bool"):
+        knn_memory_attention(*args, mem_valid=torch.ones(1, 2, 3, 4))
+    with pytest.raises(ValueError, match=r"mem_valid must have shape \(B, H, T, K\)"):
+        knn_memory_attention(*args, mem_valid=torch.ones(1, 2, 3, 5, dtype=torch.bool))
+    with pytest.raises(TypeError, match="mem_valid must be a bool torch.Tensor"):
+        knn_memory_attention_ref(*args, mem_valid=[True])
