@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from statistics import NormalDist
 
+from labsrc.atomic import file_lock, write_atomic
+
 VERDICTS = ("reproduced", "reproduced in trend only", "not reproduced", "inconclusive", "wrong in the text",
             "misattributed")
 """Every verdict a row may carry (their meanings are on the book's claims page)."""
@@ -273,21 +275,28 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
     folder = claims_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{claim_id}.json"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(row, indent=1, ensure_ascii=False))
-    os.replace(tmp, path)  # a reader never sees half a row
+    # Two notebooks may record the same id at once: each write has its own temporary file (a shared one
+    # interleaved their bytes, and the second os.replace found it gone), under the row's lock.
+    with file_lock(path):
+        write_atomic(path, json.dumps(row, indent=1, ensure_ascii=False))
     return row
 
 
 def _section_key(section: str):
-    return [int(x) if x.isdigit() else x for x in re.split(r"[.\s]", section)]
+    """Sort key of a section: numbers in numeric order (``10.2`` before ``10.10``), then any other text.
+
+    Each part is a pair ``(0, number)`` or ``(1, text)``, so a section that is not purely numeric
+    (``"10.1.3a"``, ``"Table 10.5"``) sorts after the numbers at its place instead of comparing an int with a
+    str (which raised ``TypeError`` in :func:`load`).
+    """
+    return [(0, int(x), "") if x.isdigit() else (1, 0, x) for x in re.split(r"[.\s]+", section.strip())]
 
 
 def load(folder: Path | None = None) -> list[dict]:
     """Every recorded claim, validated, sorted by section then id (a bad file raises naming it)."""
     folder = claims_dir() if folder is None else Path(folder)
     rows = []
-    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+    for path in sorted(folder.glob("[!.]*.json")) if folder.is_dir() else []:
         try:
             row = json.loads(path.read_text())
         except json.JSONDecodeError as e:

@@ -32,6 +32,7 @@ from typing import Callable, Optional
 import torch
 
 from labsrc import tasks
+from labsrc.atomic import file_lock, write_atomic
 
 FIELDS = ("name", "kv_bytes_per_token", "peak_kv_bytes", "decode_tokens_per_s", "validation_perplexity",
           "passkey_accuracy", "needle_accuracy", "acceptance_rate", "context_len", "n_probe", "notes")
@@ -297,9 +298,7 @@ class Ledger:
         self._rows: dict[str, dict] = self._read() if self.path is not None else {}
 
     def _lock(self):
-        from filelock import FileLock
-
-        return FileLock(str(self.path.with_name(self.path.name + ".lock")))
+        return file_lock(self.path)
 
     def _read(self) -> dict[str, dict]:
         rows = {}
@@ -334,9 +333,7 @@ class Ledger:
         with self._lock():
             rows = self._read()
             rows[clean["name"]] = clean
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r, allow_nan=True) + "\n" for r in rows.values()))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in rows.values()))
             self._rows = rows
         return clean
 
