@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from labsrc.sampling import check_sampling, sampling_probs
+
 __all__ = [
     "acceptance_rate", "total_variation", "kl_divergence", "pinsker_lower_bound", "residual_distribution",
     "verify", "verify_batch", "expected_tokens_per_step", "speedup", "optimal_k", "adaptive_window",
@@ -341,24 +343,9 @@ def tree_depths(parents) -> list[int]:
 
 
 # ----------------------------------------------------------------------------------------------- generation
-def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0) -> torch.Tensor:
-    """Logits -> the sampling distribution: ``softmax(logits / temperature)`` restricted to the top-p nucleus
-    (the smallest set of most likely tokens whose mass reaches ``top_p``, as transformers' ``TopPLogitsWarper``
-    keeps it), renormalised. Computed in float64 on the last axis."""
-    if temperature <= 0 or math.isnan(temperature):
-        raise ValueError(f"temperature must be > 0 (use do_sample=False for greedy), got {temperature}")
-    if not (0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    if top_p < 1:
-        sorted_p, idx = probs.sort(-1, descending=False)
-        cum = sorted_p.cumsum(-1)
-        drop_sorted = cum <= (1 - top_p)
-        drop_sorted[..., -1] = False
-        drop = drop_sorted.scatter(-1, idx, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+# The sampling distribution (temperature and top-p) is labsrc.sampling's, the rule the serving engine and the
+# server use too; warp_logits is its name in this module and in chapter 10.
+warp_logits = sampling_probs
 
 
 @dataclass
@@ -578,7 +565,7 @@ def _check_generate_args(input_ids, max_new_tokens, k, window, do_sample, temper
     if window not in ("fixed", "adaptive"):
         raise ValueError(f"window must be 'fixed' or 'adaptive', got {window!r}")
     if do_sample:
-        warp_logits(torch.zeros(2), temperature, top_p)  # validates temperature and top_p
+        check_sampling(temperature, top_p)
     return input_ids
 
 
@@ -592,7 +579,9 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
     Both models keep a transformers KV cache; after each verification both are cut back to the accepted
     prefix (the rejected drafts' keys and values must not stay in the cache). ``do_sample=False`` gives the
     target's greedy output token for token (the same as ``target.generate(do_sample=False)``);
-    ``do_sample=True`` samples from the target's distribution after ``temperature`` and ``top_p``.
+    ``do_sample=True`` samples from the target's distribution after ``temperature`` and ``top_p``
+    (:func:`labsrc.sampling.sampling_probs`, the rule the serving engine uses: ``temperature=0`` is greedy, and
+    a tiny temperature is its exact limit, never NaN).
     ``window="adaptive"`` re-chooses ``k`` each cycle from an EMA (rho = 0.9) of the acceptance,
     ``k = max(2, min(8, floor(alpha_hat * 10)))``, starting from ``alpha_hat = k / 10``. Generation stops at
     ``max_new_tokens`` or after the target's end-of-sequence token (``stop_at_eos``). Pass ``stats`` to
@@ -659,10 +648,8 @@ def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperat
     alpha_hat = min(1.0, k / 10)
     t_start = time.perf_counter()
 
-    def dist(logits):
-        if do_sample:
-            return warp_logits(logits, temperature, top_p)
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
+    def dist(logits):  # greedy is temperature 0 of the one sampling rule
+        return sampling_probs(logits, temperature if do_sample else 0.0, top_p)
 
     t0 = time.perf_counter()
     if seq.shape[1] > 1:   # prefill everything but the last token; the last is fed with the first window

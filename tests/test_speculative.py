@@ -287,8 +287,11 @@ def test_generate_errors(lab_pair):
         spec.speculative_generate(target, draft, ids, 4, k=0)
     with pytest.raises(TypeError, match="input_ids"):
         spec.speculative_generate(target, draft, ids.float(), 4)
-    with pytest.raises(ValueError, match="temperature"):
-        spec.speculative_generate(target, draft, ids, 4, do_sample=True, temperature=0.0)
+    # temperature 0 is greedy under the shared sampling rule (test_sampling_at_a_tiny_temperature_is_greedy);
+    # a negative or infinite one is refused
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            spec.speculative_generate(target, draft, ids, 4, do_sample=True, temperature=bad)
 
 
 # ----------------------------------------------------------------------------- trees and self-speculation
@@ -602,3 +605,15 @@ def test_kv_projection_keeps_greedy_output_and_nearly_keeps_alpha(lab_pair):
     assert proj.draft_cache(target, draft, spec._new_cache(target)).get_seq_length() == 0
     with pytest.raises(ValueError, match="sequences"):
         spec.fit_kv_projection(target, draft, [])
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy(lab_pair):
+    """speculative_generate(do_sample=True) at temperature 1e-300 (and at 0, greedy by the shared rule) gives
+    the target's greedy tokens; it used to die in torch.multinomial on NaN probabilities."""
+    target, draft = lab_pair
+    g = torch.Generator().manual_seed(11)
+    ids, ref = _prompt_and_greedy(target, g, max_len=9, new_tokens=10)
+    for t in (1e-300, 0.0):
+        out, _ = spec.speculative_generate(target, draft, ids, 10, k=3, do_sample=True, temperature=t,
+                                           generator=torch.Generator().manual_seed(0))
+        assert torch.equal(out, ref), t
