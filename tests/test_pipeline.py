@@ -210,6 +210,50 @@ def test_generate_refuses_bad_arguments_before_launching(kwargs, words):
         pipeline.generate(args.pop("prompts"), **args)
 
 
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(k=0), "k must"), (dict(k=-3), "k must"), (dict(k=2.5), "k must"), (dict(k=True), "k must"),
+    (dict(depth=0), "depth must"), (dict(depth=None), "depth must"), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens="8"), "max_new_tokens"), (dict(schedule="fast"), "schedule"), (dict(verify="gpu"), "verify"),
+])
+def test_run_local_refuses_what_sweep_refuses(kwargs, words):
+    """run_local accepted k=0, depth=0 and max_new_tokens=0 (and ran, or failed deep inside); it now checks its
+    job with the same function as sweep, before touching the models (None stands in for them here)."""
+    args = dict(k=2, schedule="plain", max_new_tokens=4, depth=2)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=words):
+        pipeline.run_local([[1, 2, 3]], None, None, **args)
+    if "verify" not in kwargs:
+        with pytest.raises(ValueError, match=words):
+            pipeline.sweep([[1, 2, 3]], [dict(args)], stages=1)
+
+
+def _listening_addresses(port):
+    """Local addresses of the sockets listening on ``port`` (hex, as /proc/net/tcp{,6} write them)."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            addr, p = fields[1].rsplit(":", 1)
+            if fields[3] == "0A" and int(p, 16) == port:       # 0A: LISTEN
+                out.append(addr)
+    return out
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/net/tcp"), reason="reads Linux's socket tables")
+def test_rendezvous_store_listens_on_loopback_only():
+    """torch's TCPStore server binds every interface; the pipeline's store must listen on 127.0.0.1 alone."""
+    from datetime import timedelta
+
+    port = pipeline.free_port()
+    store = pipeline.loopback_store(port, 1, 0, timedelta(seconds=10))
+    store.set("probe", "1")
+    assert store.get("probe") == b"1"
+    addrs = _listening_addresses(port)
+    assert addrs, "the store listens on the port"
+    assert set(addrs) == {"0100007F"}, f"listening on {addrs}, not only 127.0.0.1"
+    del store
+
+
 # ------------------------------------------------------------------------------------------- simulator
 
 def test_simulated_plain_schedule_by_hand():

@@ -11,6 +11,18 @@ with that rank's traceback (the other ranks are killed), and a rank that hangs i
 group's timeout (and, failing that, by the launcher's own), so a broken pipeline fails instead of hanging.
 
 ``python -m labsrc.pipeline --stages 2 --k 4`` runs it from a shell (:mod:`labsrc.pipeline.__main__`).
+
+**Who can reach the ranks.** All ranks run on this machine, so everything listens on the loopback interface
+only: rank 0's rendezvous store (``torch.distributed.TCPStore``, which by default listens on *every* interface:
+:func:`loopback_store` hands it a socket bound to 127.0.0.1) and, with gloo, the ranks' own connections
+(``GLOO_SOCKET_IFNAME`` is set to the loopback interface unless the caller set it; NCCL's bootstrap likewise
+through ``NCCL_SOCKET_IFNAME``). That keeps other machines out; it does not make the pipeline safe against
+this machine's other users. torch.distributed's store has no authentication and no encryption: any local
+process that connects to its port during a run can read and overwrite its keys, join or stall the rendezvous,
+or feed a rank a forged peer address; the tensors sent between ranks are unauthenticated plain bytes too, and
+torch.distributed unpickles some of what it exchanges (object collectives), which is code execution for
+whoever can inject. Run it on a machine whose local users you trust (as on any shared machine with
+torch.distributed).
 """
 from __future__ import annotations
 
@@ -23,8 +35,8 @@ from datetime import timedelta
 
 from labsrc.pipeline.stages import Stage, StageCache, split_layers
 
-__all__ = ["generate", "sweep", "corpus_prompts", "PipelineError", "split_layers", "Stage", "StageCache",
-           "SCHEDULES"]
+__all__ = ["generate", "sweep", "run_local", "corpus_prompts", "PipelineError", "split_layers", "Stage",
+           "StageCache", "SCHEDULES", "loopback_store"]
 
 SCHEDULES = ("plain", "overlapped")
 
@@ -38,6 +50,40 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), or None if unknown."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    for name in ("lo", "lo0"):
+        if name in names:
+            return name
+    return None
+
+
+def loopback_store(port: int, world: int, rank: int, timeout: timedelta):
+    """The rendezvous store of a local run, listening on 127.0.0.1 only.
+
+    ``TCPStore(..., is_master=True)`` binds its server to every interface whatever host name it is given;
+    given ``master_listen_fd`` it serves on a socket we bound ourselves, to the loopback address. The other
+    ranks connect to 127.0.0.1 as before. See the module docstring for what the store still does not protect.
+    """
+    import torch.distributed as dist
+
+    fd = None
+    if rank == 0:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("127.0.0.1", port))
+            sock.listen(max(16, world))
+        except OSError:
+            sock.close()
+            raise
+        fd = sock.detach()   # the store owns the descriptor from here on (it closes it when it is destroyed)
+    return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout, master_listen_fd=fd)
 
 
 def _ping(link, rank: int, width: int, hidden: int, reps: int = 20) -> float:
@@ -97,8 +143,11 @@ def _worker(rank: int, world: int, port: int, cfg: dict, results) -> None:
         if world > 1:
             # The rendezvous waits as long as start-up may take (ranks import torch and load models at their
             # own pace on a busy machine); every send, receive and barrier after it gets cfg["timeout"].
-            store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
-                                  timeout=timedelta(seconds=cfg["startup_timeout"]))
+            store = loopback_store(port, world, rank, timedelta(seconds=cfg["startup_timeout"]))
+            lo = _loopback_interface()
+            if lo is not None:   # the ranks' own connections stay on this machine too (see the module docstring)
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+                os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
             dist.init_process_group(cfg["backend"], store=store, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=cfg["timeout"]))
         model, _ = load(cfg["target"], device=device)
@@ -219,6 +268,28 @@ def _check_prompts(prompts) -> list[list[int]]:
     return out
 
 
+def _check_job(job: dict) -> dict:
+    """A job with its defaults (``depth=2``, ``max_new_tokens=32``), checked: ``schedule`` one of
+    :data:`SCHEDULES`, ``k`` (drafts per window), ``depth`` (windows in flight) and ``max_new_tokens`` positive
+    ints. Shared by :func:`sweep` and :func:`run_local`, so both refuse the same jobs."""
+    if not isinstance(job, dict):
+        raise TypeError(f"a job must be a dict(k=, schedule=, max_new_tokens=, depth=), got {type(job).__name__}")
+    job = dict(dict(depth=2, max_new_tokens=32), **job)
+    if job.get("schedule") not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {job.get('schedule')!r}")
+    for key in ("k", "max_new_tokens", "depth"):
+        v = job.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{key} must be a positive int, got {v!r}")
+    return job
+
+
+def _check_verify(verify) -> str:
+    if verify not in ("kernel", "reference"):
+        raise ValueError(f"verify must be 'kernel' or 'reference', got {verify!r}")
+    return verify
+
+
 def _backend(stages: int, backend: str | None) -> str:
     import torch
 
@@ -241,20 +312,10 @@ def sweep(prompts, jobs: list[dict], *, target: str = "lab-target", draft: str =
     prompts = _check_prompts(prompts)
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise ValueError(f"stages must be a positive int, got {stages!r}")
-    if verify not in ("kernel", "reference"):
-        raise ValueError(f"verify must be 'kernel' or 'reference', got {verify!r}")
+    _check_verify(verify)
     if not isinstance(timeout, (int, float)) or timeout <= 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    full = []
-    for job in jobs:
-        job = dict(dict(depth=2, max_new_tokens=32), **job)
-        if job.get("schedule") not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {job.get('schedule')!r}")
-        for key in ("k", "max_new_tokens", "depth"):
-            v = job[key]
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{key} must be a positive int, got {v!r}")
-        full.append(dict(job, prompts=prompts))
+    full = [dict(_check_job(job), prompts=prompts) for job in jobs]
     cfg = dict(target=target, draft=draft, jobs=full, timeout=float(timeout), verify=verify,
                startup_timeout=float(startup_timeout),
                backend=_backend(stages, backend), fault=fault, threads=threads)
@@ -301,17 +362,19 @@ def corpus_prompts(tokenizer, n: int, length: int = 24, seed: int = 0) -> list[l
 def run_local(prompts, target_model, draft_model, *, k: int = 4, schedule: str = "plain",
               max_new_tokens: int = 32, verify: str = "kernel", depth: int = 2) -> dict:
     """The one-stage pipeline in this process (no ranks, no messages): the same stage-0 loop and verdicts
-    as :func:`sweep` with ``stages=1``, on models already loaded. Returns the same per-job dict."""
+    as :func:`sweep` with ``stages=1``, on models already loaded. Returns the same per-job dict. ``k``,
+    ``depth`` and ``max_new_tokens`` must be positive ints and ``schedule``/``verify`` known names, checked
+    as :func:`sweep` checks them (``ValueError`` naming the argument)."""
     import time as _time
 
     from labsrc.pipeline import schedule as sch
 
     prompts = _check_prompts(prompts)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    job = dict(_check_job(dict(k=k, schedule=schedule, max_new_tokens=max_new_tokens, depth=depth)),
+               prompts=prompts)
+    _check_verify(verify)
     stage = Stage(target_model, range(target_model.config.num_hidden_layers), first=True, last=True)
     draft = Stage(draft_model, range(draft_model.config.num_hidden_layers), first=True, last=True)
-    job = dict(k=k, schedule=schedule, max_new_tokens=max_new_tokens, depth=depth, prompts=prompts)
     timeline = sch.Timeline(_time.perf_counter())
     res = sch.run_stage0(job, stage, draft, None, sch.LastStage(verify), timeline)
     res.update(wall=_time.perf_counter() - timeline.t0, timelines=[timeline.events], comm=0.0, stages=1,
