@@ -44,7 +44,10 @@ this rule, read off the fp32 exponent bits of ``max|V|``; we follow it bit for b
 * the exponent is clamped to E8M0's range: a block whose ``max|V|`` is below ``2**-125`` (zeros, fp32
   subnormals) stores ``e = 0`` (``X = 2**-127``), yet torchao divides by ``2**-126`` (it clamps the divisor to
   the smallest normal fp32 to dodge subnormal arithmetic), so such a block dequantizes to half its value;
-* a block holding NaN stores ``e = 255`` (its codes carry no meaning); +-inf gives ``e = 253`` and code +-6.
+* a block holding NaN stores ``e = 255`` and dequantizes to NaN; its codes carry no meaning, but they are
+  torchao's too: every element is divided by ``2**128 = inf`` as torchao divides it (finite elements give
+  +-0, NaN and inf give NaN), and a NaN gets the code torchao's bit arithmetic gives it
+  (:func:`e2m1_encode`); +-inf in a finite block gives ``e = 253`` and code +-6.
 
 Codes are packed two per byte with the *even* element in the low nibble (torchao's ``pack_uint4``), which
 differs from the planar INT4 layout above: bit-identity with torchao's packed bytes is part of the contract.
@@ -464,14 +467,28 @@ def apply_awq(w: torch.Tensor, s: torch.Tensor, bits: int = 4, group_size: int |
 # ----------------------------------------------------------------------------------------------- MXFP4
 def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     """Round fp32 ``v`` to the nearest E2M1 value, ties to even, saturating at +-6: uint8 codes 0..15 (bit 3 the
-    sign, taken from ``v``'s sign bit, so -0.0 and small negatives give code 8)."""
-    a = v.float().abs()
+    sign, taken from ``v``'s sign bit, so -0.0 and small negatives give code 8).
+
+    E2M1 has no NaN. A NaN gets the code torchao's conversion gives it, so that packed bytes match torchao's:
+    torchao runs a NaN's bit pattern through its normal-number rounding arithmetic, which yields a magnitude
+    code of 2, 3 or 4 depending on the NaN's payload (3 for the usual quiet NaN, 4 for the all-ones payload a
+    bf16 NaN has), with the NaN's sign bit. The code carries no meaning: only a block whose scale is 255
+    (NaN) holds NaN elements, and it dequantizes to NaN whatever its codes say."""
+    v = v.float()
+    a = v.abs()
     code = torch.zeros(v.shape, dtype=torch.int32, device=v.device)
     for t in (0.25, 1.25, 2.5, 5.0):    # midpoints whose tie rounds down to an even code
         code += (a > t).int()
     for t in (0.75, 1.75, 3.5):         # midpoints whose tie rounds up to an even code
         code += (a >= t).int()
-    return (code | (torch.signbit(v.float()).int() << 3)).to(torch.uint8)
+    nan = torch.isnan(v)
+    if bool(nan.any()):
+        # torchao's _f32_to_floatx_unpacked for E2M1 on |v|'s bits: add the exponent rebias, the rounding
+        # constant and the odd-mantissa bit, shift to the 1-bit mantissa, keep the low byte
+        bits = v.view(torch.int32) & 0x7FFFFFFF
+        rounded = (bits + ((1 - 127) << 23) + ((1 << 21) - 1) + ((bits >> 22) & 1)) >> 22
+        code = torch.where(nan, rounded & 0xFF, code)
+    return (code | (torch.signbit(v).int() << 3)).to(torch.uint8)
 
 
 def _pack_even_low(codes: torch.Tensor) -> torch.Tensor:

@@ -212,6 +212,10 @@ def _mx_cases():
         "saturating": torch.tensor([6.5, -7.0, 100.0] + [1.0] * 29).reshape(1, 32),
         "inf": torch.tensor([float("inf")] + [1.0] * 31).reshape(1, 32),
         "wide range": torch.randn(8, 64, generator=g) * torch.logspace(-20, 20, 64),
+        # NaN blocks (scale 255): NaN of either sign, an inf and -0.0 beside finite values, and a block of NaN
+        "nan": torch.tensor([float("nan"), -float("nan"), float("inf"), -0.0, 1.0, -3.0, 7.0, -1e30] * 4
+                            + [0.5] * 32).reshape(1, 64),
+        "all nan": torch.full((2, 32), float("nan")),
     }
 
 
@@ -239,6 +243,29 @@ def test_property_mxfp4_bit_identical_to_torchao(torchao, rows, blocks, log_scal
     scale_ref, data_ref = to_mx(x, torch.float4_e2m1fn_x2, 32)
     codes, scales = wq.mxfp4_quantize(x)
     assert torch.equal(codes, data_ref.view(torch.uint8)) and torch.equal(scales, scale_ref.view(torch.uint8))
+
+
+@given(rows=st.integers(1, 3), blocks=st.integers(1, 3), n_bad=st.integers(1, 6),
+       bad=st.sampled_from(["nan", "-nan", "inf", "-inf", "mixed"]), bf16=st.booleans(),
+       seed=st.integers(0, 2 ** 16))
+@settings(max_examples=30, deadline=None)
+def test_property_mxfp4_nan_and_inf_bytes_match_torchao(torchao, rows, blocks, n_bad, bad, bf16, seed):
+    """NaN-poisoned blocks: the packed bytes, not only the values, are torchao's (E2M1 has no NaN; torchao's
+    bit arithmetic gives a NaN a code by its payload, which differs between fp32 and bf16 NaNs)."""
+    to_mx, _ = torchao
+    g = gen(seed)
+    x = torch.randn(rows, 32 * blocks, generator=g) * 4
+    idx = torch.randint(0, x.numel(), (n_bad,), generator=g)
+    values = {"nan": [float("nan")], "-nan": [-float("nan")], "inf": [float("inf")], "-inf": [-float("inf")],
+              "mixed": [float("nan"), -float("nan"), float("inf"), -float("inf")]}[bad]
+    flat = x.view(-1)
+    for i, j in enumerate(idx.tolist()):
+        flat[j] = values[i % len(values)]
+    x = x.to(torch.bfloat16) if bf16 else x
+    scale_ref, data_ref = to_mx(x.contiguous(), torch.float4_e2m1fn_x2, 32)
+    codes, scales = wq.mxfp4_quantize(x)
+    assert torch.equal(scales, scale_ref.view(torch.uint8))
+    assert torch.equal(codes, data_ref.view(torch.uint8))
 
 
 def test_mxfp4_nan_block_gets_the_nan_scale():
