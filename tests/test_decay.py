@@ -17,6 +17,8 @@ import labsrc  # noqa: F401  (interpreter before triton)
 from labsrc import linear_attention as la, ssm
 from labsrc.decay import segsum
 from labsrc.kernels import linear_attention as kla, ssm as kssm
+from labsrc.kernels._decay import chunk_segsum, last_row
+from labsrc.kernels._triton import tl, triton
 
 RESETS = (-1e9, -200.0, float("-inf"))   # a huge log-decay, one beyond float32's exp range, a decay of zero
 
@@ -161,3 +163,36 @@ def test_lightning_decay_that_underflows_float32_is_zero(lam):
     for out, state in ((ref, ref_s), (got, got_s)):
         torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(state.double(), want_s, rtol=1e-4, atol=1e-4)
+
+
+@triton.jit
+def _segsum_probe(a_ptr, seg_ptr, last_ptr, BLOCK: tl.constexpr):
+    rows = tl.arange(0, BLOCK)
+    seg = chunk_segsum(tl.load(a_ptr + rows), BLOCK)
+    tl.store(seg_ptr + rows[:, None] * BLOCK + rows[None, :], seg)
+    tl.store(last_ptr + rows, last_row(seg, BLOCK))
+
+
+def _tile_segsum(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch chunk_segsum and last_row on one chunk ``a (BLOCK,)`` float32; returns the tile and the row."""
+    n = a.shape[0]
+    seg = torch.full((n, n), float("nan"))
+    last = torch.full((n,), float("nan"))
+    _segsum_probe[(1,)](a.contiguous(), seg, last, BLOCK=n)
+    return seg, last
+
+
+@pytest.mark.skipif(not labsrc.runtime.HAS_TRITON, reason="launches a Triton kernel")
+@settings(max_examples=10, deadline=None)
+@given(n=st.sampled_from([16, 32]), specials=st.lists(st.tuples(st.integers(0, 31),
+                                                                st.sampled_from(RESETS + (float("nan"),))),
+                                                      max_size=3), seed=st.integers(0, 2**16))
+def test_chunk_segsum_tile_equals_segsum(n, specials, seed):
+    """The kernels' tile against its PyTorch twin, extreme and NaN steps included (NaN only where it belongs)."""
+    a = -torch.rand(n, generator=torch.Generator().manual_seed(seed))
+    for i, value in specials:
+        a[i % n] = value
+    seg, last = _tile_segsum(a)
+    want = segsum(a.double())
+    torch.testing.assert_close(seg.double(), want, rtol=1e-6, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(last.double(), want[-1], rtol=1e-6, atol=1e-6, equal_nan=True)
