@@ -67,7 +67,7 @@ def _configs() -> list:
 @triton.autotune(configs=_configs(), key=["BLOCK_T", "BLOCK_K", "BLOCK_V", "HAS_H0", "STORE_HT"])
 @triton.jit
 def _chunk_linear_attention_kernel(
-        q_ptr, k_ptr, v_ptr, lam_ptr, h0_ptr, o_ptr, ht_ptr,
+        q_ptr, k_ptr, v_ptr, log_lam_ptr, h0_ptr, o_ptr, ht_ptr,
         T, H, K, V, scale,
         s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
         HAS_DECAY: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
@@ -87,7 +87,7 @@ def _chunk_linear_attention_kernel(
         S = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
     log_lam = 0.0
     if HAS_DECAY:
-        log_lam = tl.log(tl.load(lam_ptr + h).to(tl.float32))
+        log_lam = tl.load(log_lam_ptr + h)          # log(lambda_h), -inf for a decay of 0
     rows = tl.arange(0, BLOCK_T)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + rows
@@ -271,11 +271,12 @@ def chunk_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
     o = _empty(B, T, H, V, dtype=v.dtype, device=q.device)
     ht = _empty(B, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else o
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else o
-    lam = decay.to(torch.float32).contiguous() if decay is not None else o
+    # the kernel reads log(lambda): a decay in (0, 1] that float32 rounds to 0 is log 0 = -inf, a decay of zero
+    log_lam = decay.to(torch.float32).log().contiguous() if decay is not None else o
     block_k, block_v = _blocks(K, V)
     grid = (triton.cdiv(V, block_v), B * H)
     _chunk_linear_attention_kernel[grid](
-        q, k, v, lam, h0, o, ht, T, H, K, V, float(scale),
+        q, k, v, log_lam, h0, o, ht, T, H, K, V, float(scale),
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         HAS_DECAY=decay is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,

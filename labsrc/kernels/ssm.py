@@ -165,7 +165,7 @@ def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, s0_ptr, y_ptr, sT_ptr
         bc_off = (tok * G + gi)[:, None] * N + offs_n[None, :]
         Bm = tl.load(B_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
         Cm = tl.load(C_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
-        a = tl.where(mask_t, dt * a_h, 0.0)           # log-decay of each step (0 past the end, even for A = -inf)
+        a = dt * tl.where(mask_t, a_h, 0.0)           # log-decay of each step; 0 past the end (never 0 * -inf)
         cs = tl.cumsum(a, axis=0)                     # cs_t = a_0 + ... + a_t inside the chunk
         total = tl.sum(a, axis=0)                     # the whole chunk's log-decay
         seg = chunk_segsum(a, BLOCK_Q)                # a_{s+1} + ... + a_t, summed directly; -inf above
