@@ -320,3 +320,50 @@ def test_logprobs_equal_log_softmax_of_the_full_forward(lab):
         at = len(prompt) + i - 1
         assert value == pytest.approx(float(lp[at, full[at + 1]]), abs=1e-4)
         assert max(top.values()) == pytest.approx(float(lp[at].max()), abs=1e-4)
+
+
+def test_batched_torch_attention_equals_the_paged_references():
+    """The engine's PyTorch path (all decodes in one gather and one SDPA call; a prefill chunk in one fused
+    call) against the per-sequence references of labsrc.kernels.paged_attention, on shuffled, partly filled
+    tables and a chunk that starts mid-sequence."""
+    from labsrc.kernels import paged_attention as pa
+    from labsrc.serving import engine as em
+
+    g = torch.Generator().manual_seed(3)
+    nb, bs, hkv, hq, d = 20, 4, 2, 8, 40
+    kp, vp = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    lens = [1, 7, 13, 4]
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, at = [], 0
+    for n in lens:
+        tables.append(perm[at:at + -(-n // bs)])
+        at += -(-n // bs)
+    width = max(map(len, tables))
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    longest = max(lens)
+    pos = torch.arange(longest)
+    mask = pos[None] < lens_t.long()[:, None]
+    slots = torch.where(mask, tab.long().gather(1, (pos // bs).clamp(max=width - 1).expand(len(lens), -1)) * bs
+                        + pos % bs, 0)
+    got = em.batched_decode_attention(q, kp, vp, slots, mask, 0.3)
+    torch.testing.assert_close(got, pa.paged_decode_attention_ref(q, kp, vp, tab, lens_t, sm_scale=0.3))
+    qc = torch.randn(hq, 5, d, generator=g)
+    for ctx in (5, 13):  # a whole prompt, and a chunk after 8 cached tokens
+        torch.testing.assert_close(em.prefill_attention(qc, kp, vp, tab[2], ctx, sm_scale=0.3),
+                                   pa.paged_prefill_attention_ref(qc, kp, vp, tab[2], ctx, sm_scale=0.3))
+
+
+def test_bench_compare_checks_outputs_on_a_small_workload():
+    """The --compare bench runs all three systems and checks the engine against per-prompt generate (a smoke
+    run on four short requests; the speed table is for the bench, not a test)."""
+    from labsrc.serving.bench import compare, format_compare
+
+    r = compare("lab-target", n=4, prompt_range=(8, 20), output_range=(2, 4), reps=2)
+    assert r["same_as_generate"]["engine"] == 4 and set(r["tokens_per_s"]) == {"engine", "padded generate",
+                                                                              "generate_batch"}
+    assert all(len(v) == 2 and min(v) > 0 for v in r["runs"].values())
+    assert "| engine | 4 of 4 |" in format_compare(r)
+    with pytest.raises(ValueError, match="reps"):
+        compare("lab-target", reps=1)

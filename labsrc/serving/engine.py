@@ -92,6 +92,19 @@ def batched_decode_attention(q, k_pool, v_pool, slots, mask, scaling):
     return out[:, :, 0]
 
 
+def prefill_attention(q, k_pool, v_pool, table, ctx, sm_scale=None):
+    """One prefill chunk on the PyTorch path: ``q (Hq, Tq, D)`` against the sequence's first ``ctx`` keys,
+    causal and bottom-right aligned (query ``i`` sees keys ``j <= i + ctx - Tq``), in one fused attention call;
+    the same result as :func:`~labsrc.kernels.paged_attention.paged_prefill_attention_ref`."""
+    k, v = _pa.gather_kv(k_pool, v_pool, table, ctx)  # (Hkv, ctx, D)
+    tq = q.shape[1]
+    mask = None if tq == ctx else \
+        torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - tq, ctx, device=q.device)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                            is_causal=mask is None, scale=sm_scale,
+                                                            enable_gqa=True)[0]
+
+
 def paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                             lab_paged_batch=None, **kwargs):
     """The ``"lab_paged"`` attention: store the step's new K/V in the layer's pool, then attend through the
@@ -120,7 +133,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
         else:
             out[batch.decode_rows] = batched_decode_attention(q_dec.contiguous(), k_pool, v_pool,
                                                               batch.decode_slots, batch.decode_mask, scaling)
-    pre = _pa.paged_prefill_attention if eng.kernels == "triton" else _pa.paged_prefill_attention_ref
+    pre = _pa.paged_prefill_attention if eng.kernels == "triton" else prefill_attention
     for at, n, ctx, table, seq_id in batch.prefill:
         tab = torch.tensor(table, dtype=torch.int32, device=q.device)
         out[at:at + n] = pre(q[:, at:at + n], k_pool, v_pool, tab, ctx, sm_scale=scaling).transpose(0, 1)
