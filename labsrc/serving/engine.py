@@ -259,13 +259,10 @@ class Engine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams | None = None, arrival: float | None = None) -> int:
-        """Queue a request (token ids or text); returns its id. Raises ``ValueError`` for a prompt that can
-        never run (empty, longer than the model's context, or more blocks than the whole pool)."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = self._encode(prompt)
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` for a request that can never run: an empty prompt, one that fills the model's
+        context, or one that may need more blocks than the whole pool. It reads only the engine's fixed sizes,
+        so a server may call it from any thread, before the request reaches the engine's."""
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_len:
@@ -275,6 +272,15 @@ class Engine:
         if need > self.blocks.num_blocks:
             raise ValueError(f"the request may reach {total} tokens, {need} blocks, but the pool has "
                              f"{self.blocks.num_blocks}: it could never finish")
+
+    def add_request(self, prompt, params: SamplingParams | None = None, arrival: float | None = None) -> int:
+        """Queue a request (token ids or text); returns its id. Raises ``ValueError`` for a prompt that can
+        never run (:meth:`check_request`) and ``TypeError`` for a prompt that is neither text nor token ids."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self._encode(prompt)
+        self.check_request(ids, params)
         seq = Sequence(self._next_id, ids, params, arrival=time.perf_counter() if arrival is None else arrival)
         if params.temperature > 0:
             seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else seq.seq_id)
