@@ -140,6 +140,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._active: dict[int, _Handle] = {}
+        self.aborted = 0  # requests aborted because their client went away or their stop string was found
         self.stats = self._stats()
 
     def start(self):
@@ -163,7 +164,7 @@ class EngineLoop:
         e = self.engine
         return dict(num_blocks=e.blocks.num_blocks, free_blocks=e.blocks.num_free_blocks,
                     running=len(e.scheduler.running), waiting=len(e.scheduler.waiting), active=len(self._active),
-                    queued=self._incoming.qsize())
+                    queued=self._incoming.qsize(), aborted=self.aborted)
 
     def _finish(self, rid: int) -> None:
         self._active.pop(rid, None)
@@ -187,6 +188,7 @@ class EngineLoop:
             for rid, h in list(self._active.items()):
                 if h.cancelled:
                     self.engine.abort(rid)
+                    self.aborted += 1
                     self._finish(rid)
             self.stats = self._stats()
             if not self.engine.has_unfinished():
@@ -411,22 +413,28 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
             return StreamingResponse(_stream(choices, next_item, cancel_all, cid, created, model_name, req.echo),
                                      media_type="text/event-stream")
 
-        try:
+        async def collect():
             for c in choices:
                 while not c.finished:
-                    get = asyncio.ensure_future(next_item(c))
-                    while not get.done():
-                        await asyncio.wait({get}, timeout=0.25)
-                        if not get.done() and await request.is_disconnected():
-                            get.cancel()
-                            cancel_all()
-                            return _error(499, "the client closed the request")
-                    get.result()
+                    await next_item(c)
+
+        async def client_gone():  # polled on a clock: tokens may arrive faster than any timeout would fire
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.2)
+
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(client_gone())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client went away: abort, and answer nobody
+                work.cancel()
+                return _error(499, "the client closed the request")
+            work.result()
         except _BadRequest as err:
             cancel_all()
             kind = "server_error" if err.status >= 500 else "invalid_request_error"
             return _error(err.status, str(err), kind=kind)
         finally:
+            watch.cancel()
             cancel_all()
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model_name,
                 "choices": [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason,
