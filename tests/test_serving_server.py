@@ -427,3 +427,93 @@ def test_incremental_detokenizer_on_real_tokens(lab):
         assert d.stopped == bool(cuts)
 
     check()
+
+
+# ------------------------------------------------------------------------------------------------ the fuzz
+def _fuzz_strategies():
+    from hypothesis import strategies as st
+
+    ids = st.lists(st.integers(0, 4095), min_size=1, max_size=24)
+    text = st.text(alphabet=st.sampled_from("ab cé中😀.\n"), min_size=1, max_size=24)
+    optional = dict(
+        temperature=st.one_of(st.just(0.0), st.floats(0, 2), st.just(5e-324)),
+        top_p=st.one_of(st.floats(5e-324, 1.0), st.just(1.0)), n=st.integers(1, 2),
+        stop=st.one_of(st.none(), st.text(alphabet="ab cé", min_size=1, max_size=3),
+                       st.lists(st.text(alphabet="ab cé", min_size=1, max_size=3), max_size=4)),
+        echo=st.booleans(), logprobs=st.one_of(st.none(), st.integers(0, 5)), seed=st.integers(0, 2 ** 63 - 1),
+        ignore_eos=st.booleans())
+    prompt = st.one_of(ids, text, st.lists(st.one_of(ids), min_size=1, max_size=2),
+                       st.lists(text, min_size=1, max_size=2))
+    valid = st.fixed_dictionaries(dict(model=st.just("lab-target"), prompt=prompt, max_tokens=st.integers(1, 6)),
+                                  optional=optional)
+    breakers = st.sampled_from([
+        ("foo", 1), ("best_of", 2), ("presence_penalty", 0.1), ("max_tokens", 0), ("max_tokens", "3"),
+        ("temperature", -0.5), ("temperature", 3.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 17), ("n", 0),
+        ("logprobs", 9), ("seed", -1), ("seed", 2 ** 64), ("stop", ["x"] * 5), ("prompt", []), ("prompt", [4096]),
+        ("prompt", [-3]), ("prompt", [1.5]), ("prompt", 7), ("prompt", [5] * 600), ("echo", "yes"),
+        ("model", "other"), ("stream", 1)])
+    invalid = st.tuples(valid, breakers).map(lambda vb: {**vb[0], vb[1][0]: vb[1][1]})
+    action = st.one_of(
+        st.tuples(st.just("valid"), valid, st.none()),
+        st.tuples(st.just("stream-then-leave"), valid, st.integers(1, 3)),
+        st.tuples(st.just("invalid"), invalid, st.none()))
+    return st.lists(action, min_size=1, max_size=4)
+
+
+def _run_action(url, kind, body, leave_after):
+    import json
+
+    if kind == "stream-then-leave":
+        with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+            if r.status_code != 200:
+                return r.status_code, r.read().decode()
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    data = json.loads(line[6:])
+                    assert "error" not in data, data
+                    seen += 1
+                    if seen == leave_after:
+                        break
+            return 200, ""
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    return r.status_code, r.text
+
+
+def test_fuzz_random_requests_concurrent_clients_and_disconnects(server):
+    """Random valid and invalid requests from concurrent clients, some streaming and leaving mid-stream: a valid
+    request gets 200 with n choices per prompt, an invalid one 4xx, never 5xx; after each run every block is
+    free and the server still answers."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hypothesis import HealthCheck, given, settings
+
+    deadline = time.monotonic() + 240  # the fuzz's own budget on a shared CPU
+
+    @settings(max_examples=15, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_fuzz_strategies())
+    def run(actions):
+        if time.monotonic() > deadline:
+            return
+        with ThreadPoolExecutor(len(actions)) as pool:
+            results = list(pool.map(lambda a: _run_action(server, *a), actions))
+        for (kind, body, _), (status, text) in zip(actions, results):
+            if kind == "invalid":
+                assert 400 <= status < 500, (body, status, text)
+                assert "error" in json.loads(text), text
+            else:
+                assert status == 200, (body, status, text)
+                if kind == "valid":
+                    reply = json.loads(text)
+                    prompts = 1 if isinstance(body["prompt"], str) or isinstance(body["prompt"][0], int) else \
+                        len(body["prompt"])
+                    assert len(reply["choices"]) == prompts * body.get("n", 1)
+                    assert all(c["finish_reason"] in ("stop", "length") for c in reply["choices"])
+        books = settle(server)
+        assert books["free_blocks"] == books["num_blocks"] == NUM_BLOCKS, books
+        assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+    run()
+    assert post(server, model="lab-target", prompt=[5, 6], max_tokens=2).status_code == 200
