@@ -92,8 +92,9 @@ def _padded_generate(model, trace):
     width = max(len(t["prompt"]) for t in trace)
     pad = model.generation_config.pad_token_id
     pad = 1 if pad is None else pad
-    ids = torch.tensor([[pad] * (width - len(t["prompt"])) + t["prompt"] for t in trace])
-    mask = torch.tensor([[0] * (width - len(t["prompt"])) + [1] * len(t["prompt"]) for t in trace])
+    device = next(model.parameters()).device
+    ids = torch.tensor([[pad] * (width - len(t["prompt"])) + t["prompt"] for t in trace], device=device)
+    mask = torch.tensor([[0] * (width - len(t["prompt"])) + [1] * len(t["prompt"]) for t in trace], device=device)
     out = model.generate(ids, attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=pad,
                          max_new_tokens=max(t["max_tokens"] for t in trace))
     return [out[i, width:width + t["max_tokens"]].tolist() for i, t in enumerate(trace)]
@@ -126,14 +127,14 @@ def _continuous_batching(model, trace, page_size, num_blocks, max_batch_tokens, 
 
 def compare(model_name: str = "lab-target", n: int = 24, prompt_range=(8, 96), output_range=(4, 32),
             reps: int = 5, seed: int = 0, block_size: int = 16, num_blocks: int = 256,
-            max_num_batched_tokens: int = 2048, max_num_seqs: int = 32) -> dict:
+            max_num_batched_tokens: int = 2048, max_num_seqs: int = 32, device: str = "cpu") -> dict:
     """Time the engine (PyTorch path) against one left-padded batched ``model.generate`` and transformers'
     continuous batching on ``n`` greedy requests (EOS ignored), ``reps`` interleaved repetitions each.
 
     Every system's output is checked: the engine's must equal ``model.generate`` run on each prompt alone
     (a mismatch raises). Throughput counts the tokens the requests asked for (a padded batch computes more,
-    to the longest request, and that is its cost). Returns the tokens/s of every run and the per-repetition
-    ratios of the engine to each baseline."""
+    to the longest request, and that is its cost). On ``device="cuda"`` the engine runs the Triton kernels.
+    Returns the tokens/s of every run and the per-repetition ratios of the engine to each baseline."""
     import statistics
 
     import torch
@@ -147,13 +148,14 @@ def compare(model_name: str = "lab-target", n: int = 24, prompt_range=(8, 96), o
     from labsrc.serving.experiments import greedy_reference
     from labsrc.serving.scheduler import SamplingParams
 
-    model, tok = load(model_name)
+    model, tok = load(model_name, device=device)
+    kernels = "triton" if torch.device(device).type == "cuda" else "torch"
     trace = poisson_trace(n, 0.0, prompt_range, output_range, seed=seed)
     want = [greedy_reference(model, t["prompt"], t["max_tokens"]) for t in trace]
     tokens = sum(t["max_tokens"] for t in trace)
 
     def engine_run():
-        eng = Engine(model, num_blocks=num_blocks, block_size=block_size, tokenizer=tok, kernels="torch",
+        eng = Engine(model, num_blocks=num_blocks, block_size=block_size, tokenizer=tok, kernels=kernels,
                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                      enable_prefix_caching=False)  # random prompts share nothing; no reuse across repetitions
         return [r["token_ids"] for r in eng.generate([t["prompt"] for t in trace],
@@ -170,23 +172,31 @@ def compare(model_name: str = "lab-target", n: int = 24, prompt_range=(8, 96), o
         raise AssertionError(f"the engine differs from per-prompt greedy generate on {bad} of {n} requests")
     same = {k: sum(o == w for o, w in zip(v, want)) for k, v in outputs.items()}
     tps = {k: [] for k in systems}
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     with torch.inference_mode():
         for _ in range(reps):
             for k, f in systems.items():
+                sync()
                 t0 = time.perf_counter()
                 f()
+                sync()
                 tps[k].append(tokens / (time.perf_counter() - t0))
     ratios = {k: claims.Estimate.mean([e / b for e, b in zip(tps["engine"], tps[k])])
               for k in systems if k != "engine"}
-    return dict(requests=n, tokens=tokens, reps=reps, threads=torch.get_num_threads(),
+    return dict(requests=n, prompt_range=tuple(prompt_range), output_range=tuple(output_range), tokens=tokens,
+                reps=reps, threads=torch.get_num_threads(), device=device,
+                kernels=kernels,
                 tokens_per_s={k: statistics.median(v) for k, v in tps.items()}, runs=tps, ratios=ratios,
                 same_as_generate=same)
 
 
 def format_compare(r: dict) -> str:
     """The table of :func:`compare` (Markdown)."""
-    lines = [f"{r['requests']} greedy requests, {r['tokens']} output tokens, median of {r['reps']} interleaved "
-             f"repetitions, {r['threads']} torch thread(s):", "",
+    (lo, hi), (olo, ohi) = r["prompt_range"], r["output_range"]
+    lines = [f"{r['requests']} greedy requests (prompts of {lo}-{hi} tokens, {olo}-{ohi} new tokens each), "
+             f"{r['tokens']} output tokens, median of {r['reps']} interleaved "
+             f"repetitions on {r['device']} ({r['kernels']} kernels in the engine, {r['threads']} torch "
+             "thread(s)):", "",
              "| system | outputs equal to per-prompt generate | tokens/s | engine / system (95% interval) |",
              "|---|---:|---:|---:|"]
     for k, v in r["tokens_per_s"].items():
@@ -211,13 +221,14 @@ def main(argv=None) -> dict:
                         help="no server: time the engine against transformers in this process (24 requests, "
                              "prompts of 8-96 tokens, 4-32 new tokens, unless --n/--prompt-len/--output-len)")
     parser.add_argument("--reps", type=int, default=5, help="--compare: interleaved repetitions (at least 2)")
+    parser.add_argument("--device", default="cpu", help="--compare: cpu, or cuda (the engine's Triton kernels)")
     args = parser.parse_args(argv)
     # the two modes have their own default workloads (the server's: vLLM-like; --compare: issue 31's mix)
     n = args.n or (24 if args.compare else 16)
     prompt = tuple(args.prompt_len or ((8, 96) if args.compare else (8, 64)))
     output = tuple(args.output_len or ((4, 32) if args.compare else (8, 32)))
     if args.compare:
-        result = compare(args.model, n, prompt, output, args.reps, args.seed)
+        result = compare(args.model, n, prompt, output, args.reps, args.seed, device=args.device)
         print(format_compare(result))
         return result
     summary = run(args.url, args.model, n, args.rate, prompt, output, args.seed)
