@@ -60,13 +60,26 @@ async def _run(url, model, trace, arrivals):
     return results, wall
 
 
+def _run_sync(coro):
+    """``asyncio.run(coro)``, also from code that already runs in an event loop (a notebook): there in a thread
+    of its own, since one thread holds at most one running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def run(url: str, model: str = "lab-target", n: int = 16, rate: float = math.inf, prompt_range=(8, 64),
         output_range=(8, 32), seed: int = 0) -> dict:
     """Replay ``n`` requests against the server at ``url``; return the summary (see the module docstring)."""
     trace = poisson_trace(n, 0.0, prompt_range, output_range, seed=seed)
     rng = np.random.default_rng(seed + 1)
     arrivals = np.zeros(n) if math.isinf(rate) else np.cumsum(rng.exponential(1 / rate, size=n))
-    results, wall = asyncio.run(_run(url.rstrip("/"), model, trace, arrivals))
+    results, wall = _run_sync(_run(url.rstrip("/"), model, trace, arrivals))
     ttft = [r["times"][0] - r["sent"] for r in results]
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
     e2e = [r["times"][-1] - r["sent"] for r in results]
