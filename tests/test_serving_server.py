@@ -517,3 +517,29 @@ def test_fuzz_random_requests_concurrent_clients_and_disconnects(server):
 
     run()
     assert post(server, model="lab-target", prompt=[5, 6], max_tokens=2).status_code == 200
+
+
+def test_tokenize_bounded_reads_a_prefix_of_a_huge_text(lab):
+    """A prompt of a million characters is refused after tokenizing a prefix of it (the engine thread used to
+    tokenize all of it before checking the length); a text within the limit gets its exact token ids, and the
+    prefix's tokens are a prefix of the whole text's (the property the early refusal rests on)."""
+    from labsrc.serving.server import tokenize_bounded
+
+    tok = lab[1]
+    seen = []
+
+    def counting(text):
+        seen.append(len(text))
+        return tok(text)
+
+    huge = "ünïcode words and 12345 digits " * 40000
+    with pytest.raises(ValueError, match="at least .* tokens; the model's context is 511"):
+        tokenize_bounded(counting, huge, 511)
+    assert seen and max(seen) <= 16 * 512
+    text = "Once upon a time, café 中文 " * 10
+    assert tokenize_bounded(tok, text, 511) == list(tok(text)["input_ids"])
+    with pytest.raises(ValueError, match="the prompt has"):
+        tokenize_bounded(tok, text, 20)
+    cut = text.rfind(" ", 0, 100)
+    head = tok(text[:cut])["input_ids"]
+    assert tok(text)["input_ids"][:len(head)] == head

@@ -58,14 +58,22 @@ class _BadRequest(Exception):
 
 def tokenize_bounded(tokenizer, text: str, max_tokens: int) -> list[int]:
     """``text``'s token ids, raising ``ValueError`` when there are more than ``max_tokens``, without tokenizing
-    all of a huge text: a token covers at most a few characters in practice, so a prefix of ``16 x
-    max_tokens`` characters that already gives more than ``max_tokens + 1`` tokens proves the whole text too
-    long (the cut can change at most the one token that spans it)."""
+    all of a huge text.
+
+    A byte-level BPE tokenizer first splits the text into words (a space starts a new word) and merges within
+    a word only, so the words that end before a space tokenize the same whether the text goes on or not: the
+    tokens of a prefix cut just before a space are a prefix of the whole text's tokens. When the prefix of
+    about ``16 x max_tokens`` characters ending at a space already has more than ``max_tokens`` tokens, the
+    text is refused without reading further. (A text with no space in that prefix is tokenized whole; the
+    server's body limit bounds it.)"""
     cut = 16 * (max_tokens + 1)
     if len(text) > cut:
-        head = tokenizer(text[:cut])["input_ids"]
-        if len(head) > max_tokens + 1:
-            raise ValueError(f"the prompt has more than {max_tokens} tokens (the model's context)")
+        space = text.rfind(" ", 0, cut)
+        if space > 0:
+            head = tokenizer(text[:space])["input_ids"]
+            if len(head) > max_tokens:
+                raise ValueError(f"the prompt has at least {len(head)} tokens; the model's context is "
+                                 f"{max_tokens}")
     ids = list(tokenizer(text)["input_ids"])
     if len(ids) > max_tokens:
         raise ValueError(f"the prompt has {len(ids)} tokens; the model's context is {max_tokens}")
