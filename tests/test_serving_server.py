@@ -2,7 +2,8 @@
 spoken to over raw HTTP with httpx and with the official ``openai`` client; greedy completions equal
 ``model.generate``, streaming agrees with the whole completion, stop/n/echo/logprobs behave as OpenAI defines
 them, bad requests get 4xx with a message, clients that go away free their blocks, and the server keeps
-serving. The hypothesis fuzz is in tests/test_serving_fuzz.py."""
+serving; a hypothesis fuzz of random valid and invalid requests, concurrent clients and disconnects ends the
+file."""
 import os
 import socket
 import subprocess

@@ -50,7 +50,9 @@ def _error(status: int, message: str, kind: str = "invalid_request_error", param
                         content={"error": {"message": message, "type": kind, "param": param, "code": code}})
 
 
-class _BadRequest(Exception):
+class _RequestFailed(Exception):
+    """A request (or one of its choices) failed: ``status`` 4xx for its own fault, 5xx for the server's."""
+
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.param = status, param
@@ -280,10 +282,10 @@ class _Choice:
         return obj
 
     def take(self, item) -> str:
-        """Apply one item from the engine; return the text it releases. Raises ``_BadRequest`` for an error."""
+        """Apply one item from the engine; return the text it releases. Raises ``_RequestFailed`` for an error."""
         kind = item[0]
         if kind == "error":
-            raise _BadRequest(item[1], item[2])
+            raise _RequestFailed(item[1], item[2])
         if kind == "token":
             _, token, entry, prompt_lp = item
             if prompt_lp is not None:
@@ -363,7 +365,7 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
         """Token ids of every prompt, checked; runs in a worker thread."""
         prompts = req.prompts()
         if len(prompts) * req.n > MAX_CHOICES:
-            raise _BadRequest(400, f"prompts x n = {len(prompts) * req.n} completions; at most {MAX_CHOICES} "
+            raise _RequestFailed(400, f"prompts x n = {len(prompts) * req.n} completions; at most {MAX_CHOICES} "
                                    "per request", "n")
         out = []
         for p in prompts:
@@ -371,7 +373,7 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
                 ids = tokenize_bounded(tok, p, engine.max_len) if isinstance(p, str) else engine._encode(p)
                 engine.check_request(ids, SamplingParams(max_tokens=req.max_tokens))
             except (ValueError, TypeError) as err:
-                raise _BadRequest(400, str(err), "prompt") from None
+                raise _RequestFailed(400, str(err), "prompt") from None
             out.append(ids)
         return out
 
@@ -382,7 +384,7 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
                           param="model", code="model_not_found")
         try:
             prompt_ids = await asyncio.to_thread(prepare, req)  # never on the engine thread nor the event loop
-        except _BadRequest as err:
+        except _RequestFailed as err:
             return _error(err.status, str(err), param=err.param)
         loop = asyncio.get_running_loop()
         choices = []
@@ -437,7 +439,7 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
                 work.cancel()
                 return _error(499, "the client closed the request")
             work.result()
-        except _BadRequest as err:
+        except _RequestFailed as err:
             cancel_all()
             kind = "server_error" if err.status >= 500 else "invalid_request_error"
             return _error(err.status, str(err), kind=kind)
@@ -473,7 +475,7 @@ async def _stream(choices, next_item, cancel_all, cid, created, model_name, echo
                 if text or c.finished or (echo and first):  # the echoed prompt goes with the first token
                     await events.put((c, text, (sent_tokens, kept, echo and first, c.finish_reason)))
                     sent_tokens, first = kept, False
-        except _BadRequest as err:
+        except _RequestFailed as err:
             await events.put((c, err, None))
         await events.put((c, None, None))
 
@@ -484,7 +486,7 @@ async def _stream(choices, next_item, cancel_all, cid, created, model_name, echo
             c, text, span = await events.get()
             if text is None:
                 open_choices -= 1
-            elif isinstance(text, _BadRequest):
+            elif isinstance(text, _RequestFailed):
                 kind = "server_error" if text.status >= 500 else "invalid_request_error"
                 yield "data: " + json.dumps({"error": {"message": str(text), "type": kind, "param": None,
                                                        "code": None}}) + "\n\n"
