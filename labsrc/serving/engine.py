@@ -242,7 +242,9 @@ class Engine:
         """Bytes of the K and V pools over all layers."""
         return sum(p.numel() * p.element_size() for p in self.k_pools + self.v_pools)
 
-    def _encode(self, prompt) -> list[int]:
+    def encode(self, prompt) -> list[int]:
+        """A prompt as token ids: text through the tokenizer, or a list of ints checked against the vocabulary
+        (``TypeError`` for anything else, a tensor or an array included: pass ``.tolist()``)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer= (or a shipped model name)")
@@ -279,7 +281,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
-        ids = self._encode(prompt)
+        ids = self.encode(prompt)
         self.check_request(ids, params)
         seq = Sequence(self._next_id, ids, params, arrival=time.perf_counter() if arrival is None else arrival)
         if params.temperature > 0:

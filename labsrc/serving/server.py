@@ -370,7 +370,7 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
         out = []
         for p in prompts:
             try:
-                ids = tokenize_bounded(tok, p, engine.max_len) if isinstance(p, str) else engine._encode(p)
+                ids = tokenize_bounded(tok, p, engine.max_len) if isinstance(p, str) else engine.encode(p)
                 engine.check_request(ids, SamplingParams(max_tokens=req.max_tokens))
             except (ValueError, TypeError) as err:
                 raise _RequestFailed(400, str(err), "prompt") from None
