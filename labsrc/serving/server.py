@@ -413,10 +413,8 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
         async def next_item(c: _Choice):
             item = await c.handle.out.get()
             text = c.take(item)
-            if c.detok.stopped:
-                runner.cancel(c.handle)  # the stop string is found: the engine need not go on
-                if item[0] == "token":
-                    c.finish_reason = "stop"
+            if c.detok.stopped:  # the stop string is found (take() set finish_reason): the engine need not go on
+                runner.cancel(c.handle)
             return text
 
         if req.stream:
