@@ -230,3 +230,39 @@ def test_dropping_blocks_frees_them_and_stops_publishing():
     bm.check_invariants()
     with pytest.raises(ValueError, match="never the last"):
         bm.drop_blocks("a", [2])
+
+
+def test_block_hashes_are_a_sha256_chain():
+    """The chain is SHA-256 of (parent digest, block tokens), checked against hashlib directly: a hash a client
+    cannot steer (Python's ``hash`` of a tuple can be inverted to forge a prefix whose chain equals another's)."""
+    import hashlib
+
+    tokens = [5, 17, 300, 2, 9, 9, 4096, 1, 7]
+    want, prev = [], b""
+    for i in range(0, 8, 4):
+        prev = hashlib.sha256(prev + ",".join(map(str, tokens[i:i + 4])).encode()).digest()
+        want.append(prev)
+    assert block_hashes(tokens, 4) == want
+    # the parent is part of the input: equal blocks after different parents differ, and so do token boundaries
+    assert block_hashes([1, 2, 7, 7], 2)[1] != block_hashes([3, 4, 7, 7], 2)[1]
+    assert block_hashes([1, 23], 2) != block_hashes([12, 3], 2)
+
+
+def test_fork_after_drop_blocks_publishes_nothing():
+    """A fork of a sequence that dropped blocks used to lose the 'evicted' mark: marking it computed indexed past
+    its empty hash list, and a later full block was published under a hash of a table with holes."""
+    bm = BlockManager(16, 2)
+    bm.allocate("a", list(range(9)))
+    bm.mark_computed("a", 9)
+    cached = bm.num_cached_blocks
+    bm.drop_blocks("a", [1, 2])
+    bm.fork("a", "b")
+    for t in (50, 51, 52, 53):
+        bm.append_slot("b", t)
+        bm.mark_computed("b", bm.num_tokens("b"))
+        bm.check_invariants()
+    assert bm.num_cached_blocks == cached  # nothing new published by the holed child
+    # a fresh prompt equal to the child's surviving tokens must not hit anything the child wrote
+    assert bm.allocate("c", [0, 1, 6, 7, 8, 50, 51, 52, 53]) == 2  # only block 0 is a true prefix
+    bm.free("a"), bm.free("b"), bm.free("c")
+    bm.check_invariants()

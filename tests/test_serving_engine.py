@@ -61,7 +61,8 @@ def test_prefix_hits_skip_prefill_and_keep_outputs(lab):
 def test_triton_kernels_give_the_same_tokens(lab):
     model, tok = lab
     prompts = prompts_of(4, [6, 9])  # interpreted Triton is slow: two prompts, one prefill and one decode step
-    eng = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=32, max_num_seqs=2, tokenizer=tok)
+    eng = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=32, max_num_seqs=2, tokenizer=tok,
+                 kernels="triton")
     got = eng.generate(prompts, SamplingParams(max_tokens=2))
     assert [r["token_ids"] for r in got] == reference(model, prompts, 2)
 
@@ -180,3 +181,189 @@ def test_eviction_refuses_protected_blocks(lab):
         eng.evict_blocks(rid, 1, policy="value")
     with pytest.raises(ValueError, match="never the last"):
         eng.blocks.drop_blocks(rid, [2])
+
+
+def test_kernels_default_follows_the_machine(lab):
+    from labsrc import runtime
+
+    model, tok = lab
+    eng = Engine(model, num_blocks=8, block_size=4, tokenizer=tok)
+    assert eng.kernels == ("triton" if runtime.HAS_CUDA else "torch")
+
+
+def test_bad_prompts_and_params_lists_are_named(lab):
+    """A params list of the wrong length used to drop prompts silently (zip), and a tensor prompt failed with
+    'Boolean value of Tensor ... is ambiguous'. Both are refused by name, and nothing stays queued."""
+    import numpy as np
+
+    model, tok = lab
+    eng = Engine(model, num_blocks=16, block_size=4, tokenizer=tok, kernels="torch")
+    with pytest.raises(ValueError, match="params has 1 entries but there are 2 prompts"):
+        eng.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=2)])
+    for bad in (torch.tensor([5, 6, 7]), np.array([5, 6, 7]), torch.tensor([[5, 6]])):
+        with pytest.raises(TypeError, match=r"prompts? must be .*tolist\(\)"):
+            eng.generate(bad)
+        with pytest.raises(TypeError, match=r"prompt must be .*tolist\(\)"):
+            eng.add_request(bad)
+    with pytest.raises(TypeError, match="prompt must be a str or a list of token ids"):
+        eng.generate([[5, 6], torch.tensor([7, 8])])
+    with pytest.raises(TypeError, match="token ids must be ints"):
+        eng.add_request([5, 6.0])
+    with pytest.raises(ValueError, match="token ids must lie"):  # the first prompt is queued, then taken back
+        eng.generate([[5, 6], [9999]])
+    assert not eng.has_unfinished() and not eng.seqs and eng.blocks.num_free_blocks == 16
+    for kw in (dict(temperature=float("inf")), dict(temperature=float("nan")), dict(top_p=float("nan")),
+               dict(seed=2 ** 64), dict(seed=-1), dict(logprobs=21)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            SamplingParams(**kw)
+
+
+def test_extreme_temperatures_sample_without_error(lab):
+    """A temperature at the edge of the float range used to give inf / inf = NaN probabilities and made the
+    whole step raise: now a tiny temperature is the argmax limit and a huge one samples, for every request."""
+    model, tok = lab
+    prompts = prompts_of(11, [5, 7])
+    eng = Engine(model, num_blocks=16, block_size=4, tokenizer=tok, kernels="torch")
+    got = eng.generate(prompts, [SamplingParams(max_tokens=4, temperature=5e-324, seed=1, ignore_eos=True),
+                                 SamplingParams(max_tokens=4, temperature=1e308, seed=2, ignore_eos=True)])
+    assert [r["finish_reason"] for r in got] == ["length", "length"]
+    assert got[0]["token_ids"] == reference(model, prompts[:1], 4)[0]  # the argmax limit is greedy
+
+
+def test_a_failing_sequence_is_finished_alone_and_the_engine_stays_consistent(lab, monkeypatch):
+    """A sampling failure in one sequence finishes it with 'error'; the others produce their greedy tokens. A
+    forward that raises leaves nothing marked computed: the next step runs the same tokens, and the outputs
+    still equal generate's (before, the next valid call failed with an unrelated error)."""
+    from labsrc.serving import engine as engine_module
+
+    model, tok = lab
+    prompts = prompts_of(12, [6, 9, 5])
+    want = reference(model, prompts, 5)
+    eng = Engine(model, num_blocks=32, block_size=4, tokenizer=tok, kernels="torch")
+    real = engine_module._sample
+
+    def failing(logits, params, generator):
+        if params.seed == 666:
+            raise RuntimeError("sampling exploded")
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "_sample", failing)
+    got = eng.generate(prompts, [SamplingParams(max_tokens=5, ignore_eos=True),
+                                 SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.0, seed=666),
+                                 SamplingParams(max_tokens=5, ignore_eos=True)])
+    assert got[1]["finish_reason"] == "error" and "sampling exploded" in got[1]["error"]
+    assert [got[0]["token_ids"], got[2]["token_ids"]] == [want[0], want[2]]
+    assert eng.blocks.num_free_blocks == 32 and not eng.has_unfinished()
+    eng.blocks.check_invariants()
+
+    calls = {"n": 0}
+
+    def boom(module, args):
+        calls["n"] += 1
+        if calls["n"] in (2, 5):  # a prefill step and a decode step fail once each
+            raise RuntimeError("a fault inside the forward")
+
+    handle = model.model.layers[3].register_forward_pre_hook(boom)
+    try:
+        ids = [eng.add_request(p, SamplingParams(max_tokens=5, ignore_eos=True)) for p in prompts]
+        failures = 0
+        while eng.has_unfinished():
+            try:
+                eng.step()
+            except RuntimeError as err:
+                assert "fault inside" in str(err)
+                failures += 1
+    finally:
+        handle.remove()
+    assert failures == 2
+    assert [eng.result(i)["token_ids"] for i in ids] == want
+    assert eng.blocks.num_free_blocks == 32
+    eng.blocks.check_invariants()
+
+
+def test_abort_frees_slot_and_blocks(lab):
+    model, tok = lab
+    eng = Engine(model, num_blocks=16, block_size=4, max_num_seqs=1, tokenizer=tok, kernels="torch")
+    a = eng.add_request(prompts_of(13, [9])[0], SamplingParams(max_tokens=20, ignore_eos=True))
+    b = eng.add_request(prompts_of(14, [5])[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    eng.step()
+    assert eng.blocks.num_free_blocks < 16
+    eng.abort(a)  # running
+    assert eng.seqs[a].finish_reason == "abort" and eng.blocks.num_free_blocks == 16
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.result(b)["token_ids"] == reference(model, prompts_of(14, [5]), 3)[0]
+    c = eng.add_request([5, 6, 7])
+    eng.abort(c)  # waiting
+    eng.abort(c)  # twice: nothing
+    assert not eng.has_unfinished() and eng.blocks.num_free_blocks == 16
+
+
+def test_logprobs_equal_log_softmax_of_the_full_forward(lab):
+    """Generated and prompt log-probabilities (with a prefix-cache hit that must be bypassed) against the
+    log-softmax of one plain forward of prompt + output."""
+    model, tok = lab
+    prompt = prompts_of(15, [13])[0]
+    eng = Engine(model, num_blocks=32, block_size=4, max_num_batched_tokens=5, tokenizer=tok, kernels="torch")
+    eng.generate([prompt], SamplingParams(max_tokens=1))  # publishes the prompt's blocks
+    got = eng.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3,
+                                                prompt_logprobs=True))[0]
+    full = prompt + got["token_ids"]
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), -1)
+    assert got["prompt_logprobs"][0] is None
+    for p in range(1, len(prompt)):
+        value, top = got["prompt_logprobs"][p]
+        assert value == pytest.approx(float(lp[p - 1, prompt[p]]), abs=1e-4)
+        assert list(top) == torch.topk(lp[p - 1], 3).indices.tolist()
+    for i, (value, top) in enumerate(got["logprobs"]):
+        at = len(prompt) + i - 1
+        assert value == pytest.approx(float(lp[at, full[at + 1]]), abs=1e-4)
+        assert max(top.values()) == pytest.approx(float(lp[at].max()), abs=1e-4)
+
+
+def test_batched_torch_attention_equals_the_paged_references():
+    """The engine's PyTorch path (all decodes in one gather and one SDPA call; a prefill chunk in one fused
+    call) against the per-sequence references of labsrc.kernels.paged_attention, on shuffled, partly filled
+    tables and a chunk that starts mid-sequence."""
+    from labsrc.kernels import paged_attention as pa
+    from labsrc.serving import engine as em
+
+    g = torch.Generator().manual_seed(3)
+    nb, bs, hkv, hq, d = 20, 4, 2, 8, 40
+    kp, vp = torch.randn(nb, bs, hkv, d, generator=g), torch.randn(nb, bs, hkv, d, generator=g)
+    lens = [1, 7, 13, 4]
+    perm = torch.randperm(nb, generator=g).tolist()
+    tables, at = [], 0
+    for n in lens:
+        tables.append(perm[at:at + -(-n // bs)])
+        at += -(-n // bs)
+    width = max(map(len, tables))
+    tab = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), hq, d, generator=g)
+    longest = max(lens)
+    pos = torch.arange(longest)
+    mask = pos[None] < lens_t.long()[:, None]
+    slots = torch.where(mask, tab.long().gather(1, (pos // bs).clamp(max=width - 1).expand(len(lens), -1)) * bs
+                        + pos % bs, 0)
+    got = em.batched_decode_attention(q, kp, vp, slots, mask, 0.3)
+    torch.testing.assert_close(got, pa.paged_decode_attention_ref(q, kp, vp, tab, lens_t, sm_scale=0.3))
+    qc = torch.randn(hq, 5, d, generator=g)
+    for ctx in (5, 13):  # a whole prompt, and a chunk after 8 cached tokens
+        torch.testing.assert_close(em.prefill_attention(qc, kp, vp, tab[2], ctx, sm_scale=0.3),
+                                   pa.paged_prefill_attention_ref(qc, kp, vp, tab[2], ctx, sm_scale=0.3))
+
+
+def test_bench_compare_checks_outputs_on_a_small_workload():
+    """The --compare bench runs all three systems and checks the engine against per-prompt generate (a smoke
+    run on four short requests; the speed table is for the bench, not a test)."""
+    from labsrc.serving.bench import compare, format_compare
+
+    r = compare("lab-target", n=4, prompt_range=(8, 20), output_range=(2, 4), reps=2)
+    assert r["same_as_generate"]["engine"] == 4 and set(r["tokens_per_s"]) == {"engine", "padded generate",
+                                                                              "generate_batch"}
+    assert all(len(v) == 2 and min(v) > 0 for v in r["runs"].values())
+    assert "| engine | 4 of 4 |" in format_compare(r)
+    with pytest.raises(ValueError, match="reps"):
+        compare("lab-target", reps=1)

@@ -1,6 +1,9 @@
-"""The real server end to end: ``python -m labsrc.serving`` in a subprocess on a free port, spoken to over HTTP
-with httpx; greedy completions equal ``model.generate``, streaming agrees with the whole completion, bad
-requests get 4xx with a message and the server keeps serving, and the bench client reports percentiles."""
+"""The real server end to end: ``python -m labsrc.serving`` in a subprocess on a free port (127.0.0.1 only),
+spoken to over raw HTTP with httpx and with the official ``openai`` client; greedy completions equal
+``model.generate``, streaming agrees with the whole completion, stop/n/echo/logprobs behave as OpenAI defines
+them, bad requests get 4xx with a message, clients that go away free their blocks, and the server keeps
+serving; a hypothesis fuzz of random valid and invalid requests, concurrent clients and disconnects ends the
+file."""
 import os
 import socket
 import subprocess
@@ -12,6 +15,8 @@ import httpx
 import pytest
 import torch
 
+from labsrc.models import load
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,19 +26,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+NUM_BLOCKS, BODY_LIMIT = 64, 65536
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w+")  # a file, not a pipe nobody drains
     proc = subprocess.Popen([sys.executable, "-m", "labsrc.serving", "--model", "lab-target", "--port", str(port),
-                             "--kernels", "torch", "--num-blocks", "64", "--block-size", "8"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--host", "127.0.0.1", "--kernels", "torch", "--num-blocks", str(NUM_BLOCKS),
+                             "--block-size", "8", "--max-request-bytes", str(BODY_LIMIT)],
+                            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {proc.stdout.read()[-2000:]}")
+                log.seek(0)
+                raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                     break
@@ -46,12 +57,35 @@ def server():
     finally:
         proc.kill()
         proc.wait(timeout=30)
+        log.close()
 
 
-def test_greedy_completion_equals_generate(server):
-    from labsrc.models import load
+@pytest.fixture(scope="module")
+def lab():
+    return load("lab-target")
 
-    model, tok = load("lab-target")
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def settle(url, timeout=30.0) -> dict:
+    """Wait until the engine holds no request; return its books. Every block must then be free."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = httpx.get(f"{url}/stats", timeout=5).json()
+        if s["running"] == s["waiting"] == s["active"] == s["queued"] == 0:
+            return s
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine still holds requests after {timeout} s: {s}")
+        time.sleep(0.1)
+
+
+def test_greedy_completion_equals_generate(server, lab):
+    model, tok = lab
     prompt = [17, 400, 93, 1201, 55, 8, 302]
     r = httpx.post(f"{server}/v1/completions", json=dict(model="lab-target", prompt=prompt, max_tokens=6,
                                                          temperature=0, ignore_eos=True), timeout=60)
@@ -104,3 +138,409 @@ def test_bench_client_reports_percentiles(server):
     assert s["requests"] == 4 and 12 <= s["output_tokens"] <= 20
     assert 0 < s["ttft"]["p50"] <= s["ttft"]["p99"] <= s["e2e"]["p99"]
     assert s["tpot"]["p50"] > 0 and "TTFT" in bench.format_report(s)
+
+
+def post(url, **kw):
+    return httpx.post(f"{url}/v1/completions", json=kw, timeout=60)
+
+
+def reference_text(lab, prompt_ids, n):
+    model, tok = lab
+    ids = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n, pad_token_id=1,
+                         eos_token_id=None)[0, len(prompt_ids):].tolist()
+    return ids, tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_openai_client_streaming_and_not(server, client, lab):
+    model, tok = lab
+    assert [m.id for m in client.models.list()] == ["lab-target"]
+    prompt = [17, 400, 93, 1201, 55, 8, 302]
+    ids, text = reference_text(lab, prompt, 10)
+    c = client.completions.create(model="lab-target", prompt=prompt, max_tokens=10, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert c.object == "text_completion" and c.choices[0].text == text and c.choices[0].finish_reason == "length"
+    assert c.usage.prompt_tokens == 7 and c.usage.completion_tokens == 10
+    chunks = list(client.completions.create(model="lab-target", prompt=prompt, max_tokens=10, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks) == text
+    assert [ch.choices[0].finish_reason for ch in chunks][-1] == "length"
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model="lab-target", prompt="hi", max_tokens=2, best_of=2)
+
+
+def test_stop_n_echo_and_logprobs_as_openai_defines_them(server, client, lab):
+    model, tok = lab
+    prompt = [23, 1800, 77, 3001, 9, 640, 12, 88]
+    ids, text = reference_text(lab, prompt, 16)
+    assert len(text) >= 6, text
+    stop = text[3:6]
+    cut = text[:text.find(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model="lab-target", prompt=prompt, max_tokens=16, temperature=0,
+                                      stop=[stop, "\u2603never"], stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(r) if stream else [r]
+        assert "".join(ch.choices[0].text for ch in chunks) == cut, (stream, stop, text)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    # n: greedy completions are all equal; seeded sampling is reproducible and gives n indexed choices
+    r = client.completions.create(model="lab-target", prompt=prompt, max_tokens=5, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == r.choices[1].text == ids_text(tok, ids[:5])
+    a = client.completions.create(model="lab-target", prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=7)
+    b = client.completions.create(model="lab-target", prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=7)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 3
+    # batched prompts: choice i * n + j
+    r = client.completions.create(model="lab-target", prompt=[prompt, prompt[:4]], max_tokens=3, temperature=0,
+                                  n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.choices[0].text == ids_text(tok, ids[:3])
+    assert r.usage.prompt_tokens == 12 and r.usage.completion_tokens == 12
+    # echo: the prompt's text first
+    text_prompt = "Once upon a time"
+    r = client.completions.create(model="lab-target", prompt=text_prompt, max_tokens=4, temperature=0, echo=True)
+    assert r.choices[0].text.startswith(text_prompt)
+    # logprobs (echo too): values against one forward of prompt + output
+    r = client.completions.create(model="lab-target", prompt=prompt, max_tokens=5, temperature=0, logprobs=2,
+                                  echo=True, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    full = prompt + ids[:5]
+    with torch.no_grad():
+        want = torch.log_softmax(model(torch.tensor([full])).logits[0].float(), -1)
+    assert len(lp.tokens) == len(full) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for p in range(1, len(full)):
+        assert lp.token_logprobs[p] == pytest.approx(float(want[p - 1, full[p]]), abs=1e-3)
+        assert len(lp.top_logprobs[p]) <= 2 and max(lp.top_logprobs[p].values()) == \
+            pytest.approx(float(want[p - 1].max()), abs=1e-3)
+    assert lp.text_offset[len(prompt)] == len(ids_text(tok, prompt))
+    chunks = list(client.completions.create(model="lab-target", prompt=prompt, max_tokens=5, temperature=0,
+                                            logprobs=1, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [v for ch in chunks if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx([float(want[len(prompt) - 1 + i, ids[i]]) for i in range(5)], abs=1e-3)
+
+
+def ids_text(tok, ids):
+    return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_fields_are_checked_at_the_door(server):
+    """Unknown fields, OpenAI fields the engine does not implement, strings for numbers, non-finite floats
+    (JSON's Infinity/NaN), out-of-range values: 400 naming the field, never 200 and never 500."""
+    base = dict(model="lab-target", prompt=[5, 6, 7], max_tokens=2)
+    for extra, field in ((dict(foo=1), "foo"), (dict(best_of=2), "best_of"), (dict(frequency_penalty=0.5),
+                         "frequency_penalty"), (dict(suffix="x"), "suffix"), (dict(max_tokens="5"), "max_tokens"),
+                         (dict(n=0), "n"), (dict(n=True), "n"), (dict(logprobs=6), "logprobs"),
+                         (dict(stop=["a"] * 5), "stop"), (dict(stop=""), "stop"), (dict(seed=2 ** 64), "seed"),
+                         (dict(temperature=2.5), "temperature"), (dict(top_p=0), "top_p"),
+                         (dict(prompt=[5, -1]), "prompt"), (dict(prompt=[]), "prompt"),
+                         (dict(prompt=[[5], "x"]), "prompt"), (dict(prompt=[5, 6], n=16, max_tokens=1,
+                                                                    ), None)):
+        r = post(server, **{**base, **extra})
+        if field is None:
+            assert r.status_code == 200, r.text
+            continue
+        assert r.status_code == 400, (extra, r.text)
+        assert field in r.text, (extra, r.text)
+    for raw in (b'{"model": "lab-target", "prompt": [5], "temperature": Infinity}',
+                b'{"model": "lab-target", "prompt": [5], "top_p": NaN}', b'{"model": "lab-target", "prompt": [5',
+                b'[1, 2]'):
+        r = httpx.post(f"{server}/v1/completions", content=raw, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.status_code == 400, (raw, r.text)
+    r = post(server, model="lab-target", prompt=[[5, 6]] * 33, n=2, max_tokens=1)
+    assert r.status_code == 400 and "at most 64" in r.text
+
+
+def test_size_limits_and_huge_prompts(server):
+    """A body over the limit is 413 (declared or chunked); a text of far more tokens than the context is 400,
+    found from a bounded prefix; the server answers others meanwhile and after."""
+    r = httpx.post(f"{server}/v1/completions", content=b"x" * (BODY_LIMIT + 1), timeout=30)
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+
+    def chunks():
+        for _ in range(BODY_LIMIT // 4096 + 2):
+            yield b" " * 4096
+
+    r = httpx.post(f"{server}/v1/completions", content=chunks(), timeout=30)
+    assert r.status_code == 413
+    t0 = time.perf_counter()
+    r = post(server, model="lab-target", prompt="word " * 12000, max_tokens=2)
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    assert time.perf_counter() - t0 < 20
+    assert post(server, model="lab-target", prompt="hello", max_tokens=2).status_code == 200
+    assert settle(server)["free_blocks"] == NUM_BLOCKS
+
+
+def test_edge_sampling_parameters_fail_nobody(server, lab):
+    """Sampling parameters at the edge of the float range used to make the engine step raise, and every
+    request in flight got 500. Now they sample, and concurrent greedy requests keep their exact tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompt = [44, 901, 3, 77, 1500, 6]
+    ids, _ = reference_text(lab, prompt, 6)
+    reqs = [dict(temperature=0.0)] * 2 + [dict(temperature=5e-324, seed=1), dict(temperature=2.0, top_p=5e-324,
+                                                                                     seed=2),
+                                          dict(temperature=1e-300, top_p=1.0, seed=3), dict(temperature=2.0, seed=4)]
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        rs = list(pool.map(lambda kw: post(server, model="lab-target", prompt=prompt, max_tokens=6,
+                                           ignore_eos=True, **kw), reqs))
+    assert [r.status_code for r in rs] == [200] * len(reqs), [r.text for r in rs]
+    assert [r.json()["choices"][0]["token_ids"] for r in rs[:2]] == [ids, ids]
+    assert rs[2].json()["choices"][0]["token_ids"] == ids  # a tiny temperature is the argmax limit
+    assert settle(server)["free_blocks"] == NUM_BLOCKS
+
+
+def test_clients_that_go_away_free_their_blocks(server):
+    """A streaming client that closes after two events and a non-streaming client that times out: both
+    requests are aborted (not run to their 400 tokens), and every block is free again."""
+    before = settle(server)["aborted"]
+    body = dict(model="lab-target", prompt=[5, 6, 7, 8, 9], max_tokens=400, temperature=0, ignore_eos=True)
+    with httpx.stream("POST", f"{server}/v1/completions", json=dict(body, stream=True), timeout=60) as resp:
+        events = 0
+        for line in resp.iter_lines():
+            events += line.startswith("data: ")
+            if events == 2:
+                break
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 30
+    while settle(server)["aborted"] < before + 2:
+        assert time.monotonic() < deadline, "the requests of clients that went away were not aborted"
+        time.sleep(0.1)
+    assert settle(server)["free_blocks"] == NUM_BLOCKS
+    assert post(server, model="lab-target", prompt=[5, 6], max_tokens=2).status_code == 200
+
+
+# ------------------------------------------------------------------------------------- in-process server
+@pytest.fixture
+def inprocess(lab, monkeypatch):
+    """The app on uvicorn in a thread of this process (127.0.0.1), so a test can force what the engine samples:
+    ``forced[seed]`` lists the tokens a request with that seed (and temperature > 0) produces; seed 666 makes
+    sampling raise."""
+    import threading
+
+    import uvicorn
+
+    from labsrc.serving import engine as engine_module
+    from labsrc.serving.engine import Engine
+    from labsrc.serving.server import create_app
+
+    model, tok = lab
+    forced: dict[int, list[int]] = {}
+    real = engine_module._sample
+
+    def sample(logits, params, generator):
+        if params.seed == 666:
+            raise RuntimeError("sampling exploded")
+        if params.seed in forced:
+            return forced[params.seed].pop(0)
+        return real(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "_sample", sample)
+    engine = Engine(model, num_blocks=64, block_size=8, tokenizer=tok, kernels="torch")
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "lab-target"), host="127.0.0.1", port=free_port(),
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}", forced, engine
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_streamed_non_ascii_text_arrives_whole(inprocess, lab):
+    """Characters that span several byte-level tokens (accents, CJK, an emoji) forced through the real tokenizer
+    and the server's stream: no chunk carries U+FFFD, and the chunks join to the non-streamed text (before the
+    fix every such character was streamed as U+FFFD and never sent whole)."""
+    import json
+
+    url, forced, _ = inprocess
+    tok = lab[1]
+    text = "café 中文 😀 naïve ü"
+    ids = tok(text)["input_ids"]
+    assert any("\ufffd" in tok.decode([t]) for t in ids)  # the case: tokens that are parts of characters
+    body = dict(model="lab-target", prompt=[5, 6], max_tokens=len(ids), temperature=1.0, ignore_eos=True)
+    forced[11] = list(ids)
+    whole = post(url, **body, seed=11).json()["choices"][0]
+    assert whole["text"] == text
+    forced[12] = list(ids)
+    with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, seed=12, stream=True), timeout=60) as r:
+        pieces = [json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces), pieces
+    forced[13] = list(ids)  # a stop string made of a multi-token character
+    with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, seed=13, stream=True, stop="文"),
+                      timeout=60) as r:
+        events = [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(e["text"] for e in events) == "café 中" and events[-1]["finish_reason"] == "stop"
+
+
+def test_a_failing_sequence_gets_500_and_the_others_their_tokens(inprocess, lab):
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, _, engine = inprocess
+    prompt = [31, 415, 9, 2200, 71]
+    ids, _ = reference_text(lab, prompt, 5)
+    reqs = [dict(temperature=1.0, seed=666), dict(temperature=0.0), dict(temperature=1.0, seed=666, stream=True),
+            dict(temperature=0.0)]
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        rs = list(pool.map(lambda kw: post(url, model="lab-target", prompt=prompt, max_tokens=5, ignore_eos=True,
+                                           **kw), reqs))
+    assert rs[0].status_code == 500 and "sampling exploded" in rs[0].json()["error"]["message"]
+    assert rs[0].json()["error"]["type"] == "server_error"
+    assert rs[2].status_code == 200 and '"server_error"' in rs[2].text and "sampling exploded" in rs[2].text
+    assert [r.json()["choices"][0]["token_ids"] for r in (rs[1], rs[3])] == [ids, ids]
+    deadline = time.monotonic() + 10
+    while engine.has_unfinished():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert engine.blocks.num_free_blocks == 64
+    engine.blocks.check_invariants()
+
+
+def test_incremental_detokenizer_on_real_tokens(lab):
+    from hypothesis import given, settings, strategies as st
+
+    from labsrc.serving.detokenizer import IncrementalDetokenizer
+
+    tok = lab[1]
+
+    @settings(max_examples=60, deadline=None, derandomize=True)
+    @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=24),
+           st.lists(st.text(min_size=1, max_size=3), max_size=2))
+    def check(text, stop):
+        ids = tok(text)["input_ids"]
+        whole = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        d = IncrementalDetokenizer(tok, stop)
+        pieces = [d.add(t) for t in ids] + [d.flush()]
+        cuts = [whole.find(s) for s in stop if s in whole]
+        want = whole[:min(cuts)] if cuts else whole
+        assert "".join(pieces) == want
+        if "\ufffd" not in whole:
+            assert not any("\ufffd" in p for p in pieces)
+        assert d.stopped == bool(cuts)
+
+    check()
+
+
+# ------------------------------------------------------------------------------------------------ the fuzz
+def _fuzz_strategies():
+    from hypothesis import strategies as st
+
+    ids = st.lists(st.integers(0, 4095), min_size=1, max_size=24)
+    text = st.text(alphabet=st.sampled_from("ab cé中😀.\n"), min_size=1, max_size=24)
+    optional = dict(
+        temperature=st.one_of(st.just(0.0), st.floats(0, 2), st.just(5e-324)),
+        top_p=st.one_of(st.floats(5e-324, 1.0), st.just(1.0)), n=st.integers(1, 2),
+        stop=st.one_of(st.none(), st.text(alphabet="ab cé", min_size=1, max_size=3),
+                       st.lists(st.text(alphabet="ab cé", min_size=1, max_size=3), max_size=4)),
+        echo=st.booleans(), logprobs=st.one_of(st.none(), st.integers(0, 5)), seed=st.integers(0, 2 ** 63 - 1),
+        ignore_eos=st.booleans())
+    prompt = st.one_of(ids, text, st.lists(st.one_of(ids), min_size=1, max_size=2),
+                       st.lists(text, min_size=1, max_size=2))
+    valid = st.fixed_dictionaries(dict(model=st.just("lab-target"), prompt=prompt, max_tokens=st.integers(1, 6)),
+                                  optional=optional)
+    breakers = st.sampled_from([
+        ("foo", 1), ("best_of", 2), ("presence_penalty", 0.1), ("max_tokens", 0), ("max_tokens", "3"),
+        ("temperature", -0.5), ("temperature", 3.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 17), ("n", 0),
+        ("logprobs", 9), ("seed", -1), ("seed", 2 ** 64), ("stop", ["x"] * 5), ("prompt", []), ("prompt", [4096]),
+        ("prompt", [-3]), ("prompt", [1.5]), ("prompt", 7), ("prompt", [5] * 600), ("echo", "yes"),
+        ("model", "other"), ("stream", 1)])
+    invalid = st.tuples(valid, breakers).map(lambda vb: {**vb[0], vb[1][0]: vb[1][1]})
+    action = st.one_of(
+        st.tuples(st.just("valid"), valid, st.none()),
+        st.tuples(st.just("stream-then-leave"), valid, st.integers(1, 3)),
+        st.tuples(st.just("invalid"), invalid, st.none()))
+    return st.lists(action, min_size=1, max_size=4)
+
+
+def _run_action(url, kind, body, leave_after):
+    import json
+
+    if kind == "stream-then-leave":
+        with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+            if r.status_code != 200:
+                return r.status_code, r.read().decode()
+            seen = 0
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    data = json.loads(line[6:])
+                    assert "error" not in data, data
+                    seen += 1
+                    if seen == leave_after:
+                        break
+            return 200, ""
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    return r.status_code, r.text
+
+
+def test_fuzz_random_requests_concurrent_clients_and_disconnects(server):
+    """Random valid and invalid requests from concurrent clients, some streaming and leaving mid-stream: a valid
+    request gets 200 with n choices per prompt, an invalid one 4xx, never 5xx; after each run every block is
+    free and the server still answers."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hypothesis import HealthCheck, given, settings
+
+    deadline = time.monotonic() + 240  # the fuzz's own budget on a shared CPU
+
+    @settings(max_examples=15, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_fuzz_strategies())
+    def run(actions):
+        if time.monotonic() > deadline:
+            return
+        with ThreadPoolExecutor(len(actions)) as pool:
+            results = list(pool.map(lambda a: _run_action(server, *a), actions))
+        for (kind, body, _), (status, text) in zip(actions, results):
+            if kind == "invalid":
+                assert 400 <= status < 500, (body, status, text)
+                assert "error" in json.loads(text), text
+            else:
+                assert status == 200, (body, status, text)
+                if kind == "valid":
+                    reply = json.loads(text)
+                    prompts = 1 if isinstance(body["prompt"], str) or isinstance(body["prompt"][0], int) else \
+                        len(body["prompt"])
+                    assert len(reply["choices"]) == prompts * body.get("n", 1)
+                    assert all(c["finish_reason"] in ("stop", "length") for c in reply["choices"])
+        books = settle(server)
+        assert books["free_blocks"] == books["num_blocks"] == NUM_BLOCKS, books
+        assert httpx.get(f"{server}/health", timeout=10).status_code == 200
+
+    run()
+    assert post(server, model="lab-target", prompt=[5, 6], max_tokens=2).status_code == 200
+
+
+def test_tokenize_bounded_reads_a_prefix_of_a_huge_text(lab):
+    """A prompt of a million characters is refused after tokenizing a prefix of it (the engine thread used to
+    tokenize all of it before checking the length); a text within the limit gets its exact token ids, and the
+    prefix's tokens are a prefix of the whole text's (the property the early refusal rests on)."""
+    from labsrc.serving.server import tokenize_bounded
+
+    tok = lab[1]
+    seen = []
+
+    def counting(text):
+        seen.append(len(text))
+        return tok(text)
+
+    huge = "ünïcode words and 12345 digits " * 40000
+    with pytest.raises(ValueError, match="at least .* tokens; the model's context is 511"):
+        tokenize_bounded(counting, huge, 511)
+    assert seen and max(seen) <= 16 * 512
+    text = "Once upon a time, café 中文 " * 10
+    assert tokenize_bounded(tok, text, 511) == list(tok(text)["input_ids"])
+    with pytest.raises(ValueError, match="the prompt has"):
+        tokenize_bounded(tok, text, 20)
+    cut = text.rfind(" ", 0, 100)
+    head = tok(text[:cut])["input_ids"]
+    assert tok(text)["input_ids"][:len(head)] == head

@@ -316,8 +316,10 @@ def _check_prefill(q, k_pool, v_pool, block_table, context_len, sm_scale, need_k
     if context_len < tq:
         raise ValueError(f"context_len ({context_len}) must count the chunk's own {tq} queries, which are cached "
                          "before attention runs")
-    _check_tables(block_table[None] if isinstance(block_table, torch.Tensor) and block_table.dim() == 1
-                  else block_table, torch.tensor([context_len], device=q.device), 1, num_blocks, page, q.device)
+    # One sequence's table is 1-D; check the rank here, before the shared (B, max_blocks) checks see a 2-D
+    # table of one row and let it through to a gather that fails deep inside.
+    _check_index("block_table", block_table, 1, "(max_blocks,)", q.device)
+    _check_tables(block_table[None], torch.tensor([context_len], device=q.device), 1, num_blocks, page, q.device)
 
 
 def paged_prefill_attention_ref(q, k_pool, v_pool, block_table, context_len, sm_scale=None):

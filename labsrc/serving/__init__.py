@@ -5,8 +5,10 @@ caching, preemption, and an OpenAI-compatible HTTP server (chapter 9).
   prefix caching;
 * :mod:`labsrc.serving.scheduler` -- :class:`Scheduler`: token budget, chunked prefill, FCFS, preemption;
 * :mod:`labsrc.serving.engine` -- :class:`Engine`: the paged cache inside a ``transformers`` Llama;
-* :mod:`labsrc.serving.server` -- ``python -m labsrc.serving``: ``/v1/completions`` over HTTP;
-* :mod:`labsrc.serving.bench` -- ``python -m labsrc.serving.bench``: replay a trace against the server.
+* :mod:`labsrc.serving.server` -- ``python -m labsrc.serving``: ``/v1/completions`` over HTTP, with the request
+  it accepts in :mod:`labsrc.serving.protocol` and streamed text from :mod:`labsrc.serving.detokenizer`;
+* :mod:`labsrc.serving.bench` -- ``python -m labsrc.serving.bench``: replay a trace against the server, or
+  (``--compare``) time the engine against ``transformers`` in one process.
 """
 from labsrc.serving.blocks import BlockManager, NoFreeBlocksError, block_hashes, slot_mapping, slot_of
 from labsrc.serving.scheduler import SamplingParams, Scheduler, Sequence

@@ -17,6 +17,8 @@ def main(argv=None) -> None:
     parser.add_argument("--kernels", choices=("triton", "torch"), default=None,
                         help="default: triton on a GPU, the PyTorch references on a CPU")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="largest request body accepted (413 beyond); default 1 MiB")
     args = parser.parse_args(argv)
 
     import uvicorn
@@ -24,15 +26,16 @@ def main(argv=None) -> None:
     from labsrc import runtime
     from labsrc.models import load
     from labsrc.serving.engine import Engine
-    from labsrc.serving.server import create_app
+    from labsrc.serving.server import MAX_REQUEST_BYTES, create_app
 
     model, tokenizer = load(args.model, device=runtime.DEVICE)
-    kernels = args.kernels or ("triton" if runtime.HAS_CUDA else "torch")
     engine = Engine(model, num_blocks=args.num_blocks, block_size=args.block_size,
                     max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                    tokenizer=tokenizer, enable_prefix_caching=not args.no_prefix_caching, kernels=kernels)
-    print(f"serving {args.model} on http://{args.host}:{args.port}/v1/completions ({kernels} kernels)", flush=True)
-    uvicorn.run(create_app(engine, args.model), host=args.host, port=args.port, log_level="warning")
+                    tokenizer=tokenizer, enable_prefix_caching=not args.no_prefix_caching, kernels=args.kernels)
+    print(f"serving {args.model} on http://{args.host}:{args.port}/v1/completions ({engine.kernels} kernels)",
+          flush=True)
+    app = create_app(engine, args.model, max_request_bytes=args.max_request_bytes or MAX_REQUEST_BYTES)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ What this module keeps, and nothing else (the K/V tensors live in the engine's p
   (*copy-on-write*): the writer gets a fresh block, and the engine copies the old block's K/V into it
   (:meth:`BlockManager.take_copies`);
 * prefix caching: a full block is identified by a hash *chain* over the tokens of every block up to and
-  including it, ``h_i = hash((h_{i-1}, tokens of block i))``, so two equal blocks at different prefixes
-  never share an id. Once its K/V is computed (:meth:`BlockManager.mark_computed`) a full block is published
+  including it, ``h_i = SHA-256(h_{i-1} || tokens of block i)``, so two equal blocks at different prefixes
+  never share an id. The hash is cryptographic because a request chooses its own tokens: with a weak hash
+  (Python's ``hash``, which vLLM used until it moved to SHA-256) a client can build a prefix whose chain
+  hash equals another prompt's and be served K/V computed after someone else's prefix. Once its K/V is computed (:meth:`BlockManager.mark_computed`) a full block is published
   under its hash; a later request whose prompt starts with the same blocks reuses them instead of computing
   them again;
 * an LRU pool of freed cached blocks: a block whose count falls to 0 keeps its K/V and its hash until the
@@ -25,28 +27,38 @@ Running out of blocks raises :class:`NoFreeBlocksError` *before* any table or co
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import math
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-__all__ = ["BlockManager", "NoFreeBlocksError", "block_hashes", "slot_of", "slot_mapping"]
+__all__ = ["BlockManager", "NoFreeBlocksError", "block_hashes", "chain_hash", "slot_of", "slot_mapping"]
 
 
 class NoFreeBlocksError(RuntimeError):
     """The pool has no free (or evictable cached) block left for the request."""
 
 
-def block_hashes(token_ids, block_size: int) -> list[int]:
-    """The hash chain of the *full* blocks of ``token_ids``: ``h_i = hash((h_{i-1}, tokens of block i))``.
+def chain_hash(parent: bytes | None, block_tokens) -> bytes:
+    """One link of the chain: ``SHA-256(parent || tokens)``, 32 bytes. The parent digest has a fixed length and
+    the tokens are written as comma-separated decimals, so two different (parent, tokens) pairs never give the
+    same input, and finding two that give the same digest is as hard as breaking SHA-256."""
+    text = ",".join(str(int(t)) for t in block_tokens).encode()
+    return hashlib.sha256((parent or b"") + text).digest()
+
+
+def block_hashes(token_ids, block_size: int) -> list[bytes]:
+    """The hash chain of the *full* blocks of ``token_ids``: ``h_i = SHA-256(h_{i-1} || tokens of block i)``.
 
     Chaining makes a block's hash depend on everything before it: the same 16 tokens after two different
-    prefixes give two different hashes, so their K/V (which depends on the prefix) are never confused.
-    Python's hash of a tuple of ints is deterministic (no per-process salt for ints), and the block manager
-    compares the tokens of a hit as well, so a collision of the 64-bit hash cannot serve a wrong block.
+    prefixes give two different hashes, so their K/V (which depends on the prefix) are never confused. A
+    cryptographic hash makes it infeasible to *choose* tokens whose chain collides with another prompt's (the
+    block manager also compares a hit's own tokens, which alone would not catch a forged parent).
     """
     hashes, prev = [], None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash((prev, tuple(token_ids[start:start + block_size])))
+        prev = chain_hash(prev, token_ids[start:start + block_size])
         hashes.append(prev)
     return hashes
 
@@ -65,7 +77,7 @@ def slot_mapping(block_table, start: int, end: int, block_size: int) -> list[int
 class _Seq:
     table: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # every token that has a slot
-    hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks so far
+    hashes: list[bytes] = field(default_factory=list)  # hash chain of the full blocks so far
     computed: int = 0  # tokens whose K/V is known to be written (published blocks lie below this)
     evicted: bool = False  # blocks were dropped: the table no longer spells a prefix, publish nothing
 
@@ -92,11 +104,11 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks  # the published hash of a block, if any
+        self.block_hash: list[bytes | None] = [None] * num_blocks  # the published hash of a block, if any
         self.block_tokens: list[tuple | None] = [None] * num_blocks  # its tokens, to verify a hit
         self._free: deque[int] = deque(range(num_blocks))  # no owner, no hash
         self._evictable: OrderedDict[int, None] = OrderedDict()  # no owner, cached; oldest first (LRU)
-        self._cached: dict[int, int] = {}  # hash -> block id (owned or evictable)
+        self._cached: dict[bytes, int] = {}  # hash -> block id (owned or evictable)
         self._seqs: dict = {}
         self._copies: list[tuple[int, int]] = []  # (src, dst) K/V copies owed by copy-on-write
         self.cache_queries = 0
@@ -128,13 +140,13 @@ class BlockManager:
             raise KeyError(f"unknown sequence {seq_id!r}: allocate it first")
         return self._seqs[seq_id]
 
-    def _hits(self, token_ids, hashes) -> list[int]:
+    def _hits(self, token_ids, hashes, use_cache: bool = True) -> list[int]:
         """Blocks of the published prefix of ``token_ids``, stopping at the first miss.
 
         At least one token is always left to compute (the model needs the last prompt token's logits), so a
         prompt made of whole cached blocks reuses all but its last block.
         """
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and use_cache):
             return []
         hits = []
         bs = self.block_size
@@ -147,17 +159,17 @@ class BlockManager:
             hits.pop()
         return hits
 
-    def _blocks_needed(self, token_ids) -> tuple[list[int], int]:
+    def _blocks_needed(self, token_ids, use_cache: bool = True) -> tuple[list[int], int]:
         hashes = block_hashes(token_ids, self.block_size)
-        hits = self._hits(token_ids, hashes)
+        hits = self._hits(token_ids, hashes, use_cache)
         # A hit on an owned block costs nothing; a hit on an evictable block takes it out of the pool.
         fresh = math.ceil(len(token_ids) / self.block_size) - len(hits)
         revived = sum(1 for b in hits if self.ref_count[b] == 0)
         return hits, fresh + revived
 
-    def can_allocate(self, token_ids) -> bool:
+    def can_allocate(self, token_ids, use_cache: bool = True) -> bool:
         """Whether :meth:`allocate` of these tokens would find enough blocks now."""
-        return self._blocks_needed(list(token_ids))[1] <= self.num_free_blocks
+        return self._blocks_needed(list(token_ids), use_cache)[1] <= self.num_free_blocks
 
     def can_append(self, seq_id) -> bool:
         """Whether :meth:`append_slot` would find a block now (it needs one when the last block is full or
@@ -179,10 +191,11 @@ class BlockManager:
         self.ref_count[block] = 1
         return block
 
-    def allocate(self, seq_id, token_ids) -> int:
+    def allocate(self, seq_id, token_ids, use_cache: bool = True) -> int:
         """Give a new sequence blocks for ``token_ids``; return how many leading tokens are already cached.
 
         Cached tokens (whole published blocks of the same prefix) need no prefill: their K/V is in the pool.
+        ``use_cache=False`` takes fresh blocks for everything (a request that wants every prompt token's logits).
         Raises :class:`NoFreeBlocksError` (nothing changed) when the pool cannot hold the sequence.
         """
         token_ids = [int(t) for t in token_ids]
@@ -190,7 +203,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} is already allocated")
         if not token_ids:
             raise ValueError("token_ids must hold at least one token")
-        hits, needed = self._blocks_needed(token_ids)
+        hits, needed = self._blocks_needed(token_ids, use_cache)
         if needed > self.num_free_blocks:
             raise NoFreeBlocksError(f"sequence {seq_id!r} needs {needed} free blocks for {len(token_ids)} tokens "
                                     f"but the pool has {self.num_free_blocks} of {self.num_blocks}")
@@ -234,7 +247,7 @@ class BlockManager:
             self._copies.append((old, new))
         s.tokens.append(int(token_id))
         if len(s.tokens) % bs == 0 and not s.evicted:
-            s.hashes.append(hash((s.hashes[-1] if s.hashes else None, tuple(s.tokens[-bs:]))))
+            s.hashes.append(chain_hash(s.hashes[-1] if s.hashes else None, s.tokens[-bs:]))
         return slot_of(s.table, pos, bs)
 
     def mark_computed(self, seq_id, num_computed: int) -> None:
@@ -286,7 +299,10 @@ class BlockManager:
             raise ValueError(f"sequence {child_id!r} is already allocated")
         for block in p.table:
             self.ref_count[block] += 1
-        self._seqs[child_id] = _Seq(list(p.table), list(p.tokens), list(p.hashes), p.computed)
+        # Every field is copied, ``evicted`` included: a child of a parent that dropped blocks must not publish
+        # its blocks either (its hash list is empty, so it would index past it, or hash a table with holes).
+        self._seqs[child_id] = dataclasses.replace(p, table=list(p.table), tokens=list(p.tokens),
+                                                   hashes=list(p.hashes))
 
     def free(self, seq_id) -> None:
         """Release a sequence's blocks. A block nobody else holds becomes free, or evictable if it is cached

@@ -14,7 +14,14 @@ One step of :class:`Engine`:
    the model's context length.
 
 The pools: one per layer for K and for V, each ``(num_blocks, block_size, n_kv_heads, head_dim)``.
-``kernels="torch"`` runs the same steps on the PyTorch references (fast on a CPU, where Triton is interpreted).
+``kernels="torch"`` runs the same steps in PyTorch (the default on a CPU, where Triton is interpreted): the
+decodes of a step are attended *together*, one gather of every sequence's keys through a padded index and
+one masked attention call per layer (:func:`batched_decode_attention`), instead of a Python-level call per
+sequence.
+
+A step that fails leaves the engine as it was before the step (nothing is marked computed until the forward
+has returned); a failure in one sequence's sampling finishes that sequence alone, with ``finish_reason
+"error"``, and the others go on.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import time
 import torch
 
 import labsrc  # noqa: F401  (interpreter switch before triton loads)
+from labsrc import runtime
 from labsrc.kernels import kv_store as _kv
 from labsrc.kernels import paged_attention as _pa
 from labsrc.models import config_head_dim
@@ -57,6 +65,44 @@ class _Batch:
             self.decode_tables = torch.tensor([e[3] + [0] * (width - len(e[3])) for e in self.decode],
                                               dtype=torch.int32, device=dev)
             self.decode_lens = torch.tensor([e[2] for e in self.decode], dtype=torch.int32, device=dev)
+            if engine.kernels == "torch":
+                # The same for every layer, so built once per step: the pool slot of every cached key of every
+                # decoding sequence, padded to the longest (padding reads slot 0 and is masked out).
+                longest = max(e[2] for e in self.decode)
+                pos = torch.arange(longest, device=dev)
+                tables = self.decode_tables.long()
+                self.decode_mask = pos[None, :] < self.decode_lens.long()[:, None]  # (B, L)
+                self.decode_slots = torch.where(
+                    self.decode_mask, tables.gather(1, (pos // bs).clamp(max=width - 1).expand(len(tables), -1))
+                    * bs + pos % bs, 0)  # (B, L)
+
+
+def batched_decode_attention(q, k_pool, v_pool, slots, mask, scaling):
+    """Every decoding sequence of a step at once: ``q (B, Hq, D)`` against the keys at ``slots (B, L)`` of the
+    flattened pools, ``mask (B, L)`` marking the real ones; returns ``(B, Hq, D)``.
+
+    The same result as :func:`~labsrc.kernels.paged_attention.paged_decode_attention_ref` (a loop over the
+    sequences), as one gather and one attention call: on a CPU each call costs more in Python and dispatch
+    than in arithmetic for a small model, so the per-sequence loop, not the FLOPs, set the engine's speed."""
+    hkv, d = k_pool.shape[2], k_pool.shape[3]
+    k = k_pool.view(-1, hkv, d)[slots].transpose(1, 2)  # (B, Hkv, L, D)
+    v = v_pool.view(-1, hkv, d)[slots].transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=mask[:, None, None],
+                                                           scale=scaling, enable_gqa=True)
+    return out[:, :, 0]
+
+
+def prefill_attention(q, k_pool, v_pool, table, ctx, sm_scale=None):
+    """One prefill chunk on the PyTorch path: ``q (Hq, Tq, D)`` against the sequence's first ``ctx`` keys,
+    causal and bottom-right aligned (query ``i`` sees keys ``j <= i + ctx - Tq``), in one fused attention call;
+    the same result as :func:`~labsrc.kernels.paged_attention.paged_prefill_attention_ref`."""
+    k, v = _pa.gather_kv(k_pool, v_pool, table, ctx)  # (Hkv, ctx, D)
+    tq = q.shape[1]
+    mask = None if tq == ctx else \
+        torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - tq, ctx, device=q.device)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                                            is_causal=mask is None, scale=sm_scale,
+                                                            enable_gqa=True)[0]
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
@@ -80,11 +126,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
     q = query[0]  # (Hq, N, D)
     out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # (N, Hq, D)
     if batch.decode:
-        dec = _pa.paged_decode_attention if eng.kernels == "triton" else _pa.paged_decode_attention_ref
         q_dec = q[:, batch.decode_rows].transpose(0, 1)  # (B, Hq, D)
-        out[batch.decode_rows] = dec(q_dec, k_pool, v_pool, batch.decode_tables, batch.decode_lens,
-                                     sm_scale=scaling)
-    pre = _pa.paged_prefill_attention if eng.kernels == "triton" else _pa.paged_prefill_attention_ref
+        if eng.kernels == "triton":
+            out[batch.decode_rows] = _pa.paged_decode_attention(q_dec, k_pool, v_pool, batch.decode_tables,
+                                                                batch.decode_lens, sm_scale=scaling)
+        else:
+            out[batch.decode_rows] = batched_decode_attention(q_dec.contiguous(), k_pool, v_pool,
+                                                              batch.decode_slots, batch.decode_mask, scaling)
+    pre = _pa.paged_prefill_attention if eng.kernels == "triton" else prefill_attention
     for at, n, ctx, table, seq_id in batch.prefill:
         tab = torch.tensor(table, dtype=torch.int32, device=q.device)
         out[at:at + n] = pre(q[:, at:at + n], k_pool, v_pool, tab, ctx, sm_scale=scaling).transpose(0, 1)
@@ -115,14 +164,26 @@ def _is_decode(s: Scheduled) -> bool:
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> int:
+    """One token from one row of logits. ``temperature=0`` is argmax. Otherwise the softmax of
+    ``(logits - max) / temperature`` in float64: subtracting the maximum first keeps every scaled logit <= 0,
+    so a tiny temperature gives the argmax limit (``exp(0) = 1`` for the top token, 0 for the rest) instead of
+    ``inf / inf = NaN``, and a huge one gives the uniform limit."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / params.temperature, -1)
+    z = logits.double()
+    probs = torch.softmax((z - z.max()) / params.temperature, -1)
     if params.top_p < 1:
         sorted_p, order = probs.sort(descending=True)
         keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # the smallest prefix reaching top_p
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))  # the generator lives on the CPU
+
+
+def _logprob(logits: torch.Tensor, token: int, k: int) -> tuple[float, dict[int, float]]:
+    """``token``'s log-probability under the raw logits, and the ``k`` most likely tokens' (float32)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = torch.topk(lp, k) if k else None
+    return float(lp[token]), ({} if top is None else dict(zip(top.indices.tolist(), top.values.tolist())))
 
 
 class Engine:
@@ -137,18 +198,21 @@ class Engine:
         enable_prefix_caching: reuse computed blocks of equal prefixes.
         policy: ``"continuous"`` (iteration-level batching) or ``"static"`` (a new batch only when the last
             one is done).
-        kernels: ``"triton"`` (the lab's kernels; interpreted on a CPU) or ``"torch"`` (their references).
+        kernels: ``"triton"`` (the lab's kernels; interpreted on a CPU, hundreds of times slower) or ``"torch"``
+            (PyTorch, with batched decode attention). Default: ``"triton"`` on a GPU, ``"torch"`` on a CPU.
     """
 
     def __init__(self, model_name_or_model, num_blocks: int, block_size: int, max_num_batched_tokens: int = 256,
                  max_num_seqs: int = 16, tokenizer=None, enable_prefix_caching: bool = True,
-                 policy: str = "continuous", kernels: str = "triton"):
+                 policy: str = "continuous", kernels: str | None = None):
         if isinstance(model_name_or_model, str):
             from labsrc.models import load
             model, tok = load(model_name_or_model)
             tokenizer = tokenizer or tok
         else:
             model = model_name_or_model
+        if kernels is None:
+            kernels = "triton" if runtime.HAS_CUDA else "torch"
         if kernels not in ("triton", "torch"):
             raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
         cfg = model.config
@@ -178,22 +242,29 @@ class Engine:
         """Bytes of the K and V pools over all layers."""
         return sum(p.numel() * p.element_size() for p in self.k_pools + self.v_pools)
 
-    def _encode(self, prompt) -> list[int]:
+    def encode(self, prompt) -> list[int]:
+        """A prompt as token ids: text through the tokenizer, or a list of ints checked against the vocabulary
+        (``TypeError`` for anything else, a tensor or an array included: pass ``.tolist()``)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer: pass tokenizer= (or a shipped model name)")
             return list(self.tokenizer(prompt)["input_ids"])
-        ids = [int(t) for t in prompt]
+        if not isinstance(prompt, (list, tuple)):
+            hint = " (pass prompt.tolist())" if hasattr(prompt, "tolist") else ""
+            raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}{hint}")
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            bad = next(t for t in prompt if isinstance(t, bool) or not isinstance(t, int))
+            raise TypeError(f"prompt token ids must be ints, got {type(bad).__name__}")
+        ids = list(prompt)
         vocab = self.model.config.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         return ids
 
-    def add_request(self, prompt, params: SamplingParams | None = None, arrival: float | None = None) -> int:
-        """Queue a request (token ids or text); returns its id. Raises ``ValueError`` for a prompt that can
-        never run (empty, longer than the model's context, or more blocks than the whole pool)."""
-        params = params or SamplingParams()
-        ids = self._encode(prompt)
+    def check_request(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` for a request that can never run: an empty prompt, one that fills the model's
+        context, or one that may need more blocks than the whole pool. It reads only the engine's fixed sizes,
+        so a server may call it from any thread, before the request reaches the engine's."""
         if not ids:
             raise ValueError("the prompt is empty")
         if len(ids) >= self.max_len:
@@ -203,6 +274,15 @@ class Engine:
         if need > self.blocks.num_blocks:
             raise ValueError(f"the request may reach {total} tokens, {need} blocks, but the pool has "
                              f"{self.blocks.num_blocks}: it could never finish")
+
+    def add_request(self, prompt, params: SamplingParams | None = None, arrival: float | None = None) -> int:
+        """Queue a request (token ids or text); returns its id. Raises ``ValueError`` for a prompt that can
+        never run (:meth:`check_request`) and ``TypeError`` for a prompt that is neither text nor token ids."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = self.encode(prompt)
+        self.check_request(ids, params)
         seq = Sequence(self._next_id, ids, params, arrival=time.perf_counter() if arrival is None else arrival)
         if params.temperature > 0:
             seq.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else seq.seq_id)
@@ -269,6 +349,11 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort(self, request_id: int) -> None:
+        """Stop a request now, waiting or running (``finish_reason "abort"``): its batch slot and its blocks are
+        free for the others at once. Aborting a finished request does nothing."""
+        self.scheduler.finish(self.seqs[request_id], "abort")
+
     def reset(self) -> None:
         """Drop every request (their blocks go back to the pool); the pools and the prefix cache stay."""
         for seq in self.scheduler.running:
@@ -279,7 +364,8 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[tuple[int, int, bool]]:
-        """Run one step; return ``(request id, new token, finished)`` for every token sampled in it."""
+        """Run one step; return ``(request id, new token, finished)`` for every token sampled in it (the token
+        is ``None`` for a sequence whose sampling failed: it is finished with ``finish_reason "error"``)."""
         t0 = time.perf_counter()
         scheduled = self.scheduler.schedule()
         for src, dst in self.blocks.take_copies():  # copy-on-write owed by forks
@@ -290,29 +376,51 @@ class Engine:
         batch = _Batch(self, scheduled)
         ids = torch.tensor([t for s in scheduled for t in s.seq.tokens[s.start:s.start + s.n]], device=self.device)
         pos = torch.tensor([p for s in scheduled for p in range(s.start, s.start + s.n)], device=self.device)
-        ends, at = [], 0
+        # The rows whose logits are needed: each sampling sequence's last token, and every row of a prompt
+        # chunk whose request asked for prompt log-probabilities.
+        keep, rows, at = [], [], 0
         for s in scheduled:
+            want = s.seq.params.prompt_logprobs and s.start < len(s.seq.prompt)
+            first = len(keep)
+            if want:
+                keep += range(at, at + s.n)
+            elif s.samples:
+                keep.append(at + s.n - 1)
+            rows.append((first, len(keep), want))
             at += s.n
-            if s.samples:
-                ends.append(at - 1)
-        keep = torch.tensor(ends if ends else [0], device=self.device)
         prev = self.model.config._attn_implementation
         self.model.set_attn_implementation(NAME)
         try:
+            # Nothing is marked computed before the forward returns: if it raises, the next step runs the
+            # same tokens again (their slots are already held), and the state stays consistent.
             logits = self.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
-                                logits_to_keep=keep, lab_paged_batch=batch).logits[0]
+                                logits_to_keep=torch.tensor(keep or [0], device=self.device),
+                                lab_paged_batch=batch).logits[0]
         finally:
             self.model.set_attn_implementation(prev)
+        greedy = logits.argmax(-1).tolist()  # one call for every greedy row
         now = time.perf_counter()
-        results, row = [], 0
-        for s in scheduled:
+        results = []
+        for s, (first, last, want) in zip(scheduled, rows):
             seq = s.seq
             seq.num_computed = s.start + s.n
             self.blocks.mark_computed(seq.seq_id, seq.num_computed - seq.dropped)
+            if want:  # row j (position start + j) predicts prompt token start + j + 1
+                for j, p in enumerate(range(s.start + 1, min(s.start + s.n + 1, len(seq.prompt)))):
+                    seq.prompt_logprobs[p] = _logprob(logits[first + j], seq.prompt[p], seq.params.logprobs or 0)
             if not s.samples:
                 continue
-            token = _sample(logits[row].float(), seq.params, seq.generator)
-            row += 1
+            row = last - 1
+            try:  # one sequence's failure is its own: it finishes with "error", the others go on
+                token = greedy[row] if seq.params.temperature == 0 else \
+                    _sample(logits[row].float(), seq.params, seq.generator)
+                if seq.params.logprobs is not None:
+                    seq.logprobs.append(_logprob(logits[row], token, seq.params.logprobs))
+            except Exception as err:  # noqa: BLE001
+                seq.error = f"{type(err).__name__}: {err}"
+                self.scheduler.finish(seq, "error")
+                results.append((seq.seq_id, None, True))
+                continue
             seq.output.append(token)
             seq.token_times.append(now)
             if seq.first_token_time is None:
@@ -341,11 +449,33 @@ class Engine:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[dict]:
-        """Run every prompt to the end; one dict per prompt, in prompt order, with ``token_ids`` and ``text``."""
-        if isinstance(prompts, (str,)) or (prompts and isinstance(prompts[0], int)):
+        """Run every prompt to the end; one dict per prompt, in prompt order, with ``token_ids`` and ``text``.
+
+        ``prompts``: one prompt (a str or a list of token ids) or a list of them; ``params``: one
+        :class:`SamplingParams` for all, or a list with one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
             prompts = [prompts]
-        plist = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        if not isinstance(prompts, (list, tuple)):
+            hint = " (pass prompts.tolist())" if hasattr(prompts, "tolist") else ""
+            raise TypeError(f"prompts must be a str, a list of token ids, or a list of those; got "
+                            f"{type(prompts).__name__}{hint}")
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"params has {len(params)} entries but there are {len(prompts)} prompts: "
+                                 "give one SamplingParams per prompt, or one for all")
+            plist = list(params)
+        else:
+            plist = [params] * len(prompts)
+        ids = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp))
+        except Exception:
+            for rid in ids:  # all or nothing: the prompts queued before the bad one leave with it
+                self.abort(rid)
+                del self.seqs[rid]
+            raise
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -362,4 +492,6 @@ class Engine:
         seq = self.seqs[request_id]
         text = self.tokenizer.decode(seq.output, skip_special_tokens=True) if self.tokenizer is not None else None
         return dict(token_ids=list(seq.output), text=text, finish_reason=seq.finish_reason,
-                    prompt_tokens=len(seq.prompt), preemptions=seq.num_preemptions)
+                    prompt_tokens=len(seq.prompt), preemptions=seq.num_preemptions, error=seq.error,
+                    logprobs=list(seq.logprobs),
+                    prompt_logprobs=[seq.prompt_logprobs.get(p) for p in range(len(seq.prompt))])

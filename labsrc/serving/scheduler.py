@@ -22,6 +22,7 @@ finished, and runs until its longest member is done.
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -30,23 +31,44 @@ from labsrc.serving.blocks import BlockManager
 __all__ = ["Sequence", "Scheduled", "Scheduler", "SamplingParams"]
 
 
+MAX_SEED = 2 ** 63 - 1  # torch.Generator.manual_seed takes a 64-bit integer
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI allows 5 on completions, vLLM 20)
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token: ``temperature=0`` is greedy; ``top_p`` keeps the smallest set of tokens
-    whose probability reaches it; ``seed`` makes sampling reproducible per request."""
+    whose probability reaches it; ``seed`` makes sampling reproducible per request.
+
+    ``logprobs=k`` records, for every generated token, its log-probability under the model (the raw logits'
+    log-softmax, before temperature and top-p, as vLLM reports it) and the ``k`` most likely alternatives
+    (``k = 0``: the token's own only); ``prompt_logprobs=True`` records the same for every prompt token after
+    the first (the request then computes its whole prompt, no prefix-cache hits, since a cached block has no
+    logits). Every field is checked here, so a request that reaches the engine cannot make a step fail."""
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+                and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be None or an int in [0, 2**63 - 1], got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.prompt_logprobs, bool):
+            raise ValueError(f"prompt_logprobs must be a bool, got {self.prompt_logprobs!r}")
 
 
 @dataclass
@@ -65,6 +87,9 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     generator: object = None
+    error: str | None = None  # why the sequence failed (finish_reason "error"); the others go on
+    logprobs: list = field(default_factory=list)  # per output token: (logprob, {token: logprob} of the top k)
+    prompt_logprobs: dict = field(default_factory=dict)  # prompt position p >= 1 -> (logprob, top k)
 
     @property
     def tokens(self) -> list[int]:
@@ -118,7 +143,8 @@ class Scheduler:
 
     def admits(self, seq: Sequence) -> bool:
         """The admission test: room in the batch, and blocks for every token the sequence holds."""
-        return len(self.running) < self.max_num_seqs and self.blocks.can_allocate(seq.tokens)
+        return len(self.running) < self.max_num_seqs and \
+            self.blocks.can_allocate(seq.tokens, use_cache=not seq.params.prompt_logprobs)
 
     def schedule(self) -> list[Scheduled]:
         budget = self.max_num_batched_tokens
@@ -145,7 +171,8 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and self.admits(self.waiting[0]):
             seq = self.waiting.popleft()
-            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens)
+            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens,
+                                                    use_cache=not seq.params.prompt_logprobs)
             seq.status = "running"
             self.running.append(seq)
             n = min(len(seq.tokens) - seq.num_computed, budget)
@@ -154,6 +181,13 @@ class Scheduler:
         return out
 
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running or waiting sequence (``reason``: stop, length, context, abort, error); its blocks go
+        back to the pool. Finishing a finished sequence does nothing."""
+        if seq.status == "finished":
+            return
+        if seq.status == "running":
+            self.running.remove(seq)
+            self.blocks.free(seq.seq_id)
+        else:
+            self.waiting.remove(seq)
         seq.status, seq.finish_reason = "finished", reason
-        self.running.remove(seq)
-        self.blocks.free(seq.seq_id)

@@ -165,6 +165,10 @@ def test_error_messages_name_the_argument():
         paged_prefill_attention(q[0][:, None], kp, vp, tables[0], 10.0)
     with pytest.raises(ValueError, match="longer than its block table"):
         paged_prefill_attention(q[0][:, None], kp, vp, tables[0], 40)
+    # one sequence's table is 1-D: a (1, max_blocks) table used to pass the checks and fail inside the gather
+    for fn in (paged_prefill_attention, paged_prefill_attention_ref):
+        with pytest.raises(ValueError, match=r"block_table must have 1 dimension"):
+            fn(q[0][:, None], kp, vp, tables[:1], 10)
 
 
 @settings(max_examples=12, deadline=None)
