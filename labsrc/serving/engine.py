@@ -34,6 +34,7 @@ from labsrc import runtime
 from labsrc.kernels import kv_store as _kv
 from labsrc.kernels import paged_attention as _pa
 from labsrc.models import config_head_dim
+from labsrc.sampling import sample_token
 from labsrc.serving.blocks import BlockManager, slot_mapping
 from labsrc.serving.scheduler import SamplingParams, Scheduled, Scheduler, Sequence
 
@@ -164,19 +165,9 @@ def _is_decode(s: Scheduled) -> bool:
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator) -> int:
-    """One token from one row of logits. ``temperature=0`` is argmax. Otherwise the softmax of
-    ``(logits - max) / temperature`` in float64: subtracting the maximum first keeps every scaled logit <= 0,
-    so a tiny temperature gives the argmax limit (``exp(0) = 1`` for the top token, 0 for the rest) instead of
-    ``inf / inf = NaN``, and a huge one gives the uniform limit."""
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
-    z = logits.double()
-    probs = torch.softmax((z - z.max()) / params.temperature, -1)
-    if params.top_p < 1:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p  # the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))  # the generator lives on the CPU
+    """One token from one row of logits, by the lab's one sampling rule (:func:`labsrc.sampling.sample_token`:
+    argmax at ``temperature=0``, the exact limit for tiny temperatures, transformers' top-p nucleus)."""
+    return sample_token(logits, params.temperature, params.top_p, generator)
 
 
 def _logprob(logits: torch.Tensor, token: int, k: int) -> tuple[float, dict[int, float]]:

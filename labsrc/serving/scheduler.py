@@ -22,10 +22,10 @@ finished, and runs until its longest member is done.
 """
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from labsrc.sampling import check_sampling
 from labsrc.serving.blocks import BlockManager
 
 __all__ = ["Sequence", "Scheduled", "Scheduler", "SamplingParams"]
@@ -56,11 +56,10 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-                and math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1):
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+        try:  # the one rule for what can be sampled (labsrc.sampling), so the engine never meets a NaN
+            check_sampling(self.temperature, self.top_p)
+        except TypeError as e:  # every bad field of a request is one kind of error here
+            raise ValueError(str(e)) from None
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= MAX_SEED):
             raise ValueError(f"seed must be None or an int in [0, 2**63 - 1], got {self.seed!r}")
