@@ -233,3 +233,70 @@ def test_a_context_longer_than_the_corpus_is_refused_clearly(tok):
 def test_bad_copy_word_count_names_the_argument(tok, bad):
     with pytest.raises(ValueError, match="n_words must be a positive int"):
         tasks.copy_sample(tok, None, random.Random(0), n_words=bad)
+
+
+def test_probe_and_training_keys_and_values_are_disjoint_classes():
+    assert not set(tasks.KEYS) & set(tasks.TRAIN_KEYS) and len(set(tasks.TRAIN_KEYS)) == len(tasks.TRAIN_KEYS)
+    assert tasks.keys_for("validation") == tasks.KEYS and tasks.keys_for("train") == tasks.TRAIN_KEYS
+    for n in range(1, 7):  # every length a generator draws has values of both classes
+        rng = random.Random(n)
+        for split in tasks.SPLITS:
+            v = tasks._digits(rng, n, split)
+            assert len(v) == n and tasks.value_split(v) == split
+    share = sum(tasks.value_split(str(v)) == "train" for v in range(10000, 100000)) / 90000
+    assert 0.45 < share < 0.55, "the hash splits the values about in half"
+    with pytest.raises(ValueError, match="split must be one of"):
+        tasks.passkey_sample(load_tokenizer(), 200, 0.5, random.Random(0), split="test")
+
+
+def test_passage_sample_quotes_validation_prose_and_scores_every_token():
+    tok = load_tokenizer()
+    s = tasks.passage_sample(tok, 400, 0.3, random.Random(2), n_tokens=50)
+    assert len(s.ids) == 400 and len(s.spans) == 50 and all(e - a == 1 for a, e in s.spans)
+    answer = s.ids[s.spans[0][0]:s.spans[-1][1]]
+    quote = s.ids[:s.spans[0][0]]
+    first = next(i for i in range(len(quote)) if quote[i:i + 50] == answer)  # quoted earlier, whole
+    assert 0.15 < first / 400 < 0.45, "at its depth"
+    text = tasks.corpus_ids(tok, "validation")
+    assert (text.unfold(0, 50, 1) == torch.tensor(answer)).all(1).any(), "a window of the validation text"
+    assert tok.decode(s.ids[s.spans[0][0] - 12:s.spans[0][0]]).endswith('word for word: "')
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="n_tokens must be a positive int"):
+            tasks.passage_sample(tok, 400, 0.3, random.Random(0), n_tokens=bad)
+    with pytest.raises(ValueError, match="too short"):
+        tasks.passage_sample(tok, 100, 0.3, random.Random(0), n_tokens=80)
+
+
+def test_probe_samples_of_fewer_draws_are_a_prefix_and_cover_the_depths():
+    tok = load_tokenizer()
+    d = tasks.probe_depths(100)
+    assert d[:20] == tasks.probe_depths(20) and all(0 <= x < 1 for x in d)
+    assert sorted(min(int(x * 5), 4) for x in d[:20]).count(0) >= 3, "every fifth of the depths in 20 draws"
+    for task in ("needle", "passage", "mqar", "variable_tracking"):
+        a = tasks.probe_samples(task, tok, 300, n=6)
+        b = tasks.probe_samples(task, tok, 300, n=3)
+        assert [s.ids for s in a[:3]] == [s.ids for s in b], task
+    with pytest.raises(ValueError, match="task must be"):
+        tasks.probe_samples("passkey", tok, 300)
+
+
+def test_passage_copy_accuracy_counts_tokens():
+    tok = load_tokenizer()
+
+    class Oracle(torch.nn.Module):  # predicts each next token of the one sample it is given: copies perfectly
+        config = type("C", (), {})()
+
+        def __init__(self, wrong_every=0):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.wrong_every = wrong_every
+
+        def forward(self, input_ids):
+            nxt = torch.roll(input_ids, -1, 1)
+            if self.wrong_every:
+                nxt[:, ::self.wrong_every] = (nxt[:, ::self.wrong_every] + 1) % len(tok)
+            return type("O", (), {"logits": torch.nn.functional.one_hot(nxt, len(tok)).float()})()
+
+    assert tasks.passage_copy_accuracy(Oracle(), tok, 300, n=3, n_tokens=40) == 1.0
+    got = tasks.passage_copy_accuracy(Oracle(wrong_every=4), tok, 300, n=3, n_tokens=40)
+    assert 0.7 < got < 0.8, got  # a quarter of the positions wrong: about a quarter of the tokens

@@ -13,7 +13,20 @@ Probes:
 * :func:`passkey_accuracy` -- a 5-digit pass key hidden at a given depth in Austen prose;
 * :func:`needle_accuracy` -- needle-in-a-haystack with distractor needles (other keys, other numbers);
 * :func:`mqar_accuracy` -- multi-query associative recall (Zoology's MQAR) over word -> number pairs;
-* :func:`variable_tracking_accuracy` -- RULER-style multi-hop: follow ``VAR B = VAR A`` chains to a value.
+* :func:`variable_tracking_accuracy` -- RULER-style multi-hop: follow ``VAR B = VAR A`` chains to a value;
+* :func:`passage_copy_accuracy` -- a prose passage quoted earlier in the context, to be repeated word for word.
+
+Training never sees a probe's answer. The generators take a ``split``: ``"validation"`` (every probe) or
+``"train"`` (the training mix of :mod:`labsrc.models.train`), and the split decides three things apart.
+
+* The prose: filler and quoted passages come from that split of the corpus.
+* The key words: probes ask for the words of :data:`KEYS`, training for those of :data:`TRAIN_KEYS` (no word
+  is in both).
+* The values: a pass key, a magic number, an MQAR value, a variable's value or name belongs to one split by a
+  hash of its text (:func:`value_split`), and each split draws only its own. A test checks every class.
+
+The probes seed their own ``random.Random`` from a string that names the probe (``"needle-0-920-3"``); training
+draws from one ``random.Random(cfg.seed)`` stream, so no probe's sequence of draws is replayed in training.
 """
 from __future__ import annotations
 
@@ -27,7 +40,8 @@ import torch
 
 from labsrc.data import load_text
 
-TASKS = ("passkey", "needle", "mqar", "variable_tracking")
+TASKS = ("passkey", "needle", "mqar", "variable_tracking", "passage")
+SPLITS = ("train", "validation")
 
 # Keys for the needle and MQAR tasks: short, common, single-word English nouns.
 KEYS = (
@@ -35,6 +49,18 @@ KEYS = (
     "castle", "violin", "harbour", "forest", "lantern", "meadow", "pocket", "saddle", "teacup", "thimble",
     "carriage", "bonnet", "orchard", "kettle", "chimney", "compass", "feather", "journal", "parcel", "shawl",
     "pebble", "lemon", "tulip", "falcon", "anchor", "button", "cottage", "pillow", "walnut",
+)
+# The training mix's keys: other nouns of the same kind, none of them in KEYS, so that a probe's question
+# names a key the model never saw asked for in training (it has to match the key, not remember it).
+TRAIN_KEYS = (
+    "acorn", "badger", "barrel", "beacon", "bell", "blanket", "bottle", "bucket", "cabin", "canal", "canvas",
+    "cellar", "cherry", "clock", "cloak", "copper", "cradle", "crown", "cushion", "dagger", "desk", "drum",
+    "eagle", "engine", "fiddle", "flag", "fountain", "gate", "glove", "goblet", "hammer", "helmet", "hinge",
+    "island", "jacket", "jewel", "kitten", "ladder", "ledger", "marble", "mitten", "needle", "novel", "oyster",
+    "paddle", "palace", "pepper", "piano", "pigeon", "pistol", "planet", "plum", "pump", "quill", "rabbit",
+    "rocket", "saucer", "scarf", "shovel", "silver", "spoon", "statue", "stove", "sugar", "table", "tiger",
+    "timber", "towel", "tower", "trumpet", "tunnel", "umbrella", "valley", "velvet", "wagon", "whistle",
+    "willow", "wizard", "yarn", "zebra",
 )
 
 
@@ -96,8 +122,34 @@ def _filler(tokenizer, split: str, n: int, rng: random.Random) -> list[int]:
     return ids[start:start + n].tolist()
 
 
-def _digits(rng: random.Random, n: int) -> str:
-    return str(rng.randrange(10 ** (n - 1), 10 ** n))
+def _check_split(split):
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def value_split(text: str) -> str:
+    """The split a value (a number, a variable name) belongs to: ``"train"`` or ``"validation"``, by the low
+    bit of its MD5. A hash and not a range, so that neither split's values share a visible trait (a last digit,
+    a size) that a model could learn in training and then miss in the probes."""
+    return SPLITS[hashlib.md5(text.encode()).digest()[0] & 1]
+
+
+def _draw(rng: random.Random, split: str, make) -> str:
+    """Draw ``make(rng)`` until the value belongs to ``split`` (two draws on average)."""
+    while value_split(value := make(rng)) != split:
+        pass
+    return value
+
+
+def _digits(rng: random.Random, n: int, split: str = "validation") -> str:
+    """An ``n``-digit number (no leading zero) of ``split``'s values."""
+    return _draw(rng, split, lambda r: str(r.randrange(10 ** (n - 1), 10 ** n)))
+
+
+def keys_for(split: str) -> tuple[str, ...]:
+    """The key words of ``split``: :data:`KEYS` for the probes, :data:`TRAIN_KEYS` for training."""
+    _check_split(split)
+    return TRAIN_KEYS if split == "train" else KEYS
 
 
 _NO_DEPTH = object()  # tasks without a depth; a depth of None is an error, not "unchecked"
@@ -149,10 +201,10 @@ DECOYS = (
 )
 
 
-def _decoy(rng: random.Random) -> str:
+def _decoy(rng: random.Random, split: str) -> str:
     template, (lo, hi) = rng.choice(DECOYS)
     n = template.count("{}")
-    return template.format(*(_digits(rng, rng.randint(lo, hi)) for _ in range(n)))
+    return template.format(*(_digits(rng, rng.randint(lo, hi), split) for _ in range(n)))
 
 
 def passkey_sample(tokenizer, context_len: int, depth: float, rng: random.Random, split="validation",
@@ -165,14 +217,15 @@ def passkey_sample(tokenizer, context_len: int, depth: float, rng: random.Random
     50518 into 50338).
     """
     _check_common(context_len, depth)
+    _check_split(split)
     if not isinstance(n_decoys, int) or isinstance(n_decoys, bool) or n_decoys < 0:
         raise ValueError(f"n_decoys must be a non-negative int, got {n_decoys!r}")
-    key = _digits(rng, 5)
+    key = _digits(rng, 5, split)
     head = _enc(tokenizer, "There is a pass key hidden in this text. Find it and remember it.\n\n")
     needle = _enc(tokenizer, f" The pass key is {key}. Remember it. {key} is the pass key. ")
     question = _enc(tokenizer, "\n\nWhat is the pass key? The pass key is")
     answer = _enc(tokenizer, f" {key}")
-    decoys = [_decoy(rng) for _ in range(n_decoys)]
+    decoys = [_decoy(rng, split) for _ in range(n_decoys)]
     depths = [depth] + [rng.random() for _ in range(n_decoys)]
     return _assemble(tokenizer, "passkey", head, [needle] + [_enc(tokenizer, d) for d in decoys],
                      [(question, False), (answer, True)], context_len, depths, split, rng,
@@ -187,10 +240,11 @@ def needle_sample(tokenizer, context_len: int, depth: float, rng: random.Random,
     random depths. Answering needs the right key, not just the last number seen.
     """
     _check_common(context_len, depth)
+    _check_split(split)
     if not isinstance(n_distractors, int) or not 0 <= n_distractors < len(KEYS):
         raise ValueError(f"n_distractors must be an int in [0, {len(KEYS) - 1}], got {n_distractors!r}")
-    keys = rng.sample(KEYS, n_distractors + 1)
-    values = [_digits(rng, 6) for _ in keys]
+    keys = rng.sample(keys_for(split), n_distractors + 1)
+    values = [_digits(rng, 6, split) for _ in keys]
     needles = [_enc(tokenizer, f" The special magic number for {k} is {v}. ") for k, v in zip(keys, values)]
     depths = [depth] + [rng.random() for _ in range(n_distractors)]
     head = _enc(tokenizer, "Some special magic numbers are hidden in this text. Remember them.\n\n")
@@ -210,13 +264,14 @@ def mqar_sample(tokenizer, context_len: int, rng: random.Random, n_pairs: int = 
     tokens; we use words and numbers so the text stays readable, and prose between so it is long-context.
     """
     _check_common(context_len)
+    _check_split(split)
     if not isinstance(n_pairs, int) or not 1 <= n_pairs <= len(KEYS):
         raise ValueError(f"n_pairs must be an int in [1, {len(KEYS)}], got {n_pairs!r}")
     n_queries = n_pairs if n_queries is None else n_queries
     if not isinstance(n_queries, int) or not 1 <= n_queries <= n_pairs:
         raise ValueError(f"n_queries must be an int in [1, n_pairs], got {n_queries!r}")
-    keys = rng.sample(KEYS, n_pairs)
-    values = [_digits(rng, 3) for _ in keys]
+    keys = rng.sample(keys_for(split), n_pairs)
+    values = [_digits(rng, 3, split) for _ in keys]
     table = ", ".join(f"{k}: {v}" for k, v in zip(keys, values))
     head = _enc(tokenizer, f"Remember these pairs. {table}.\n\n")
     tail = [(_enc(tokenizer, "\n\nRecall the pairs."), False)]
@@ -228,8 +283,8 @@ def mqar_sample(tokenizer, context_len: int, rng: random.Random, n_pairs: int = 
                      {"pairs": dict(zip(keys, values))})
 
 
-def _var_name(rng: random.Random) -> str:
-    return "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(3))
+def _var_name(rng: random.Random, split: str) -> str:
+    return _draw(rng, split, lambda r: "".join(r.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(3)))
 
 
 def variable_tracking_sample(tokenizer, context_len: int, rng: random.Random, n_hops: int = 2,
@@ -239,15 +294,16 @@ def variable_tracking_sample(tokenizer, context_len: int, rng: random.Random, n_
     for the value of the last variable of the first chain, so the model must follow every hop.
     """
     _check_common(context_len)
+    _check_split(split)
     if not isinstance(n_hops, int) or not 0 <= n_hops <= 8:
         raise ValueError(f"n_hops must be an int in [0, 8], got {n_hops!r}")
     names = set()
     while len(names) < 2 * (n_hops + 1):
-        names.add(_var_name(rng))
+        names.add(_var_name(rng, split))
     names = sorted(names)
     rng.shuffle(names)
     chains = [names[: n_hops + 1], names[n_hops + 1:]]
-    values = [_digits(rng, 5), _digits(rng, 5)]
+    values = [_digits(rng, 5, split), _digits(rng, 5, split)]
     inserts, depths = [], []
     for chain, value in zip(chains, values):
         pos = sorted(rng.random() for _ in chain)
@@ -275,7 +331,8 @@ def copy_sample(tokenizer, context_len: int | None, rng: random.Random, n_words:
     n_words = rng.randint(6, 16) if n_words is None else n_words
     if not isinstance(n_words, int) or isinstance(n_words, bool) or n_words < 1:
         raise ValueError(f"n_words must be a positive int, got {n_words!r}")
-    words = " ".join(rng.choice(KEYS) for _ in range(n_words))
+    _check_split(split)
+    words = " ".join(rng.choice(keys_for(split)) for _ in range(n_words))
     head = _enc(tokenizer, f"Copy these words: {words}.\n\n")
     question = _enc(tokenizer, "\n\nThe words were")
     answer = _enc(tokenizer, f" {words}")
@@ -286,13 +343,41 @@ def copy_sample(tokenizer, context_len: int | None, rng: random.Random, n_words:
                      split, rng, {"words": words})
 
 
+def passage_sample(tokenizer, context_len: int, depth: float, rng: random.Random, n_tokens: int | None = None,
+                   split="validation") -> Sample:
+    """A prose passage of ``n_tokens`` tokens quoted at ``depth`` of the context, then asked for word for word
+    (``None``: 100 tokens, or as many as leave a third of a shorter context to prose).
+
+    The passage is a window of the split's prose (a probe's comes from the validation text, which no model
+    trained on), so the model cannot recite it from memory: it has to find the quotation and copy it, token
+    after token, which is what an induction head does. Every token of the repeat is one answer span, so the
+    score is the fraction of the passage copied right (:func:`passage_copy_accuracy`).
+    """
+    _check_common(context_len, depth)
+    _check_split(split)
+    if n_tokens is None:
+        n_tokens = max(1, min(100, (context_len - 60) // 3))
+    if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be a positive int, got {n_tokens!r}")
+    passage = _filler(tokenizer, split, n_tokens, rng)
+    quote = _enc(tokenizer, ' Here is a passage to remember: "') + passage + _enc(tokenizer, '" ')
+    head = _enc(tokenizer, "A passage is quoted in this text. Remember it word for word.\n\n")
+    question = _enc(tokenizer, '\n\nRepeat the quoted passage word for word: "')
+    sample = _assemble(tokenizer, "passage", head, [quote], [(question, False), (passage, True)], context_len,
+                       [depth], split, rng, {"depth": depth, "n_tokens": n_tokens})
+    (a, e), = sample.spans
+    sample.spans = [(t, t + 1) for t in range(a, e)]  # one span a token: the score is a fraction of tokens
+    return sample
+
+
 def make_sample(task: str, tokenizer, context_len: int, rng: random.Random, split="validation", **kw) -> Sample:
-    """Build one sample of ``task`` (one of :data:`TASKS`); keyword arguments go to its generator."""
+    """Build one sample of ``task`` (one of :data:`TASKS`, or the training aid ``"copy"``); keyword arguments go
+    to its generator."""
     gens = {"passkey": passkey_sample, "needle": needle_sample, "mqar": mqar_sample,
-            "variable_tracking": variable_tracking_sample, "copy": copy_sample}
+            "variable_tracking": variable_tracking_sample, "passage": passage_sample, "copy": copy_sample}
     if task not in gens:
         raise ValueError(f"unknown task {task!r}; tasks are {TASKS} (and 'copy', used in training)")
-    if task in ("passkey", "needle"):
+    if task in ("passkey", "needle", "passage"):
         kw.setdefault("depth", rng.random())
     return gens[task](tokenizer, context_len, rng=rng, split=split, **kw)
 
@@ -362,30 +447,61 @@ def passkey_accuracy(model, tokenizer, context_len: int, depths: Sequence[float]
     return float(passkey_grid(model, tokenizer, [context_len], depths, n, seed).mean())
 
 
-def needle_accuracy(model, tokenizer, context_len: int, n: int = 20, n_distractors: int = 3, seed: int = 0) -> float:
-    """Needle-with-distractors accuracy at ``context_len``, depths spread evenly over ``n`` samples."""
+def probe_depths(n: int) -> list[float]:
+    """Depths for ``n`` samples: ``i * 0.618...`` modulo 1 (the golden-ratio sequence), which fills [0, 1)
+    evenly for every ``n``, so any prefix of the samples covers every depth."""
+    return [(i * 0.6180339887498949) % 1.0 for i in range(n)]
+
+
+def probe_samples(task: str, tokenizer, context_len: int, n: int = 20, seed: int = 0, **kw) -> list[Sample]:
+    """The ``n`` samples a probe scores: ``task`` is ``"needle"`` (``n_distractors``, default 3), ``"mqar"``
+    (``n_pairs``, default 8), ``"variable_tracking"`` (``n_hops``, default 2) or ``"passage"`` (``n_tokens``,
+    default 100), at ``context_len`` tokens, drawn from a generator seeded by the probe's own name. The needle
+    and the passage sit at :func:`probe_depths` (``meta["depth"]``), so the first ``m`` samples of ``n`` are the
+    ``m`` samples a probe of ``m`` draws, spread over every depth: a smaller probe is a prefix of a larger one."""
     _check_common(context_len)
     _check_n_seed(n, seed)
-    rng = random.Random(f"needle-{seed}-{context_len}-{n_distractors}")
-    depths = [i / max(n - 1, 1) for i in range(n)]
-    return accuracy(model, [needle_sample(tokenizer, context_len, d, rng, n_distractors) for d in depths])
+    depths = probe_depths(n)
+    if task == "needle":
+        k = kw.pop("n_distractors", 3)
+        rng = random.Random(f"needle-{seed}-{context_len}-{k}")
+        return [needle_sample(tokenizer, context_len, d, rng, k, **kw) for d in depths]
+    if task == "mqar":
+        k = kw.pop("n_pairs", 8)
+        rng = random.Random(f"mqar-{seed}-{context_len}-{k}")
+        return [mqar_sample(tokenizer, context_len, rng, k, **kw) for _ in range(n)]
+    if task == "variable_tracking":
+        k = kw.pop("n_hops", 2)
+        rng = random.Random(f"vt-{seed}-{context_len}-{k}")
+        return [variable_tracking_sample(tokenizer, context_len, rng, k, **kw) for _ in range(n)]
+    if task == "passage":
+        k = kw.pop("n_tokens", 100)
+        rng = random.Random(f"passage-{seed}-{context_len}-{k}")
+        return [passage_sample(tokenizer, context_len, d, rng, k, **kw) for d in depths]
+    raise ValueError(f"task must be 'needle', 'mqar', 'variable_tracking' or 'passage', got {task!r}")
+
+
+def needle_accuracy(model, tokenizer, context_len: int, n: int = 20, n_distractors: int = 3, seed: int = 0) -> float:
+    """Needle-with-distractors accuracy at ``context_len``, depths spread evenly over ``n`` samples."""
+    return accuracy(model, probe_samples("needle", tokenizer, context_len, n, seed, n_distractors=n_distractors))
 
 
 def mqar_accuracy(model, tokenizer, context_len: int, n: int = 20, n_pairs: int = 8, seed: int = 0) -> float:
     """MQAR accuracy (fraction of queries answered) at ``context_len`` with ``n_pairs`` pairs per sample."""
-    _check_common(context_len)
-    _check_n_seed(n, seed)
-    rng = random.Random(f"mqar-{seed}-{context_len}-{n_pairs}")
-    return accuracy(model, [mqar_sample(tokenizer, context_len, rng, n_pairs) for _ in range(n)])
+    return accuracy(model, probe_samples("mqar", tokenizer, context_len, n, seed, n_pairs=n_pairs))
+
+
+def passage_copy_accuracy(model, tokenizer, context_len: int, n: int = 20, n_tokens: int = 100, seed: int = 0) -> float:
+    """Passage copying: the fraction of the ``n_tokens`` tokens of a quoted passage that greedy decoding
+    repeats right (teacher-forced, so a slip costs its own token, not the rest), depths spread evenly over
+    ``n`` samples."""
+    return accuracy(model, probe_samples("passage", tokenizer, context_len, n, seed, n_tokens=n_tokens))
 
 
 def variable_tracking_accuracy(model, tokenizer, context_len: int, n: int = 20, n_hops: int = 2,
                                seed: int = 0) -> float:
     """Variable-tracking accuracy at ``context_len`` with chains of ``n_hops`` hops."""
-    _check_common(context_len)
-    _check_n_seed(n, seed)
-    rng = random.Random(f"vt-{seed}-{context_len}-{n_hops}")
-    return accuracy(model, [variable_tracking_sample(tokenizer, context_len, rng, n_hops) for _ in range(n)])
+    return accuracy(model, probe_samples("variable_tracking", tokenizer, context_len, n, seed, n_hops=n_hops))
 
 
 @torch.no_grad()
