@@ -196,7 +196,7 @@ def test_a_retrain_never_overwrites_a_checkpoint_without_overwrite(tmp_path):
 def test_main_trains_into_a_new_folder_unless_told_to_overwrite(tmp_path, monkeypatch):
     calls = []
 
-    def fake_train(cfg, tokenizer, log_path):
+    def fake_train(cfg, tokenizer, log_path, resume=None):
         calls.append(Path(log_path).parent)
         raise RuntimeError("stop here: only the folder is under test")
 
@@ -219,3 +219,173 @@ def test_load_draws_no_progress_bar_and_leaves_the_setting_alone(capfd):
     out, err = capfd.readouterr()
     assert "Loading weights" not in out + err, "no progress widget in the book's outputs"
     assert hf_logging.is_progress_bar_enabled(), "the user's transformers setting is restored"
+
+
+def test_an_interrupted_run_resumes_to_the_same_weights(tmp_path, monkeypatch):
+    """A run killed after its last saved state and resumed ends where the uninterrupted run ends: same weights,
+    same log (the resumed steps draw the same batches, the optimiser has its moments back)."""
+    cfg = replace(training.CONFIGS["tiny"], max_steps=8, checkpoint_every=3, time_budget_s=1e9)
+    whole, log_whole, _ = training.train(cfg, verbose=False)
+    state = tmp_path / training.RESUME_FILE
+    real_batch = training.make_batch
+
+    def dies_at_step_7(cfg, tokenizer, rng, step=None):
+        if step == 7:
+            raise KeyboardInterrupt("killed")
+        return real_batch(cfg, tokenizer, rng, step)
+
+    monkeypatch.setattr(training, "make_batch", dies_at_step_7)
+    with pytest.raises(KeyboardInterrupt):
+        training.train(cfg, verbose=False, resume=state, log_path=tmp_path / "log.csv")
+    monkeypatch.setattr(training, "make_batch", real_batch)
+    assert torch.load(state, weights_only=False)["step"] == 6
+    resumed, log_resumed, info = training.train(cfg, verbose=False, resume=state, log_path=tmp_path / "log.csv")
+    assert info["steps"] == 8 and [r["loss"] for r in log_resumed] == [r["loss"] for r in log_whole]
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
+    rows = (tmp_path / "log.csv").read_text().splitlines()
+    assert len(rows) == 1 + 8, "the log holds each step once, the re-done step 7 included"
+    with pytest.raises(ValueError, match="another config.*lr"):
+        training.train(replace(cfg, lr=1e-2), verbose=False, resume=state)
+    training.train(replace(cfg, time_budget_s=5.0, threads=1), verbose=False, resume=state)  # run-only fields
+
+
+def test_resume_flag_needs_an_interrupted_run(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no resume.pt in .*tiny or its -retrained"):
+        training.main(["tiny", "--resume"])  # looks for checkpoints/tiny*, and there are none
+    with pytest.raises(FileNotFoundError, match="run/resume.pt does not exist"):
+        training.main(["tiny", "--out", str(tmp_path / "run"), "--resume"])
+
+
+def _values(sample) -> list[str]:
+    """The values a sample asks for or states: a pass key, a magic number, MQAR's values, a variable's name."""
+    m = sample.meta
+    key = [m["key"]] if sample.task == "passkey" else []
+    return [v for v in (*key, m.get("value"), *m.get("pairs", {}).values(), m.get("variable")) if v is not None]
+
+
+def test_training_samples_use_training_keys_values_and_prose_only():
+    """No probe key, value or passage reaches the training mix: every synthetic training sample draws the
+    training keys, the training class of values and the training prose (the probes draw the others)."""
+    tok = load_tokenizer()
+    cfg = training.CONFIGS["lab-target"]
+    names, probs = zip(*{**cfg.task_mix, **cfg.short_task_mix, "copy": 0.1, "passage": 0.1}.items())
+    rng = random.Random(cfg.seed)
+    seen = set()
+    train_text = tasks.corpus_ids(tok, "train")
+    for _ in range(400):
+        s = training._synthetic(replace(cfg, max_passage=100), tok, rng, names, probs, 600)
+        seen.add(s.task)
+        m = s.meta
+        assert all(tasks.value_split(v) == "train" for v in _values(s)), (s.task, m)
+        assert set(m.get("pairs", {})) <= set(tasks.TRAIN_KEYS)
+        assert s.task != "needle" or m["key"] in tasks.TRAIN_KEYS
+        if s.task == "needle":
+            text = tok.decode(s.ids)
+            assert not any(f"number for {k} is" in text for k in tasks.KEYS), text
+        if s.task == "copy":
+            assert set(m["words"].split()) <= set(tasks.TRAIN_KEYS)
+        for d in m.get("decoys", []):
+            assert all(tasks.value_split(x) == "train" for x in re.findall(r"\d+", d)), d
+    assert {"passkey", "needle", "mqar", "variable_tracking", "passage"} <= seen, seen
+    ctx = training.CONFIGS["lab-target"].seq_len
+    at = int(training.PROBE_FRACTION * ctx)
+    for task in ("passkey", *training.PROBE_SETTINGS):
+        for s in training.probe_set(tok, task, at, n=20):
+            m = s.meta
+            assert all(tasks.value_split(v) == "validation" for v in _values(s)), (task, m)
+            assert set(m.get("pairs", {})) <= set(tasks.KEYS)
+            assert task != "needle" or m["key"] in tasks.KEYS
+            if task == "passage":  # validation prose, which training never reads
+                p = torch.tensor(s.ids[s.spans[0][0]:s.spans[-1][1]])
+                windows = train_text.unfold(0, 16, 1)
+                assert not (windows == p[:16]).all(1).any(), "a probe passage's opening is in the training prose"
+
+
+def test_copy_alignments_point_each_copied_token_at_its_source():
+    ids = torch.tensor([[1, 10, 11, 12, 13, 14, 15, 16, 17, 18, 2, 3, 10, 11, 12, 13, 14, 15, 16, 17, 18, 4]])
+    answers = torch.zeros_like(ids, dtype=torch.bool)
+    answers[0, 12:21] = True  # the repeat of 10..18
+    pairs = training.copy_alignments(ids, answers)
+    assert pairs == [(0, 11 + i, 1 + i) for i in range(9)]
+    for b, q, src in pairs:
+        assert ids[b, q + 1] == ids[b, src], "the query predicts the token at its source"
+    short = torch.zeros_like(answers)
+    short[0, 12:16] = True  # four answer tokens: a pass key or an MQAR value, not a copy
+    assert training.copy_alignments(ids, short) == []
+
+
+def test_attention_guide_scores_are_the_models_own_attention():
+    """The guide recomputes the guided heads' attention from the layers' inputs: it must be exactly the
+    attention the model computes (checked against transformers' eager attention weights)."""
+    from transformers import LlamaForCausalLM
+
+    tok = load_tokenizer()
+    cfg = replace(training.CONFIGS["tiny"], num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(training.model_config(cfg, tok)).eval()
+    model.config._attn_implementation = "eager"
+    guide = training.AttentionGuide(model, heads=3)
+    ids = torch.randint(5, len(tok), (2, 37))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_attentions=True)
+        for layer in (0, 1):
+            got = guide._log_attention(layer).exp()
+            assert torch.allclose(got, out.attentions[layer][:, :3].float(), atol=1e-5), layer
+        answers = torch.zeros_like(ids, dtype=torch.bool)
+        ids[:, 20:30] = ids[:, 3:13]
+        answers[:, 20:30] = True
+        loss = guide.loss(ids, answers)
+    prev = -torch.log(torch.diagonal(out.attentions[0][:, :3], offset=-1, dim1=-2, dim2=-1)).mean()
+    assert loss > prev > 0, "the previous-token term, plus the copy term"
+    guide.remove()
+    assert not model.model.layers[0].self_attn._forward_pre_hooks
+
+
+def test_guidance_fades_out_and_pulls_the_heads_where_it_says():
+    cfg = replace(training.CONFIGS["tiny"], guide_steps=40, max_steps=40, lr=1e-2, time_budget_s=1e9,
+                  task_mix={"copy": 1.0}, p_corpus=0.0)
+    assert [training._guide_weight(cfg, s) for s in (0, 19, 20, 30, 39, 40)] == [1.0, 1.0, 1.0, 0.5, 0.05, 0.0]
+    model, log, _ = training.train(cfg, verbose=False)
+    guided = [r["guide_loss"] for r in log if r["guide_loss"] is not None]
+    assert len(guided) == 40 and guided[-1] < guided[0] / 2, (guided[0], guided[-1])
+    with pytest.raises(ValueError, match="guidance.*needs attention"):
+        training.train(replace(training.CONFIGS["tiny-mamba"], guide_steps=2), verbose=False)
+
+
+def test_lab_target_curriculum_stages():
+    cfg = training.CONFIGS["lab-target"]
+    tok = load_tokenizer()
+    starts, step = [], 0
+    for steps, length, p_corpus, mix in cfg.curriculum:
+        assert training.row_length(cfg, step) == training.row_length(cfg, step + steps - 1) == length
+        starts.append(step)
+        step += steps
+    assert training.row_length(cfg, step) == cfg.short_len  # then growing
+    assert training.row_length(cfg, step + cfg.grow_steps) == cfg.seq_len == 1024
+    assert training.row_length(cfg, None) == cfg.seq_len
+    rng = random.Random(0)
+    for s in starts + [cfg.max_steps - 1]:
+        ids, answers = training.make_batch(cfg, tok, rng, s)
+        assert ids.numel() == cfg.batch_size * cfg.seq_len and answers.any()
+    first = training.make_batch(cfg, tok, rng, 0)
+    assert training.copy_alignments(*first), "the first stage is copying"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["passkey", *training.PROBE_SETTINGS])
+def test_eval_card_probes_are_recomputed_on_a_prefix(task):
+    """The eval card's headline probes, recomputed on the first 20 of their samples (a probe of 20 is a prefix
+    of the probe of 100): each sample's result is the card's, so the card's accuracy and interval are the
+    model's, not numbers in a file."""
+    card = models.eval_card("lab-target")["probes"][task]
+    assert card["n"] >= 100 and len(card["per_sample"]) == card["n"]
+    per = card["per_sample"]
+    assert card["accuracy"] == pytest.approx(sum(per) / len(per))
+    assert card["ci95"] == pytest.approx(training._interval(per)["ci95"])
+    model, tok = models.load("lab-target")
+    samples = training.probe_set(tok, task, card["context_len"], n=20)
+    got = [sum(r) / len(r) for r in tasks.score(model, samples)]
+    assert got == pytest.approx(per[:20], abs=1e-4)
+    lo, hi = card["ci95"]
+    assert lo <= card["accuracy"] <= hi

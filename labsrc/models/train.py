@@ -1,21 +1,29 @@
 """Train one of the lab's models on this machine's CPU: ``python -m labsrc.models.train <name>``.
 
 Names: ``lab-target`` (about 9M parameters, 6 layers, grouped-query attention with 8 query heads and 2 KV
-heads, trained at a context of 512 tokens), ``lab-draft`` (a fifth of that, for speculative decoding) and
-``tiny`` (a smoke-test configuration). A run is deterministic from its seed, stops after ``max_steps`` (or,
-as a safety net, at a wall-clock budget, which the eval card then reports), and writes into
-``labsrc/models/checkpoints/<name>/`` (or ``--out``): the weights (safetensors, fp16), the config, the
-tokenizer, ``train_log.csv`` (the loss curve) and ``eval_card.json`` (validation perplexity and probe
-accuracies, measured on the *saved* weights loaded back through :func:`labsrc.models.load`).
+heads, trained at a context of 1,024 tokens), ``lab-draft`` (a fifth of that, for speculative decoding),
+``lab-mamba`` (chapter 7's Mamba-2) and ``tiny`` (a smoke-test configuration). A run is deterministic from its
+seed, stops after ``max_steps`` (or, as a safety net, at a wall-clock budget, which the eval card then
+reports), and writes into ``labsrc/models/checkpoints/<name>/`` (or ``--out``): the weights (safetensors,
+fp16), the config, the tokenizer, ``train_log.csv`` (the loss curve, and every ``eval_every`` steps a quick
+look at each probe) and ``eval_card.json`` (validation perplexity and the probes, with 95% intervals,
+measured on the *saved* weights loaded back through :func:`labsrc.models.load`). A run with
+``checkpoint_every`` saves its whole state as it goes; ``--resume`` finishes an interrupted run with the
+steps the uninterrupted one would have taken (lab-target's two hours can be spread over two sessions).
 
 Each training row starts with the BOS token. With probability ``p_corpus`` it is a window of the training
-split; otherwise it packs synthetic retrieval samples from :mod:`labsrc.tasks` (pass key, needle with
-distractors, MQAR, variable tracking, and a word-copy task; the same generators the probes use, on the
-*training* split's prose) of random length and depth, separated by end-of-text tokens, then more prose; a pass
-key's prose carries up to ``max_decoys`` other numbers, so that the model learns which number to copy. The
-run starts with 128-token rows (more of them per step) that are mostly pass keys: that is where the model
-learns to look things up in its context. Then the rows grow to 512 tokens and the mixture turns to its
-steady share of prose. The loss is the mean over prose tokens plus ``answer_weight`` times the mean over
+split; otherwise it packs synthetic in-context samples from :mod:`labsrc.tasks` (pass keys with decoy numbers,
+needles with distractors, MQAR, variable tracking, quoted passages and word lists to repeat) of random length
+and depth, separated by end-of-text tokens, then more prose. Every sample is drawn with ``split="train"``: the
+training prose, :data:`labsrc.tasks.TRAIN_KEYS` and the training class of values
+(:func:`labsrc.tasks.value_split`), so no probe's passage, key or value is ever trained on; the probes seed
+their own generators by name, and training draws from one ``random.Random(seed)`` stream.
+
+The schedule is a curriculum: ``curriculum`` stages of short rows, each with its own mixture, then
+``short_steps`` of ``short_len`` rows, then rows growing to ``seq_len`` over ``grow_steps`` and the steady
+mixture. lab-target forms one skill family at a time (copying, then keyed look-up, then hops) before the next
+dilutes it, and the first steps add attention guidance (:class:`AttentionGuide`) that seeds the induction
+circuit copying needs. The loss is the mean over prose tokens plus ``answer_weight`` times the mean over
 answer tokens: the answers are a handful of tokens among hundreds, and they are what teaches the model to
 read its context.
 """
@@ -36,14 +44,17 @@ from tqdm.auto import tqdm
 
 from labsrc import tasks
 from labsrc.data import TOKENIZER_PATH, load_tokenizer, train_tokenizer
+from labsrc.models import config_head_dim
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
-TRAINED_CONTEXT = 512
+TRAINED_CONTEXT = 512  # the default; lab-target's config sets its own (1,024)
+# The steady mixture of synthetic tasks after the short rows (a row is one of these with probability 1 - p_corpus).
+STEADY_MIX = {"passkey": 0.45, "needle": 0.15, "mqar": 0.15, "variable_tracking": 0.15, "copy": 0.1}
 
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a run: the architecture, the data mixture and the optimiser."""
+    """Everything that defines a run: the architecture, the data mixture, the curriculum and the optimiser."""
 
     hidden_size: int = 320
     intermediate_size: int = 864
@@ -61,25 +72,38 @@ class TrainConfig:
     grad_clip: float = 1.0
     answer_weight: float = 1.0
     p_corpus: float = 0.3
-    task_mix: dict = field(default_factory=lambda: {"passkey": 0.45, "needle": 0.15, "mqar": 0.15,
-                                                    "variable_tracking": 0.15, "copy": 0.1})
-    # Retrieval first: for short_steps the rows are short_len tokens of pass keys only, where the look-up
-    # circuit forms (in the committed lab-target run the answer loss fell below 0.05 by step 300). Diluted, it
-    # formed far more slowly: with a tenth of the rows prose and 40% other tasks the answer loss was still at
-    # 0.8-1.0 at step 1,100, and a random-token copy warm-up (4,000 possible tokens) left copy accuracy at zero
-    # for 640 steps. Then the rows grow to seq_len over grow_steps, and the mixture turns to task_mix/p_corpus.
+    task_mix: dict = field(default_factory=lambda: dict(STEADY_MIX))
+    # Skills first, in short rows: for short_steps the rows are short_len tokens of synthetic tasks, where the
+    # look-up circuits form; then the rows grow to seq_len over grow_steps and the mixture turns to
+    # task_mix/p_corpus. (The first lab-target formed only the pass key this way, because its short rows held
+    # pass keys alone: every other skill met its first example already diluted, and none formed in 5,600 steps.)
     short_len: int = 128
     short_steps: int = 1200
     short_p_corpus: float = 0.0
     short_task_mix: dict = field(default_factory=lambda: {"passkey": 1.0})
     grow_steps: int = 1500
+    # Stages before the short rows: (steps, row length, p_corpus, task mix) each, in order. lab-target learns
+    # one skill family at a time here (copying first, then keyed look-up), each in short rows of its own.
+    curriculum: tuple = ()
     min_task_len: int = 80
+    # Attention guidance (see AttentionGuide): for the first guide_steps, an extra loss pulls guide_heads heads
+    # of layer 0 to the previous token and as many of layer 1 to the token after the earlier occurrence of the
+    # current one, in the rows' copies. Weight guide_weight, fading linearly to 0 over the second half.
+    guide_steps: int = 0
+    guide_weight: float = 1.0
+    guide_heads: int = 1
     # Pass keys in training carry up to this many decoy numbers in their prose (tasks.DECOYS): the keys the
     # model got wrong without them were the ones whose haystack held numbers ("CHAPTER 30", "1797-98").
     max_decoys: int = 3
+    # The hardest draw of each task (each sample draws uniformly up to these, as far as its row has room).
+    max_distractors: int = 4
+    max_pairs: int = 12
+    max_hops: int = 2
+    max_passage: int = 0  # tokens of a quoted passage to repeat ("passage" task)
     seed: int = 0
     time_budget_s: float = 58 * 60
     eval_every: int = 500
+    checkpoint_every: int = 0  # steps between resume states (resume.pt beside the log); 0: none
     # Two threads on a quiet machine: 4,360 tokens/s against 2,490 on one (lab-target, 512-token rows, bf16).
     # On two cores shared with other jobs, two OpenMP threads wait on each other; pass --threads 1 there.
     threads: int = 2
@@ -94,8 +118,23 @@ class TrainConfig:
     chunk_size: int = 64
 
 
+_COPY = {"passage": 0.6, "copy": 0.2, "passkey": 0.2}
+_LOOKUP = {"passage": 0.25, "copy": 0.05, "passkey": 0.1, "mqar": 0.3, "needle": 0.3}
+_HOPS = {"passage": 0.2, "copy": 0.05, "passkey": 0.1, "mqar": 0.2, "needle": 0.2, "variable_tracking": 0.25}
 CONFIGS = {
-    "lab-target": TrainConfig(),
+    # lab-target: one skill family at a time, each formed in short rows before the next dilutes it. Copying
+    # first (128-token rows of quoted passages and word lists to repeat, with attention guidance), then keyed
+    # look-up (MQAR and needles, 256 tokens), then hops (variable tracking, 512), then the rows grow to 1,024
+    # and stay there with prose in 30% of the rows. Every sample is drawn from the training split's prose,
+    # keys and values (labsrc.tasks), never the probes'.
+    "lab-target": TrainConfig(
+        seq_len=1024, batch_size=4, max_steps=6000, lr=1.5e-3, warmup_steps=100,
+        curriculum=((1000, 128, 0.0, _COPY), (1000, 256, 0.1, _LOOKUP), (800, 512, 0.15, _HOPS)),
+        short_len=512, short_steps=0, grow_steps=800, p_corpus=0.3,
+        task_mix={"passkey": 0.1, "needle": 0.2, "mqar": 0.2, "variable_tracking": 0.2, "passage": 0.2,
+                  "copy": 0.1},
+        max_distractors=5, max_pairs=16, max_hops=3, max_passage=160, guide_steps=2000, guide_heads=1,
+        checkpoint_every=100, time_budget_s=125 * 60),
     "lab-draft": TrainConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=2, tie_word_embeddings=True, max_steps=1500, lr=3e-3,
                              short_steps=300, grow_steps=400, time_budget_s=30 * 60,
@@ -153,11 +192,28 @@ def model_config(cfg: TrainConfig, tokenizer):
     return c
 
 
+def _stage(cfg: TrainConfig, step: int | None):
+    """``(row length, p_corpus, task mix)`` of ``step`` if it falls in ``cfg.curriculum``, else None, and the
+    step counted from the curriculum's end."""
+    if step is None:
+        return None, None
+    for steps, length, p_corpus, mix in cfg.curriculum:
+        if step < steps:
+            return (min(length, cfg.seq_len), p_corpus, mix), None
+        step -= steps
+    return None, step
+
+
 def row_length(cfg: TrainConfig, step: int | None) -> int:
-    """Length of the training rows at ``step``: ``short_len`` for the first ``short_steps``, then growing (in
-    multiples of 32) to ``seq_len`` over ``grow_steps``; ``seq_len`` when ``step`` is None."""
+    """Length of the training rows at ``step``: its curriculum stage's, then ``short_len`` for ``short_steps``,
+    then growing (in multiples of 32) to ``seq_len`` over ``grow_steps``; ``seq_len`` when ``step`` is None."""
+    if step is None:
+        return cfg.seq_len
+    stage, step = _stage(cfg, step)
+    if stage:
+        return stage[0]
     short = min(cfg.short_len, cfg.seq_len)
-    if step is None or step >= cfg.short_steps + cfg.grow_steps:
+    if step >= cfg.short_steps + cfg.grow_steps:
         return cfg.seq_len
     if step < cfg.short_steps:
         return short
@@ -172,15 +228,19 @@ def make_batch(cfg: TrainConfig, tokenizer, rng: random.Random, step: int | None
     Every step has ``batch_size * seq_len`` tokens; rows are :func:`row_length` long, so short rows come more
     numerous. A row is, with probability ``p_corpus``, a window of the training prose; otherwise it packs
     synthetic retrieval samples (the first of random length up to the whole row, so retrieval is trained at
-    every distance), separated by end-of-text, then prose. During the first ``short_steps`` the rows use
-    ``short_p_corpus`` and ``short_task_mix`` instead: mostly pass keys, which is where retrieval is learnt.
+    every distance), separated by end-of-text, then prose. A curriculum stage sets its own ``p_corpus`` and
+    mixture; after it, the first ``short_steps`` use ``short_p_corpus`` and ``short_task_mix``.
     """
     train_ids = tasks.corpus_ids(tokenizer, "train")
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     length = row_length(cfg, step)
-    short = step is not None and step < cfg.short_steps
-    p_corpus = cfg.short_p_corpus if short else cfg.p_corpus
-    names, probs = zip(*(cfg.short_task_mix if short else cfg.task_mix).items())
+    stage, rest = _stage(cfg, step)
+    if stage:
+        _, p_corpus, mix = stage
+    else:
+        short = rest is not None and rest < cfg.short_steps
+        p_corpus, mix = (cfg.short_p_corpus, cfg.short_task_mix) if short else (cfg.p_corpus, cfg.task_mix)
+    names, probs = zip(*mix.items())
     rows, weights = [], []
     for _ in range(cfg.batch_size * cfg.seq_len // length):
         w = [False] * length
@@ -210,7 +270,11 @@ def make_batch(cfg: TrainConfig, tokenizer, rng: random.Random, step: int | None
 
 
 def _synthetic(cfg: TrainConfig, tokenizer, rng: random.Random, names, probs, room: int):
-    """One synthetic retrieval sample of at most ``room`` tokens, task and shape drawn from the mixture."""
+    """One synthetic sample of at most ``room`` tokens, task and shape drawn from the mixture.
+
+    Every sample is drawn with ``split="train"``: training prose, :data:`labsrc.tasks.TRAIN_KEYS` and the
+    training class of values, so that no probe's key, value or passage is ever seen in training.
+    """
     task = rng.choices(names, probs)[0]
     length = rng.randint(cfg.min_task_len, room)
     kw, need = {}, 80  # need: a little more than the sample's fixed (non-filler) tokens
@@ -219,17 +283,24 @@ def _synthetic(cfg: TrainConfig, tokenizer, rng: random.Random, names, probs, ro
             kw["n_decoys"] = rng.randint(0, cfg.max_decoys)
             need = 80 + 14 * kw["n_decoys"]
     elif task == "needle":
-        kw["n_distractors"] = rng.randint(0, 4)
+        kw["n_distractors"] = rng.randint(0, cfg.max_distractors)
         need = 100 + 26 * kw["n_distractors"]
     elif task == "mqar":
-        kw["n_pairs"] = rng.randint(2, 12)
+        kw["n_pairs"] = rng.randint(2, cfg.max_pairs)
         need = 30 + 22 * kw["n_pairs"]
     elif task == "variable_tracking":
-        kw["n_hops"] = rng.randint(0, 2)
+        kw["n_hops"] = rng.randint(0, cfg.max_hops)
         need = 100 + 40 * kw["n_hops"]
     elif task == "copy":
         kw["n_words"] = rng.randint(4, 12)
         need = 20 + 3 * kw["n_words"]
+    elif task == "passage":
+        most = min(cfg.max_passage, (room - 40) // 2)
+        if most >= 8:
+            kw["n_tokens"] = rng.randint(8, most)
+            need = 40 + 2 * kw["n_tokens"]
+        else:
+            need = room + 1
     if need > room:
         task, kw = "passkey", {}
     length = max(length, min(need, room))
@@ -261,12 +332,140 @@ def training_loss(logits: torch.Tensor, ids: torch.Tensor, answers: torch.Tensor
     return loss, nll, answer
 
 
-def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbose: bool = True):
-    """Train a fresh model under ``cfg``; return ``(model, log rows, info)``. Deterministic from ``cfg.seed``."""
+def copy_alignments(ids: torch.Tensor, answers: torch.Tensor, min_len: int = 8) -> list[tuple[int, int, int]]:
+    """Where each copy in a batch was copied from: ``(row, query position, source position)`` triples.
+
+    A copy is a run of at least ``min_len`` answer tokens whose first ``min_len`` tokens occur earlier in the
+    row (a repeated passage or word list; a pass key or an MQAR value is shorter). The token at ``a + i`` of a
+    copy starting at ``a`` repeats the token at ``src + i``, so the query at ``a + i - 1``, which predicts it,
+    should attend to ``src + i``: the position after the earlier occurrence of the current token, which is what
+    an induction head attends to.
+    """
+    out = []
+    for b in range(ids.shape[0]):
+        row, mask, t = ids[b].tolist(), answers[b].tolist(), 0
+        while t < len(row):
+            if not mask[t]:
+                t += 1
+                continue
+            e = t
+            while e < len(row) and mask[e]:
+                e += 1
+            if e - t >= min_len:
+                head = row[t:t + min_len]
+                src = next((j for j in range(t - min_len) if row[j:j + min_len] == head), None)
+                if src is not None:
+                    out += [(b, t - 1 + i, src + i) for i in range(e - t)]
+            t = e
+    return out
+
+
+class AttentionGuide:
+    """Attention guidance for the first steps of training (``TrainConfig.guide_steps``).
+
+    Copying a passage needs two heads that work together (an induction circuit): one in an early layer that
+    moves each token's identity to the next position (a previous-token head), and one after it that looks for
+    the earlier position whose previous token is the current token and copies what it finds. Neither helps the
+    loss until the other exists, so from scratch a small model sits on a plateau: the first lab-target never
+    left it in 5,600 steps. The guide adds, to the first ``heads`` heads of layer 0, the cross-entropy of their
+    attention against the previous token, and to those of layer 1 the cross-entropy against the source of each
+    copied token (:func:`copy_alignments`). It reads the layers' inputs through forward pre-hooks and recomputes
+    those heads' scores (RoPE included), so the model is an ordinary ``LlamaForCausalLM`` with nothing added; once
+    the guidance has faded, what the heads do is the training loss's business alone.
+    """
+
+    def __init__(self, model, heads: int = 1):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.rope = apply_rotary_pos_emb
+        self.heads = heads
+        self.layers = [model.model.layers[i].self_attn for i in (0, 1)]
+        self.inputs = {}
+        cfg = model.config
+        self.h, self.kv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, config_head_dim(cfg)
+        self.handles = [layer.register_forward_pre_hook(self._keep(i), with_kwargs=True)
+                        for i, layer in enumerate(self.layers)]
+
+    def _keep(self, i):
+        def hook(module, args, kwargs):
+            self.inputs[i] = (kwargs["hidden_states"] if "hidden_states" in kwargs else args[0],
+                              kwargs["position_embeddings"])
+        return hook
+
+    def _log_attention(self, i) -> torch.Tensor:
+        """Log attention weights ``(B, heads, T, T)`` of layer ``i``'s guided heads, in float32."""
+        hidden, (cos, sin) = self.inputs[i]
+        layer = self.layers[i]
+        b, t, _ = hidden.shape
+        q = layer.q_proj(hidden).view(b, t, self.h, self.d).transpose(1, 2)[:, :self.heads]
+        k = layer.k_proj(hidden).view(b, t, self.kv, self.d).transpose(1, 2)
+        k = k.repeat_interleave(self.h // self.kv, 1)[:, :self.heads]
+        q, k = self.rope(q, k, cos, sin)
+        scores = (q.float() @ k.float().transpose(-1, -2)) * self.d ** -0.5
+        causal = torch.ones(t, t, dtype=torch.bool, device=scores.device).triu(1)
+        return torch.log_softmax(scores.masked_fill(causal, float("-inf")), -1)
+
+    def loss(self, ids: torch.Tensor, answers: torch.Tensor) -> torch.Tensor:
+        """The guidance loss for the forward pass just run on ``ids``."""
+        lp = self._log_attention(0)[:, :, 1:]  # the previous token of every position but the first
+        b, h, t, _ = lp.shape
+        prev = torch.arange(t, device=lp.device).view(1, 1, t, 1).expand(b, h, t, 1)
+        loss = -lp.gather(-1, prev).mean()
+        pairs = copy_alignments(ids, answers)
+        if pairs:
+            rows, queries, sources = (torch.tensor(x) for x in zip(*pairs))
+            loss = loss - self._log_attention(1)[rows, :, queries, sources].mean()
+        self.inputs.clear()
+        return loss
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _guide_weight(cfg: TrainConfig, step: int) -> float:
+    """Full weight for the first half of ``guide_steps``, then fading linearly to 0 at ``guide_steps``."""
+    if step >= cfg.guide_steps:
+        return 0.0
+    half = cfg.guide_steps / 2
+    return cfg.guide_weight * min(1.0, (cfg.guide_steps - step) / half)
+
+
+PROGRESS_FIELDS = ("passkey_512", "passage_512", "mqar_512", "needle_512", "vt_512")
+
+
+def _progress_probes(model, tokenizer, length: int) -> dict:
+    """A quick look during training (a few validation samples of each probe, seed 1234, not the eval card's):
+    is each skill forming? Logged every ``eval_every`` steps."""
+    kw = dict(n=6, seed=1234)
+    big = length >= 256  # a smoke-test model's short rows hold fewer needles and hops
+    return {"passkey_512": tasks.passkey_accuracy(model, tokenizer, length, [0.0, 0.5, 1.0], n=4, seed=1234),
+            "passage_512": tasks.passage_copy_accuracy(model, tokenizer, length, n_tokens=min(100, length // 4),
+                                                       **kw),
+            "mqar_512": tasks.mqar_accuracy(model, tokenizer, length, n_pairs=min(8, length // 64), **kw),
+            "needle_512": tasks.needle_accuracy(model, tokenizer, length, n_distractors=3 if big else 0, **kw),
+            "vt_512": tasks.variable_tracking_accuracy(model, tokenizer, length, n_hops=2 if big else 0, **kw)}
+
+
+RESUME_FILE = "resume.pt"
+_RUN_ONLY = ("time_budget_s", "threads")  # how long and on how many threads a session runs, not what it trains
+
+
+def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbose: bool = True,
+          resume: Path | None = None):
+    """Train a fresh model under ``cfg``; return ``(model, log rows, info)``. Deterministic from ``cfg.seed``.
+
+    With ``cfg.checkpoint_every`` the run saves its whole state (weights, optimiser moments, both random
+    generators, the log so far) to ``resume`` every that many steps, and a run started with a ``resume`` file
+    that exists goes on from there: the steps it takes are the ones the uninterrupted run would have taken, so
+    a long run can be finished in a later session. The file must come from the same ``cfg``.
+    """
     from transformers import LlamaForCausalLM, Mamba2ForCausalLM
 
     if not isinstance(cfg, TrainConfig):
         raise TypeError(f"cfg must be a TrainConfig, got {type(cfg).__name__}")
+    if cfg.guide_steps and cfg.arch != "llama":
+        raise ValueError(f"attention guidance (guide_steps) needs attention layers; arch {cfg.arch!r} has none")
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     tokenizer = tokenizer or load_tokenizer()
@@ -277,17 +476,37 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
-    log, t0, tokens, stopped_early = [], time.time(), 0, False
+    log, tokens, stopped_early, start, spent = [], 0, False, 0, 0.0
+    if resume is not None and Path(resume).is_file():
+        state = torch.load(resume, weights_only=False)
+        changed = sorted(k for k, v in asdict(cfg).items()
+                         if k not in _RUN_ONLY and state["train_config"].get(k) != v)
+        if changed:
+            raise ValueError(f"{resume} was saved by a run with another config (fields differ: {changed})")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        log, tokens, start, spent = state["log"], state["tokens"], state["step"], state["elapsed_s"]
+    t0 = time.time() - spent  # elapsed time counts across sessions, for the budget and the log
+    fields = ["step", "loss", "text_loss", "answer_loss", "lr", "tokens", "elapsed_s", "guide_loss",
+              *PROGRESS_FIELDS]
+    guide = AttentionGuide(model, cfg.guide_heads) if cfg.guide_steps > start else None
     fh = open(log_path, "w", newline="") if log_path else None
-    writer = None
+    writer = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore") if fh else None
+    if writer:
+        writer.writeheader()
+        writer.writerows(log)  # a resumed run rewrites the rows of its saved state, and none after it
     # A bar with the step, the rate and the time left (an hour-long run must say how long it has to go);
     # `verbose=False` (the tests) shows nothing.
-    bar = tqdm(total=cfg.max_steps, desc="training", unit="step", disable=not verbose,
+    bar = tqdm(total=cfg.max_steps, initial=start, desc="training", unit="step", disable=not verbose,
                dynamic_ncols=True, mininterval=1.0)
-    for step in range(cfg.max_steps):
+    for step in range(start, cfg.max_steps):
         if time.time() - t0 > cfg.time_budget_s:
             stopped_early = True
             bar.write(f"stopped at the time budget ({cfg.time_budget_s / 60:.0f} min) after {step} steps")
+            if resume is not None and cfg.checkpoint_every:
+                _save_resume(Path(resume), cfg, model, opt, rng, log, tokens, step, time.time() - t0)
             break
         for g in opt.param_groups:
             g["lr"] = _lr(cfg, step)
@@ -295,6 +514,14 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16_autocast):
             logits = model(input_ids=ids).logits
         loss, nll, answer = training_loss(logits, ids, w, cfg.answer_weight)
+        guide_loss = None
+        if guide is not None:
+            if (weight := _guide_weight(cfg, step)) > 0:
+                guide_loss = guide.loss(ids, w)
+                loss = loss + weight * guide_loss
+            else:
+                guide.remove()
+                guide = None
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -302,24 +529,23 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
         tokens += ids.numel()
         row = {"step": step + 1, "loss": float(loss.detach()), "text_loss": float(nll[~answer].mean().detach()),
                "answer_loss": float(nll[answer].mean().detach()) if answer.any() else float("nan"),
-               "lr": _lr(cfg, step), "tokens": tokens, "elapsed_s": round(time.time() - t0, 2)}
+               "lr": _lr(cfg, step), "tokens": tokens, "elapsed_s": round(time.time() - t0, 2),
+               "guide_loss": float(guide_loss.detach()) if guide_loss is not None else None}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             model.eval()
-            row["passkey_512"] = tasks.passkey_accuracy(model, tokenizer, cfg.seq_len, [0.0, 0.5, 1.0], n=4,
-                                                        seed=1234)
+            row.update(_progress_probes(model, tokenizer, min(512, cfg.seq_len)))
             model.train()
         log.append(row)
-        if fh:
-            if writer is None:
-                writer = csv.DictWriter(fh, fieldnames=list(log[0]) + ["passkey_512"], extrasaction="ignore")
-                writer.writeheader()
+        if writer:
             writer.writerow(row)
             fh.flush()
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", seq=ids.shape[1], refresh=False)
-        if "passkey_512" in row:
-            bar.write(f"step {step + 1}: pass key at {cfg.seq_len} tokens {row['passkey_512']:.2f}, "
-                      f"loss {row['loss']:.3f}")
+        if verbose and "passkey_512" in row:
+            bar.write(f"step {step + 1}, loss {row['loss']:.3f}, at {min(512, cfg.seq_len)} tokens: " +
+                      ", ".join(f"{k[:-4]} {row[k]:.2f}" for k in PROGRESS_FIELDS if k in row))
+        if resume is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
+            _save_resume(Path(resume), cfg, model, opt, rng, log, tokens, step + 1, time.time() - t0)
     bar.close()
     if fh:
         fh.close()
@@ -329,40 +555,119 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
     return model, log, info
 
 
-PASSKEY_LENGTHS = (128, 256, 384, 512)
-PASSKEY_BEYOND = (768, 1024)
+def _save_resume(path: Path, cfg, model, opt, rng, log, tokens, step, elapsed):
+    """Write the run's state atomically (a run killed while saving keeps the previous state)."""
+    tmp = path.with_suffix(".tmp")
+    torch.save({"train_config": asdict(cfg), "model": model.state_dict(), "optimizer": opt.state_dict(),
+                "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "log": log, "tokens": tokens,
+                "step": step, "elapsed_s": elapsed}, tmp)
+    tmp.replace(path)
+
+
+# The eval card. Its headline probes run at PROBE_FRACTION of the trained context (room for the question at
+# the end of a context the model was trained at), PROBE_N samples each, with 95% intervals. The grids below
+# are fractions of the trained context, so a 512-token model (lab-mamba) and a 1,024-token one are measured
+# alike.
+PROBE_FRACTION = 0.9
+PROBE_N = 100
+PROBE_SETTINGS = {"needle": {"n_distractors": 3}, "mqar": {"n_pairs": 8}, "variable_tracking": {"n_hops": 2},
+                  "passage": {"n_tokens": 100}}
+PASSKEY_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+PASSKEY_BEYOND = (1.5, 2.0)
 PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 PASSKEY_DECOYS = 3  # the eval card's second grid: the same pass keys with three other numbers in the prose
 
 
-def evaluate(model, tokenizer, context_len: int = TRAINED_CONTEXT, n: int = 20, seed: int = 0) -> dict:
-    """The eval card's figures for ``model``: validation perplexity and the probe accuracies."""
+def trained_context(model) -> int:
+    """The context a lab model was trained at (``config.lab_trained_context``; 512 for a config without it)."""
+    return int(getattr(model.config, "lab_trained_context", None) or TRAINED_CONTEXT)
+
+
+def _interval(per_sample: list[float]) -> dict:
+    """Accuracy over samples with its 95% interval: Wilson's when each sample is one right-or-wrong answer;
+    for fractions (MQAR's queries, a passage's tokens, which are not independent within a sample) the normal
+    interval of the mean over samples, clipped to [0, 1]."""
+    from labsrc.claims import Z95, wilson
+
+    n = len(per_sample)
+    mean = sum(per_sample) / n
+    if all(x in (0.0, 1.0) for x in per_sample):
+        lo, hi = wilson(round(sum(per_sample)), n)
+        how = "wilson"
+    else:
+        sd = math.sqrt(sum((x - mean) ** 2 for x in per_sample) / max(n - 1, 1))
+        lo, hi = max(0.0, mean - Z95 * sd / math.sqrt(n)), min(1.0, mean + Z95 * sd / math.sqrt(n))
+        how = "normal over samples"
+    return {"n": n, "accuracy": mean, "ci95": [lo, hi], "interval": how}
+
+
+def probe_set(tokenizer, task: str, context_len: int, n: int = PROBE_N, seed: int = 0) -> list:
+    """The samples of one headline probe (a prefix of the ``n`` is the probe of fewer samples)."""
+    if task == "passkey":
+        rng = random.Random(f"passkey-{seed}-{context_len}-probe")
+        return [tasks.passkey_sample(tokenizer, context_len, d, rng) for d in tasks.probe_depths(n)]
+    return tasks.probe_samples(task, tokenizer, context_len, n, seed, **PROBE_SETTINGS[task])
+
+
+def probe(model, tokenizer, task: str, context_len: int, n: int = PROBE_N, seed: int = 0) -> dict:
+    """One headline probe of the eval card: accuracy with its 95% interval over ``n`` samples, and by depth
+    (five bins) for the probes whose answer sits at a depth. ``task`` is ``"passkey"`` or a
+    :func:`labsrc.tasks.probe_samples` task, with the eval card's settings (:data:`PROBE_SETTINGS`)."""
+    samples = probe_set(tokenizer, task, context_len, n, seed)
+    per = [sum(r) / len(r) for r in tasks.score(model, samples)]
+    out = {"context_len": context_len, **PROBE_SETTINGS.get(task, {}), **_interval(per),
+           "per_sample": [round(x, 4) for x in per]}  # the slow test recomputes a prefix of these exactly
+    if "depth" in samples[0].meta:
+        bins = {}
+        for s, x in zip(samples, per):
+            bins.setdefault(min(int(s.meta["depth"] * 5), 4), []).append(x)
+        out["by_depth"] = {f"{b / 5:.1f}-{(b + 1) / 5:.1f}": sum(v) / len(v) for b, v in sorted(bins.items())}
+    return out
+
+
+def evaluate(model, tokenizer, context_len: int | None = None, n: int = PROBE_N, grid_n: int = 20,
+             seed: int = 0) -> dict:
+    """The eval card's figures for ``model``: validation perplexity, the headline probes at
+    :data:`PROBE_FRACTION` of the trained context (``context_len``, by default the model's own) with ``n``
+    samples each, and pass-key grids over length and depth (``grid_n`` a cell)."""
     torch.set_num_threads(1)
-    ppl = tasks.perplexity_by_position(model, tokenizer, context_len, bucket=64)
-    grid = tasks.passkey_grid(model, tokenizer, PASSKEY_LENGTHS, PASSKEY_DEPTHS, n=n, seed=seed)
-    beyond = tasks.passkey_grid(model, tokenizer, PASSKEY_BEYOND, PASSKEY_DEPTHS, n=max(4, n // 2), seed=seed,
-                                batch_size=4)
-    decoys = tasks.passkey_grid(model, tokenizer, PASSKEY_LENGTHS, PASSKEY_DEPTHS, n=n, seed=seed,
+    ctx = context_len or trained_context(model)
+    at = int(PROBE_FRACTION * ctx)
+    ppl = tasks.perplexity_by_position(model, tokenizer, ctx, bucket=64)
+    lengths = [int(f * ctx) for f in PASSKEY_FRACTIONS]
+    beyond_lengths = [int(f * ctx) for f in PASSKEY_BEYOND]
+    grid = tasks.passkey_grid(model, tokenizer, lengths, PASSKEY_DEPTHS, n=grid_n, seed=seed)
+    beyond = tasks.passkey_grid(model, tokenizer, beyond_lengths, PASSKEY_DEPTHS, n=max(4, grid_n // 2),
+                                seed=seed, batch_size=4)
+    decoys = tasks.passkey_grid(model, tokenizer, lengths, PASSKEY_DEPTHS, n=grid_n, seed=seed,
                                 n_decoys=PASSKEY_DECOYS)
-    return {
+    probes = {t: probe(model, tokenizer, t, at, n, seed) for t in ("passkey", *PROBE_SETTINGS)}
+    card = {
         "validation_perplexity": ppl["overall"],
         "validation_windows": ppl["n_windows"],
         "perplexity_by_position": {"positions": ppl["positions"], "perplexity": ppl["perplexity"]},
-        "passkey": {"context_lens": list(PASSKEY_LENGTHS), "depths": list(PASSKEY_DEPTHS), "n": n,
+        "probes": probes,
+        "passkey": {"context_lens": lengths, "depths": list(PASSKEY_DEPTHS), "n": grid_n,
                     "accuracy": grid.tolist(),
                     "accuracy_by_depth": dict(zip(map(str, PASSKEY_DEPTHS), grid.min(1).values.tolist())),
                     "min_inside_trained_context": float(grid.min())},
-        "passkey_beyond_trained_context": {"context_lens": list(PASSKEY_BEYOND), "depths": list(PASSKEY_DEPTHS),
-                                           "accuracy": beyond.tolist()},
-        "passkey_with_decoys": {"context_lens": list(PASSKEY_LENGTHS), "depths": list(PASSKEY_DEPTHS), "n": n,
+        "passkey_beyond_trained_context": {"context_lens": beyond_lengths, "depths": list(PASSKEY_DEPTHS),
+                                           "n": max(4, grid_n // 2), "accuracy": beyond.tolist()},
+        "passkey_with_decoys": {"context_lens": lengths, "depths": list(PASSKEY_DEPTHS), "n": grid_n,
                                 "n_decoys": PASSKEY_DECOYS, "accuracy": decoys.tolist(),
                                 "min_inside_trained_context": float(decoys.min())},
-        "needle_accuracy": tasks.needle_accuracy(model, tokenizer, context_len, n=2 * n, seed=seed),
-        "mqar_accuracy": tasks.mqar_accuracy(model, tokenizer, context_len, n=n, seed=seed),
+        # The headline figures under the names the chapters read.
+        "needle_accuracy": probes["needle"]["accuracy"],
+        "mqar_accuracy": probes["mqar"]["accuracy"],
+        "passage_copy_accuracy": probes["passage"]["accuracy"],
         "variable_tracking_accuracy": {
-            str(h): tasks.variable_tracking_accuracy(model, tokenizer, context_len, n=n, n_hops=h, seed=seed)
+            str(h): (probes["variable_tracking"]["accuracy"] if h == 2 else
+                     tasks.variable_tracking_accuracy(model, tokenizer, at, n=n, n_hops=h, seed=seed))
             for h in (0, 1, 2)},
     }
+    if ctx != 512:  # the first lab-target's context: prose perplexity compared at equal length
+        card["validation_perplexity_512"] = tasks.perplexity_by_position(model, tokenizer, 512, bucket=64)["overall"]
+    return card
 
 
 def main(argv=None):
@@ -376,6 +681,9 @@ def main(argv=None):
     parser.add_argument("--max-steps", type=int, default=None)
     parser.add_argument("--time-budget-min", type=float, default=None)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the config's, 2)")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on with the interrupted run in --out (or the newest <name>-retrained-<n> with "
+                             f"a {RESUME_FILE}) from its last saved state")
     parser.add_argument("--eval-only", action="store_true",
                         help="do not train: re-measure the eval card of the checkpoint in --out (or checkpoints/"
                              "<name>) with the current probes, keeping its training record")
@@ -390,14 +698,21 @@ def main(argv=None):
     if args.time_budget_min is not None:
         cfg = replace(cfg, time_budget_s=args.time_budget_min * 60)
     out = args.out or CHECKPOINTS / args.name
-    if not args.overwrite:
+    if args.resume:
+        out = out if args.out else _interrupted_run(out)
+        if not (out / RESUME_FILE).is_file():
+            raise FileNotFoundError(f"--resume: {out / RESUME_FILE} does not exist (no interrupted run there)")
+        print(f"resuming the run in {out}", flush=True)
+    elif not args.overwrite:
         out = fresh_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"writing the checkpoint to {out}", flush=True)
     if not TOKENIZER_PATH.is_file():
         train_tokenizer()
     tokenizer = load_tokenizer()
-    model, log, info = train(cfg, tokenizer, log_path=out / "train_log.csv")
+    model, log, info = train(cfg, tokenizer, log_path=out / "train_log.csv", resume=out / RESUME_FILE)
+    if not info["stopped_at_time_budget"]:
+        (out / RESUME_FILE).unlink(missing_ok=True)  # finished: the state is the checkpoint now
     model.to(torch.float16).save_pretrained(out)
     shutil.copy(TOKENIZER_PATH, out / "tokenizer.json")
     tokenizer.save_pretrained(out)
@@ -405,6 +720,14 @@ def main(argv=None):
             "trained_context": cfg.seq_len, **info, "train_config": asdict(cfg),
             "final_train_loss": log[-1]["loss"] if log else None}
     _write_card(out, card)
+
+
+def _interrupted_run(out: Path) -> Path:
+    """The newest of ``out`` and its ``<out>-retrained-<n>`` folders that holds a resume state."""
+    runs = [p for p in [out, *out.parent.glob(f"{out.name}-retrained-*")] if (p / RESUME_FILE).is_file()]
+    if not runs:
+        raise FileNotFoundError(f"--resume: no {RESUME_FILE} in {out} or its -retrained-<n> folders")
+    return max(runs, key=lambda p: (p / RESUME_FILE).stat().st_mtime)
 
 
 def fresh_folder(out: Path) -> Path:
