@@ -82,7 +82,7 @@ def test_every_kernel_compiles_for_ampere_and_hopper(tmp_path):
     kernels = {k.qualname for k in launchable_kernels()}
     assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in gc.ARCHS}
     assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
-    bad = [gc._line(r) for r in rows if r["problems"]]
+    bad = [gc.describe(r) for r in rows if r["problems"]]
     assert not bad and result.returncode == 0, "\n".join(bad) + result.stderr[-2000:]
 
 

@@ -52,8 +52,9 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
-        out = subprocess.run([_ptxas(arch), "-v", "-lineinfo", "--regAllocOptLevel=2", f"--gpu-name={target}", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                             capture_output=True, text=True, check=True).stderr
+        command = [_ptxas(arch), "-v", "-lineinfo", "--regAllocOptLevel=2", f"--gpu-name={target}", str(src),
+                   "-o", str(Path(tmp) / "k.cubin")]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stderr
     return parse_ptxas_log(out)
 
 
@@ -76,7 +77,7 @@ def configurations(kernel: Kernel, arch: int) -> list[dict]:
     else:
         tuned = None
     if tuned is None:
-        return [dict(consts, num_warps=spec.num_warps, num_stages=3) for consts in spec.constexprs]
+        return [dict(dict(num_warps=spec.num_warps, num_stages=3), **consts) for consts in spec.constexprs]
     return [dict(consts, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
             for consts, c in itertools.product(spec.constexprs, tuned)]
 
@@ -151,11 +152,12 @@ def compile_all(archs=ARCHS, only: str | None = None, progress=print) -> list[di
                     row["problems"] = problems(row, kernel.uses_dot)
                     rows.append(row)
                     if progress:
-                        progress(_line(row))
+                        progress(describe(row))
     return rows
 
 
-def _line(row: dict) -> str:
+def describe(row: dict) -> str:
+    """One row as one line of text: architecture, kernel, dtype, blocks and warps, resources, verdict."""
     cfg = " ".join(f"{k}={v}" for k, v in row["config"].items() if k.startswith(("BLOCK", "num_")))
     status = "ok" if not row["problems"] else "FAIL " + "; ".join(row["problems"])
     return (f"sm_{row['arch']} {row['kernel'].removeprefix('labsrc.kernels.')} {row['dtype']} [{cfg}] "

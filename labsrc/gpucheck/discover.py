@@ -2,9 +2,10 @@
 
 A kernel is *launchable* when it is a ``@triton.jit`` function that no other ``@triton.jit`` function of the
 package uses: the helpers (``_online_softmax_step``, ``_decay.chunk_segsum``, the combine function handed to
-``tl.associative_scan``, ...) are inlined into the kernels that use them and cannot be launched alone. Reading the source (with :mod:`ast`, importing nothing)
-rather than keeping a list means that a kernel added to the package is found by the compile check, which
-then fails until the kernel has a compile spec (:mod:`labsrc.gpucheck.specs`).
+``tl.associative_scan``, ...) are inlined into the kernels that use them and cannot be launched alone.
+Reading the source (with :mod:`ast`, importing nothing) rather than keeping a list means that a kernel added
+to the package is found by the compile check, which then fails until the kernel has a compile spec
+(:mod:`labsrc.gpucheck.specs`).
 """
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ A launch gives Triton tensors and numbers; compiling ahead of time needs their t
 * for an autotuned kernel, its autotune list supplies the rest of each configuration (block sizes, warps,
   stages): every entry of the list is compiled, for both architectures. ``arch_configs`` names the
   module's config function when the list depends on the GPU (attention's Hopper and Ampere lists);
-* for a kernel its wrapper launches directly, ``num_warps`` as the wrapper passes it (Triton's default 4).
+* for a kernel its wrapper launches directly, ``num_warps`` as the wrapper passes it (Triton's default 4),
+  in the Spec or, where it depends on the constexprs, in each constexpr dict.
 
 ``UPCAST`` is ``False`` (a GPU's ``tl.dot`` takes bf16; only the interpreter upcasts) and ``PRECISION`` is
 ``"tf32"`` for 16-bit inputs, as the wrappers set them on a GPU.
@@ -42,15 +43,16 @@ SPECS: dict[str, Spec] = {
         {"O": "*T", "DO": "*T", "DELTA": "*fp32"}, [dict(BLOCK_M=64, BLOCK_D=128)]),
     "attention._bwd_dkdv_kernel": Spec(
         {**_ATT_IO, **_GRADS, "qk_scale": "fp32", "sm_scale": "fp32"},
-        [dict(CAUSAL=True, **_GPU16, BLOCK_D=128)], arch_configs="_bwd_configs"),
+        [dict(CAUSAL=True, **_GPU16, BLOCK_D=128)], arch_configs="_bwd_dkdv_configs"),
     "attention._bwd_dq_kernel": Spec(
         {**_ATT_IO, **_GRADS, "qk_scale": "fp32", "sm_scale": "fp32"},
-        [dict(CAUSAL=True, **_GPU16, BLOCK_D=128)], arch_configs="_bwd_configs"),
+        [dict(CAUSAL=True, **_GPU16, BLOCK_D=128)], arch_configs="_bwd_dq_configs"),
     "attention._decode_split_kernel": Spec(
         {**_ATT_IO, "SEQ_LENS": "*i32", "MID_O": "*fp32", "MID_LSE": "*fp32", "qk_scale": "fp32"},
         [dict(**_GPU16, BLOCK_G=16, BLOCK_D=128)], arch_configs="_decode_configs"),
     "attention._decode_merge_kernel": Spec(
-        {"MID_O": "*fp32", "MID_LSE": "*fp32", "O": "*T"}, [dict(BLOCK_S=s, BLOCK_D=128) for s in (16, 256)]),
+        {"MID_O": "*fp32", "MID_LSE": "*fp32", "O": "*T"},   # 16 splits, and the most (256), as the wrapper warps them
+        [dict(BLOCK_S=16, BLOCK_D=128, num_warps=4), dict(BLOCK_S=256, BLOCK_D=128, num_warps=8)]),
     # chapter 11 (distillation): a 128K vocabulary row streamed in BLOCK_V chunks
     "distill._kd_kl_fwd_kernel": Spec(
         {"s_ptr": "*T", "t_ptr": "*T", "kl_ptr": "*fp32", "lse_s_ptr": "*fp32", "lse_t_ptr": "*fp32",

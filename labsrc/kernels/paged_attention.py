@@ -296,7 +296,8 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, sm_scale=N
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         hq, d, splits,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        BLOCK_S=(block_s := max(2, triton.next_power_of_2(splits))), BLOCK_D=block_d,
+        num_warps=_att.merge_warps(block_s, block_d),
     )
     return out
 
