@@ -133,10 +133,11 @@ def problems(row: dict, uses_dot: bool) -> list[str]:
 
 
 def compile_all(archs=ARCHS, only: str | None = None, progress=print) -> list[dict]:
-    """Rows for every launchable kernel (those whose qualified name contains ``only``, if given)."""
+    """Rows for every launchable kernel (with ``only``, those whose qualified name contains one of its
+    comma-separated parts)."""
     rows = []
     for kernel in launchable_kernels():
-        if only and only not in kernel.qualname:
+        if only and not any(part in kernel.qualname for part in only.split(",")):
             continue
         key = f"{kernel.module}.{kernel.name}"
         if key not in SPECS:   # a new kernel: found by discovery, so it cannot be skipped silently

@@ -63,7 +63,8 @@ SPECS: dict[str, Spec] = {
     # differential attention: 64 x 64 blocks on a GPU, head dims 64 and 128
     "frontier._diff_attention_kernel": Spec(
         {"Q1": "*T", "K1": "*T", "Q2": "*T", "K2": "*T", "V": "*T", "LAM": "*fp32", "O": "*T", "qk_scale": "fp32"},
-        [dict(**_GPU16, BLOCK_M=64, BLOCK_N=64, BLOCK_D=d, BLOCK_DV=2 * d) for d in (64, 128)]),
+        [dict(**_GPU16, BLOCK_M=b, BLOCK_N=b, BLOCK_D=d, BLOCK_DV=2 * d) for b, d in ((64, 64), (32, 128))],
+        num_warps=8),
     # the slot-addressed cache write: 1024-element blocks of one (8 heads x 128) row
     "kv_store._kv_store_kernel": Spec(
         {"k_cache": "*T", "v_cache": "*T", "k_new": "*T", "v_new": "*T", "slots": "*i64"}, [dict(BLOCK=1024)]),
@@ -71,17 +72,17 @@ SPECS: dict[str, Spec] = {
     "kvquant._quantize_pack_kernel": Spec(
         {"x_ptr": "*T", "mean_ptr": "*fp32", "std_ptr": "*fp32", "out_ptr": "*u8", "scale_ptr": "*fp16",
          "zero_ptr": "*fp16"},
-        [dict(BITS=b, PACK=8 // b, GROUP=128, BLOCK_T=128, BLOCK_DP=128 * b // 8) for b in (4, 8)]),
+        [dict(BITS=b, PACK=8 // b, GROUP=128, BLOCK_T=128, BLOCK_DP=128 * b // 8) for b in (4, 8)], num_warps=8),
     "kvquant._dequantize_kernel": Spec(
         {"p_ptr": "*u8", "scale_ptr": "*fp16", "zero_ptr": "*fp16", "mean_ptr": "*fp32", "std_ptr": "*fp32",
          "out_ptr": "*T"},
-        [dict(BITS=b, PACK=8 // b, GROUP=128, BLOCK_T=64, BLOCK_DP=128 * b // 8) for b in (4, 8)]),
+        [dict(BITS=b, PACK=8 // b, GROUP=128, BLOCK_T=64, BLOCK_DP=128 * b // 8) for b in (4, 8)], num_warps=8),
     "kvquant._decode_kernel": Spec(
         {"q_ptr": "*T", "kp_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "kstd_ptr": "*fp32",
          "vp_ptr": "*u8", "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "o_ptr": "*fp32",
          "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32"},
         [dict(BITS=b, PACK=8 // b, GROUP=128, QPK=4, BLOCK_H=16, BLOCK_T=64, BLOCK_DP=max(16, 128 * b // 8))
-         for b in (4, 8)]),
+         for b in (4, 8)], num_warps=8),
     # chunked linear attention and Gated DeltaNet: chunks of 64, K = V = 128 (BLOCK_V = 64)
     "linear_attention._chunk_linear_attention_kernel": Spec(
         {"q_ptr": "*T", "k_ptr": "*T", "v_ptr": "*T", "log_lam_ptr": "*fp32", "h0_ptr": "*fp32", "o_ptr": "*T",
