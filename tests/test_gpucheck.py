@@ -74,10 +74,12 @@ def test_compile_table_renders_one_line_per_kernel_and_arch():
 # these included, must compile and use tensor cores where the kernel calls tl.dot.
 STILL_SPILLING = {
     "labsrc.kernels.attention._flash_attention_kernel",   # every config; sm_80 ptxas falls back to 32 registers
-    "labsrc.kernels.frontier._diff_attention_kernel",     # two softmaxes' tiles at 4 warps
-    "labsrc.kernels.kvquant._decode_kernel",              # BLOCK_DP = 128 (INT8) at 4 warps
-    "labsrc.kernels.kvquant._dequantize_kernel",          # INT8 at 4 warps
-    "labsrc.kernels.kvquant._quantize_pack_kernel",       # a 128-token group held in registers at 4 warps
+    "labsrc.kernels.kvquant._quantize_pack_kernel",       # INT8: a 128-token group of 128 columns, even at 8 warps
+    "labsrc.kernels.ssm._selective_scan_kernel",          # BLOCK_L = 512 at 4 warps
+    "labsrc.kernels.ssm._ssd_kernel",                     # chunk 64 with N = 64 or 128 at 4 warps
+    "labsrc.kernels.verify._greedy_verify_kernel",        # an 8K-value tile at 4 warps
+    "labsrc.kernels.weight_quant._int4_matmul_kernel",    # every autotune shape
+    "labsrc.kernels.weight_quant._mxfp4_matmul_kernel",   # every autotune shape
 }
 
 
@@ -100,12 +102,12 @@ def test_every_kernel_compiles_for_ampere_and_hopper(tmp_path):
     rows = json.loads(out.read_text())["kernels"]
     kernels = {k.qualname for k in launchable_kernels()}
     assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in gc.ARCHS}
-    assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
+    assert {r["dtype"] for r in rows if r["compiled"]} == {"bf16", "fp16"}
     failed = {r["kernel"] for r in rows if not r["compiled"]}
     assert failed == NOT_COMPILED, [gc.describe(r) for r in rows if not r["compiled"]]
     dots = {k.qualname for k in launchable_kernels() if k.uses_dot}
     assert all(r["mma"] for r in rows if r["kernel"] in dots and r["compiled"]), "tl.dot without tensor cores"
-    assert all(r["shared_bytes"] <= gc.SHARED_LIMIT[r["arch"]] for r in rows)
+    assert all(r["shared_bytes"] <= gc.SHARED_LIMIT[r["arch"]] for r in rows if r["compiled"])
     spilling = {r["kernel"] for r in rows if r["spills"]}
     assert spilling == STILL_SPILLING, (f"newly spilling: {spilling - STILL_SPILLING}; "
                                         f"clean now (take off the list): {STILL_SPILLING - spilling}")
