@@ -3,6 +3,7 @@
 #   make book    set up .venv, execute every chapter (CPU profile without a GPU), build the HTML book
 #   make test    set up .venv, then every test: unit and kernel tests, each chapter executed (nbmake),
 #                the student build executed, the kernel-bench smoke run, the book built, the browser test
+#   make gpu-check  on a CUDA machine: every kernel checked and timed, chapters 3 and 5 at the GPU profile
 #
 # Each chapter is executed exactly once per change. `make execute` runs the notebooks through nbmake (that
 # is the notebook test) and keeps the executed copies in _executed/chapters/; `make book` renders those copies
@@ -27,7 +28,7 @@ LABSRC      := $(shell find labsrc -name '*.py' -o -name '*.json' -o -name '*.sa
 EXECUTED    := _executed/chapters/.stamp
 HTML        := _build/html
 
-.PHONY: FORCE release setup test test-unit execute student test-student bench-smoke book test-browser lab clean help
+.PHONY: FORCE release setup test test-unit execute student test-student bench-smoke gpu-check compile-check book test-browser lab clean help
 
 help:
 	@sed -n '1,12p' Makefile
@@ -94,8 +95,19 @@ test-student: student
 	LAB_CLAIMS_DIR=_executed/student/claims LAB_LEDGER=_executed/student/ledger.jsonl \
 	  $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --nbmake-timeout=900 _executed/student/*.ipynb
 
+# The GPU plan at tiny sizes under the interpreter: every bench entry checked and smoke-timed, and the plan's
+# own script (labsrc.gpucheck) exercised, in one run.
 bench-smoke: setup
-	$(PY) -m labsrc.bench --all --size tiny --out _build/bench-smoke
+	$(PY) -m labsrc.gpucheck --dry-run --out _build/bench-smoke
+
+# On a CUDA machine: every kernel checked and timed at GPU sizes, chapters 3 and 5 at the GPU profile, results
+# in kernels/results/ (about 8 minutes on one H100/H200). Set up with TORCH_SPEC=torch for a CUDA torch.
+gpu-check: setup
+	$(PY) -m labsrc.gpucheck --all
+
+# Every kernel compiled for sm_80 and sm_90 without a GPU; the table the "Kernel bench" page renders.
+compile-check: setup
+	$(PY) -m labsrc.gpucheck --compile-only --out kernels/results/compile.json
 
 # --- the book ----------------------------------------------------------------------------------------------
 book: $(EXECUTED)

@@ -162,9 +162,10 @@ def test_exactly_one_bibliography_directive():
 
 
 def test_pages_include_the_generated_fragments():
-    # tools/stage_book.py writes these two files under book/_generated/ in the staged tree.
+    # tools/stage_book.py writes these files under book/_generated/ in the staged tree.
     assert "```{include} _generated/claims_table.md\n```" in (BOOK / "claims.md").read_text()
     assert "```{include} _generated/bench_tables.md\n```" in (BOOK / "kernel_bench.md").read_text()
+    assert "```{include} _generated/compile_table.md\n```" in (BOOK / "kernel_bench.md").read_text()
     assert not (BOOK / "_generated").exists(), "book/_generated/ is written by the build and must not be committed"
 
 

@@ -7,6 +7,8 @@ those executed copies into ``_build/src/`` and writes the fragments that two pag
 * ``book/_generated/claims_table.md``: the claims ledger, from the records the notebooks wrote;
 * ``book/_generated/bench_tables.md``: the latest GPU results under ``kernels/results/``, or a sentence saying
   that none were recorded;
+* ``book/_generated/compile_table.md``: every kernel's registers, spills and shared memory on sm_80 and sm_90,
+  from ``kernels/results/compile.json`` (``python -m labsrc.gpucheck --compile-only``);
 
 and copies a local MathJax next to the pages, so the book needs no network to show its math.
 
@@ -29,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from labsrc.bench import format_table  # noqa: E402
+from labsrc.gpucheck.compile import markdown_table  # noqa: E402
 from labsrc import claims  # noqa: E402
 
 
@@ -38,7 +41,9 @@ def bench_markdown(results_dir: Path) -> str:
     if not files:
         return ("**No GPU results have been recorded yet.** Every kernel is checked and smoke-timed under Triton's "
                 "interpreter in CI, but interpreter timings say nothing about GPU speed, so none are shown here. "
-                "Run `python -m labsrc.bench --all --size gpu` on a GPU box to fill this page.\n")
+                "On a GPU box, `make gpu-check` (`python -m labsrc.gpucheck --all`, about 8 minutes on one "
+                "H100/H200) checks every kernel against its reference, times it against its PyTorch baseline and "
+                "writes the file this page shows.\n")
     parts = []
     for path in files:
         data = json.loads(path.read_text())
@@ -46,6 +51,14 @@ def bench_markdown(results_dir: Path) -> str:
         parts.append(f"### {s['device']} ({s['date']})\n\ntorch {s['torch']}, triton {s['triton']}, "
                      f"labsrc {s['labsrc']}\n\n```text\n{format_table(data['rows'])}\n```\n")
     return "\n".join(parts)
+
+
+def compile_markdown(path: Path) -> str:
+    """The compile table (kernels x architectures) from ``kernels/results/compile.json``."""
+    if not path.is_file():
+        return "**No compile table has been recorded yet.** Run `python -m labsrc.gpucheck --compile-only --out " \
+               "kernels/results/compile.json`.\n"
+    return markdown_table(json.loads(path.read_text())["kernels"])
 
 
 def release_view(notebook: dict) -> dict:
@@ -92,6 +105,7 @@ def stage(out: Path = ROOT / "_build" / "src", executed: Path = ROOT / "_execute
     generated.mkdir()
     (generated / "claims_table.md").write_text(claims.render_markdown(claims.load()))
     (generated / "bench_tables.md").write_text(bench_markdown(ROOT / "kernels" / "results"))
+    (generated / "compile_table.md").write_text(compile_markdown(ROOT / "kernels" / "results" / "compile.json"))
     return out
 
 

@@ -156,15 +156,18 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def save(rows: list[dict], size: str, folder: Path = RESULTS_DIR) -> Path:
-    """Write ``rows`` with the runtime stamp to ``<folder>/<device>-<size>.json`` and return the path."""
+def save(rows: list[dict], size: str, folder: Path = RESULTS_DIR, **extra) -> Path:
+    """Write ``rows`` with the runtime stamp to ``<folder>/<device>-<size>.json`` and return the path.
+
+    ``extra`` adds fields to the file (``labsrc.gpucheck`` adds the measured bandwidth, the failed entries
+    and the chapters it executed)."""
     folder.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", runtime.device_name().lower()).strip("-")
     path = folder / f"{slug}-{size}.json"
     stamp = dict(device=runtime.device_name(), interpreted=runtime.INTERPRETED, labsrc=labsrc.__version__,
                  torch=labsrc.runtime.torch.__version__, triton=runtime._version("triton"),
                  date=time.strftime("%Y-%m-%d"))
-    path.write_text(json.dumps(dict(stamp=stamp, size=size, rows=rows), indent=1))
+    path.write_text(json.dumps(dict(stamp=stamp, size=size, rows=rows, **extra), indent=1))
     return path
 
 

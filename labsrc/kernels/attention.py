@@ -228,20 +228,51 @@ def _flash_configs() -> list:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
+def merge_warps(block_s: int, block_d: int) -> int:
+    """Warps for the split-merge kernel: its (BLOCK_S, BLOCK_D) fp32 tile lives in registers, and at 256 splits
+    x 128 dims (32K values) four warps would need 256 per thread and spill (``python -m labsrc.gpucheck
+    --compile-only`` showed 120 bytes on sm_80); eight warps hold it without spilling."""
+    return 8 if block_s * block_d > 8192 else 4
+
+
 def _decode_configs() -> list:
     if runtime.INTERPRETED:
         return [triton.Config({"BLOCK_N": 64}, num_warps=4, num_stages=1)]
     stages = (3, 4) if _capability()[0] >= 9 else (2, 3)
+    # BLOCK_N = 128 is left out: with D = 128 it spilled registers on sm_90 at every warp count and stage
+    # depth (48-104 bytes) and on sm_80 with 8 warps (24 bytes; `python -m labsrc.gpucheck --compile-only`),
+    # while 32 or 64 keys per step compile without spills and keep enough loads in flight to stream the cache.
     return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-            for n in (32, 64, 128) for w in (4, 8) for s in stages]
+            for n in (32, 64) for w in (4, 8) for s in stages]
 
 
-def _bwd_configs() -> list:
+def _bwd_shapes(dkdv: bool) -> list:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the backward kernels on this GPU.
+
+    The backward holds more tiles per program than the forward (q, dO, k, v and two fp32 accumulators), so its
+    tiles are smaller. Each list keeps only the shapes that compile without register spills at D = 128
+    (``python -m labsrc.gpucheck --compile-only``): of the six shapes the two kernels shared, dK/dV spilled in
+    every shape but 64 x 64 with 8 warps (and, on Hopper, 128 x 64 with 8), and dQ on Ampere spilled (8-152
+    bytes) in every shape but 32 x 64 with 4 warps (on Hopper, 64 x 64 with 4 or 8 warps compile cleanly too).
+    """
+    hopper = _capability()[0] >= 9
+    if dkdv:
+        return [(64, 64, 8, 3)] + ([(128, 64, 8, 2)] if hopper else [])
+    return [(32, 64, 4, 2)] + ([(64, 64, 4, 2), (64, 64, 8, 3)] if hopper else [])
+
+
+def _bwd_dkdv_configs() -> list:
+    return _bwd_configs(dkdv=True)
+
+
+def _bwd_dq_configs() -> list:
+    return _bwd_configs(dkdv=False)
+
+
+def _bwd_configs(dkdv: bool) -> list:
     if runtime.INTERPRETED:
         return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
-    # The backward holds more tiles per program than the forward (q, dO, k, v and two fp32 accumulators), so
-    # its tiles are smaller; the dK/dV kernel wants a tall key block, the dQ kernel a tall query block.
-    shapes = [(32, 64, 4, 2), (64, 64, 4, 2), (64, 64, 8, 3), (32, 128, 8, 2), (64, 128, 8, 2), (128, 64, 8, 2)]
+    shapes = _bwd_shapes(dkdv)
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
@@ -445,7 +476,7 @@ def _recompute_p(q, k, lse2, offs_m, offs_n, Tq, Tk, diag, qk_scale,
     return tl.where(visible, p, 0.0)
 
 
-@triton.autotune(configs=_bwd_configs(), key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"])
+@triton.autotune(configs=_bwd_dkdv_configs(), key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"])
 @triton.jit
 def _bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
@@ -521,7 +552,7 @@ def _bwd_dkdv_kernel(
              dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-@triton.autotune(configs=_bwd_configs(), key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"])
+@triton.autotune(configs=_bwd_dq_configs(), key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"])
 @triton.jit
 def _bwd_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
@@ -1213,6 +1244,7 @@ def decode_attention(q, k_cache, v_cache, seq_lens, sm_scale=None, num_splits=No
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         Hq, D, splits,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,  # (>= 2: no size-1 tiles to reduce)
+        BLOCK_S=(block_s := max(2, triton.next_power_of_2(splits))), BLOCK_D=block_d,  # (>= 2: no size-1 tiles)
+        num_warps=merge_warps(block_s, block_d),
     )
     return out

@@ -220,11 +220,13 @@ def _diff_attention_kernel(
              out.to(O.dtype.element_ty), mask=m_rows[:, None] & dv_mask[None, :])
 
 
-def _blocks(T):
-    """BLOCK_M = BLOCK_N: 16 under the interpreter and for short sequences, 64 on a GPU otherwise."""
+def _blocks(T, D):
+    """BLOCK_M = BLOCK_N: 16 under the interpreter and for short sequences, 64 on a GPU otherwise (32 for
+    head dims over 64: with two score tiles and a 2D-wide value tile, 64 x 64 blocks spilled registers even at
+    eight warps, `python -m labsrc.gpucheck --compile-only`)."""
     if runtime.INTERPRETED or T <= 16:
         return 16
-    return 64 if T >= 64 else 32
+    return 64 if T >= 64 and D <= 64 else 32
 
 
 def _dense_last(t):
@@ -272,7 +274,7 @@ def diff_attention_fused(q1, k1, q2, k2, v, lam, sm_scale=None, out=None):
     lam_v = _lam_vector(lam, H, q1.device, torch.float32).contiguous()
     upcast = runtime.INTERPRETED and q1.dtype == torch.bfloat16
     precision = "ieee" if q1.dtype == torch.float32 else "tf32"
-    block = _blocks(T)
+    block = _blocks(T, D)
     _diff_attention_kernel[(triton.cdiv(T, block), B * H)](
         q1, k1, q2, k2, v, lam_v, out,
         q1.stride(0), q1.stride(1), q1.stride(2),
@@ -284,5 +286,5 @@ def diff_attention_fused(q1, k1, q2, k2, v, lam, sm_scale=None, out=None):
         H, T, D, Dv, _scale(D, sm_scale) * LOG2E,
         UPCAST=upcast, PRECISION=precision,
         BLOCK_M=block, BLOCK_N=block, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        BLOCK_DV=max(16, triton.next_power_of_2(Dv)), num_warps=4)
+        BLOCK_DV=max(16, triton.next_power_of_2(Dv)), num_warps=8)  # 4 warps spilled (816-5052 bytes)
     return out

@@ -65,6 +65,9 @@ MAX_ROW_ELEMENTS = 2 ** 31 - 1  # offsets within one (T, D) row are int32 in the
 _DECODE_BLOCK_T = 64 if runtime.HAS_CUDA else 128
 _DEQ_BLOCK_T = 64 if runtime.HAS_CUDA else 256
 _PACK_BLOCK_T = 128 if runtime.HAS_CUDA else 512  # tokens per chunk when quantize_pack walks a group
+# Eight warps for the three kernels on a GPU: their (tokens x packed columns) tiles spilled registers with
+# Triton's default four at D = 128 (124-3728 bytes on sm_80, `python -m labsrc.gpucheck --compile-only`).
+_WARPS = 8
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -226,7 +229,7 @@ def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
     if n > 0:
         _quantize_pack_kernel[(n * n_groups,)](
             x, mean, std, packed, scale, zero, t, d, dp, n_groups, BITS=bits, PACK=pack, GROUP=group_size,
-            BLOCK_T=block_t, BLOCK_DP=block_dp)
+            BLOCK_T=block_t, BLOCK_DP=block_dp, num_warps=_WARPS)
         if bool(torch.isinf(scale).any()):
             # A finite group whose fp16 step or zero point overflowed: the reference names it.
             quantize_pack_ref(x, bits, group_size, stats)
@@ -321,7 +324,7 @@ def dequantize_unpack(qt: QuantizedTensor, out_dtype: torch.dtype | None = None)
     if n > 0 and t > 0:
         _dequantize_kernel[(n * n_blocks,)](
             packed, scale, zero, mean, std, out, t, d, dp, n_groups, n_blocks, BITS=qt.bits, PACK=pack,
-            GROUP=qt.group_size, BLOCK_T=block_t, BLOCK_DP=block_dp)
+            GROUP=qt.group_size, BLOCK_T=block_t, BLOCK_DP=block_dp, num_warps=_WARPS)
     return out
 
 
@@ -520,7 +523,7 @@ def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTens
     _decode_kernel[(b, hkv, num_splits)](
         q, kp, ks, kz, kstd, vp, vs, vz, lens, o, m, l_,
         hq, hkv, t, d, dp, n_groups, scale, per_split, BITS=k.bits, PACK=pack, GROUP=k.group_size, QPK=qpk,
-        BLOCK_H=block_h, BLOCK_T=_DECODE_BLOCK_T, BLOCK_DP=block_dp)
+        BLOCK_H=block_h, BLOCK_T=_DECODE_BLOCK_T, BLOCK_DP=block_dp, num_warps=_WARPS)
     # Merge the splits (log-sum-exp), normalise, then apply the value statistics sigma_j * (.) + mu_j.
     m_max = m.amax(dim=2, keepdim=True)
     w = torch.exp(m - m_max)  # empty splits have m = -inf and weigh 0

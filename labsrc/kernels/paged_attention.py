@@ -42,8 +42,11 @@ def _decode_configs() -> list:
     if runtime.INTERPRETED:
         return [triton.Config({"BLOCK_N": 32}, num_warps=4, num_stages=1)]
     stages = (3, 4) if _att._capability()[0] >= 9 else (2, 3)
+    # Gathering through the block table keeps page indices and pointers live beside the tiles: at D = 128, 64
+    # keys with 4 warps and 128 keys with any warp count spilled registers on sm_80 or sm_90 (128-1196 bytes,
+    # `python -m labsrc.gpucheck --compile-only`), so those are left out.
     return [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
-            for n in (32, 64, 128) for w in (4, 8) for s in stages]
+            for n, w in ((32, 4), (32, 8), (64, 8)) for s in stages]
 
 
 @triton.autotune(configs=_decode_configs(), key=["MAXLEN_BUCKET", "BLOCK_G", "BLOCK_D", "NUM_SPLITS", "PRECISION"])
@@ -296,7 +299,8 @@ def paged_decode_attention(q, k_pool, v_pool, block_tables, seq_lens, sm_scale=N
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         hq, d, splits,
-        BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=block_d,
+        BLOCK_S=(block_s := max(2, triton.next_power_of_2(splits))), BLOCK_D=block_d,
+        num_warps=_att.merge_warps(block_s, block_d),
     )
     return out
 

@@ -1,0 +1,5 @@
+import sys
+
+from labsrc.gpucheck import main
+
+sys.exit(main())

@@ -1,0 +1,136 @@
+"""How each launchable kernel is compiled without a GPU: its argument types and GPU-profile constexprs.
+
+A launch gives Triton tensors and numbers; compiling ahead of time needs their types instead. For each kernel
+(``"<module>.<name>"``, as :mod:`labsrc.gpucheck.discover` finds it) a :class:`Spec` names
+
+* ``types``: every pointer argument and every float scalar, ``"*T"`` being the data dtype (bf16, then fp16);
+  every other non-constexpr argument is an ``i32`` scalar (sizes, strides, counts);
+* ``constexprs``: the values its wrapper passes at the GPU profile's sizes (the bench's ``gpu`` shapes:
+  Llama-like heads, ``D = 128``, 32 query and 8 KV heads), one dict per variant worth compiling;
+* for an autotuned kernel, its autotune list supplies the rest of each configuration (block sizes, warps,
+  stages): every entry of the list is compiled, for both architectures. ``arch_configs`` names the
+  module's config function when the list depends on the GPU (attention's Hopper and Ampere lists);
+* for a kernel its wrapper launches directly, ``num_warps`` as the wrapper passes it (Triton's default 4),
+  in the Spec or, where it depends on the constexprs, in each constexpr dict.
+
+``UPCAST`` is ``False`` (a GPU's ``tl.dot`` takes bf16; only the interpreter upcasts) and ``PRECISION`` is
+``"tf32"`` for 16-bit inputs, as the wrappers set them on a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Spec:
+    types: dict
+    constexprs: list = field(default_factory=lambda: [{}])
+    num_warps: int = 4
+    arch_configs: str | None = None   # name of the module's config function, called for each architecture
+    dtypes: tuple = ("bf16", "fp16")
+    not_compiled: str | None = None   # why the kernel is not compiled yet: its rows say so and count as failed
+
+
+_IEEE_DOTS = ("not compiled: its tl.dot calls run in full fp32 (PRECISION='ieee'), which Triton lowers to "
+              "unrolled FMAs, not tensor cores; at BLOCK_T=64, K=128 LLVM was still vectorising after 10 minutes")
+_GPU16 = dict(UPCAST=False, PRECISION="tf32")
+_ATT_IO = {n: "*T" for n in ("Q", "K", "V", "O")}
+_GRADS = {"DO": "*T", "LSE": "*fp32", "DELTA": "*fp32", "DK": "*T", "DV": "*T", "DQ": "*T"}
+
+SPECS: dict[str, Spec] = {
+    # chapter 3: prefill forward (causal, D = 128), its backward, and flash-decoding with GQA (4 heads per group)
+    "attention._flash_attention_kernel": Spec(
+        {**_ATT_IO, "LSE": "*fp32", "qk_scale": "fp32"},
+        [dict(CAUSAL=True, WRITE_LSE=True, **_GPU16, BLOCK_D=128)], arch_configs="_flash_configs"),
+    "attention._bwd_preprocess_kernel": Spec(
+        {"O": "*T", "DO": "*T", "DELTA": "*fp32"}, [dict(BLOCK_M=64, BLOCK_D=128)]),
+    "attention._bwd_dkdv_kernel": Spec(
+        {**_ATT_IO, **_GRADS, "qk_scale": "fp32", "sm_scale": "fp32"},
+        [dict(CAUSAL=True, **_GPU16, BLOCK_D=128)], arch_configs="_bwd_dkdv_configs"),
+    "attention._bwd_dq_kernel": Spec(
+        {**_ATT_IO, **_GRADS, "qk_scale": "fp32", "sm_scale": "fp32"},
+        [dict(CAUSAL=True, **_GPU16, BLOCK_D=128)], arch_configs="_bwd_dq_configs"),
+    "attention._decode_split_kernel": Spec(
+        {**_ATT_IO, "SEQ_LENS": "*i32", "MID_O": "*fp32", "MID_LSE": "*fp32", "qk_scale": "fp32"},
+        [dict(**_GPU16, BLOCK_G=16, BLOCK_D=128)], arch_configs="_decode_configs"),
+    "attention._decode_merge_kernel": Spec(
+        {"MID_O": "*fp32", "MID_LSE": "*fp32", "O": "*T"},   # 16 splits, and the most (256), as the wrapper warps them
+        [dict(BLOCK_S=16, BLOCK_D=128, num_warps=4), dict(BLOCK_S=256, BLOCK_D=128, num_warps=8)]),
+    # chapter 11 (distillation): a 128K vocabulary row streamed in BLOCK_V chunks
+    "distill._kd_kl_fwd_kernel": Spec(
+        {"s_ptr": "*T", "t_ptr": "*T", "kl_ptr": "*fp32", "lse_s_ptr": "*fp32", "lse_t_ptr": "*fp32",
+         "inv_T": "fp32"}),
+    "distill._kd_kl_bwd_kernel": Spec(
+        {"s_ptr": "*T", "t_ptr": "*T", "lse_s_ptr": "*fp32", "lse_t_ptr": "*fp32", "g_ptr": "*fp32",
+         "ds_ptr": "*T", "inv_T": "fp32"}),
+    # differential attention: 64 x 64 blocks on a GPU, head dims 64 and 128
+    "frontier._diff_attention_kernel": Spec(
+        {"Q1": "*T", "K1": "*T", "Q2": "*T", "K2": "*T", "V": "*T", "LAM": "*fp32", "O": "*T", "qk_scale": "fp32"},
+        [dict(**_GPU16, BLOCK_M=b, BLOCK_N=b, BLOCK_D=d, BLOCK_DV=2 * d) for b, d in ((64, 64), (32, 128))],
+        num_warps=8),
+    # the slot-addressed cache write: 1024-element blocks of one (8 heads x 128) row
+    "kv_store._kv_store_kernel": Spec(
+        {"k_cache": "*T", "v_cache": "*T", "k_new": "*T", "v_new": "*T", "slots": "*i64"}, [dict(BLOCK=1024)]),
+    # KV quantization, D = 128, groups of 128 tokens, INT4 and INT8
+    "kvquant._quantize_pack_kernel": Spec(
+        {"x_ptr": "*T", "mean_ptr": "*fp32", "std_ptr": "*fp32", "out_ptr": "*u8", "scale_ptr": "*fp16",
+         "zero_ptr": "*fp16"},
+        [dict(BITS=b, PACK=8 // b, GROUP=128, BLOCK_T=128, BLOCK_DP=128 * b // 8) for b in (4, 8)], num_warps=8),
+    "kvquant._dequantize_kernel": Spec(
+        {"p_ptr": "*u8", "scale_ptr": "*fp16", "zero_ptr": "*fp16", "mean_ptr": "*fp32", "std_ptr": "*fp32",
+         "out_ptr": "*T"},
+        [dict(BITS=b, PACK=8 // b, GROUP=128, BLOCK_T=64, BLOCK_DP=128 * b // 8) for b in (4, 8)], num_warps=8),
+    "kvquant._decode_kernel": Spec(
+        {"q_ptr": "*T", "kp_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "kstd_ptr": "*fp32",
+         "vp_ptr": "*u8", "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "o_ptr": "*fp32",
+         "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32"},
+        [dict(BITS=b, PACK=8 // b, GROUP=128, QPK=4, BLOCK_H=16, BLOCK_T=64, BLOCK_DP=max(16, 128 * b // 8))
+         for b in (4, 8)], num_warps=8),
+    # chunked linear attention and Gated DeltaNet: chunks of 64, K = V = 128 (BLOCK_V = 64)
+    "linear_attention._chunk_linear_attention_kernel": Spec(
+        {"q_ptr": "*T", "k_ptr": "*T", "v_ptr": "*T", "log_lam_ptr": "*fp32", "h0_ptr": "*fp32", "o_ptr": "*T",
+         "ht_ptr": "*fp32", "scale": "fp32"},
+        [dict(HAS_DECAY=True, HAS_H0=True, STORE_HT=True, BLOCK_T=64, BLOCK_K=128, BLOCK_V=64,
+              PRECISION="ieee")], not_compiled=_IEEE_DOTS),
+    "linear_attention._chunk_gated_delta_rule_kernel": Spec(
+        {"q_ptr": "*T", "k_ptr": "*T", "v_ptr": "*T", "g_ptr": "*fp32", "beta_ptr": "*fp32", "h0_ptr": "*fp32",
+         "o_ptr": "*T", "ht_ptr": "*fp32", "scale": "fp32"},
+        [dict(HAS_H0=True, STORE_HT=True, LOG2_T=6, BLOCK_T=64, BLOCK_K=128, BLOCK_V=64, PRECISION="ieee")],
+        not_compiled=_IEEE_DOTS),
+    # kNN-memory attention: D = 128, 64 retrieved rows (tiles of 4096 fp32 values)
+    "memory._knn_memory_attention_kernel": Spec(
+        {"Q": "*T", "KL": "*T", "VL": "*T", "MK": "*T", "MV": "*T", "MM": "*u8", "G": "*fp32", "O": "*T",
+         "qk_scale": "fp32"}, [dict(HAS_VALID=True, BLOCK_N=32, BLOCK_K=32, BLOCK_D=128)]),
+    # paged decode: 16-token pages, 4 query heads per KV head, D = 128
+    "paged_attention._paged_decode_split_kernel": Spec(
+        {"Q": "*T", "K_POOL": "*T", "V_POOL": "*T", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32",
+         "MID_O": "*fp32", "MID_LSE": "*fp32", "qk_scale": "fp32"},
+        [dict(**_GPU16, BLOCK_G=16, BLOCK_D=128)], arch_configs="_decode_configs"),
+    # RoPE, D = 128 (64 columns per half), 32 query heads in one tile of 2048 elements
+    "rope._rope_kernel": Spec(
+        {"x_ptr": "*T", "out_ptr": "*T", "pos_ptr": "*i64", "cos_ptr": "*T", "sin_ptr": "*T"},
+        [dict(HALF=64, BLOCK_H=32, BLOCK_D=64)]),
+    # the scans: Mamba's selective scan (n = 16), Mamba-2's SSD (chunk 64, p = 64, n = 128)
+    "ssm._linear_scan_kernel": Spec(
+        {"a_ptr": "*T", "b_ptr": "*T", "h0_ptr": "*fp32", "out_ptr": "*T"}, [dict(BLOCK_L=1024)]),
+    "ssm._selective_scan_kernel": Spec(
+        {"u_ptr": "*T", "delta_ptr": "*T", "A_ptr": "*fp32", "B_ptr": "*T", "C_ptr": "*T", "D_ptr": "*fp32",
+         "z_ptr": "*T", "bias_ptr": "*fp32", "y_ptr": "*T", "last_ptr": "*fp32"},
+        [dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_L=512, BLOCK_N=16)]),
+    "ssm._ssd_kernel": Spec(
+        {"x_ptr": "*T", "dt_ptr": "*T", "A_ptr": "*fp32", "B_ptr": "*T", "C_ptr": "*T", "D_ptr": "*fp32",
+         "s0_ptr": "*fp32", "y_ptr": "*T", "sT_ptr": "*fp32"},
+        [dict(HAS_D=True, HAS_INIT=True, PRECISION="tf32", BLOCK_Q=64, BLOCK_P=64, BLOCK_N=n) for n in (64, 128)]),
+    # tree attention: a draft tree against the cached prefix, D = 128
+    "tree_attention._tree_attention_kernel": Spec(
+        {**_ATT_IO, "MASK": "*i1", "qk_scale": "fp32"}, [dict(**_GPU16, BLOCK_D=128)]),
+    # greedy verification of a 17-token window over a 128K vocabulary (tiles of 8192 values)
+    "verify._greedy_verify_kernel": Spec(
+        {"logits": "*T", "tokens": "*i64", "first": "*i64", "preds": "*i64", "accepted": "*i64"},
+        [dict(BLOCK_N=32, BLOCK_V=256)]),
+    # W4A16 and MXFP4 GEMMs: the autotune list covers decode (M <= 16) and prefill tiles
+    "weight_quant._int4_matmul_kernel": Spec(
+        {"x_ptr": "*T", "q_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "out_ptr": "*T"}, [dict(**_GPU16)]),
+    "weight_quant._mxfp4_matmul_kernel": Spec(
+        {"x_ptr": "*T", "c_ptr": "*u8", "s_ptr": "*u8", "out_ptr": "*T"}, [dict(**_GPU16)]),
+}
