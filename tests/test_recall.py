@@ -178,7 +178,7 @@ def test_across_seeds_is_a_t_interval_over_seeds():
 def test_main_writes_command_version_and_one_row_per_seed(tmp_path):
     out = tmp_path / "r.json"
     assert recall.main(["--out", str(out), "--models", "softmax", "--widths", "16", "--seeds", "0", "1",
-                        "--steps", "2", "--n-train", "20", "--n-eval", "4"]) == 0
+                        "--steps", "2", "--batch", "4", "--n-train", "20", "--n-eval", "4"]) == 0
     stored = json.loads(out.read_text())
     assert stored["code_version"] == recall.code_version(["softmax"], "mqar")
     assert "--seeds 0 1" in stored["command"] and "--n-eval 4" in stored["command"]
