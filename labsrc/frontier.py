@@ -354,6 +354,12 @@ def variant_flops_per_token(variant: str, d_model: int, T: int, n_layers: int = 
     return total / T
 
 
+# what labsrc.recall.code_version fingerprints beside each kind's own class
+# (objects, not import paths: under ``python -m labsrc.frontier`` this module is ``__main__``)
+DiffMixer.code_deps = (lambda_init, reparam_lambda, diff_head_norm)
+MoDBlock.code_deps = (recall.SoftmaxMixer, mod_route, mod_capacity_count, set_mod_routing)
+
+
 # ------------------------------------------------------------------------------- speculative expert routing
 def prefetch_hit_rate(predicted: torch.Tensor, actual: torch.Tensor) -> tuple[int, int]:
     """``(hits, slots)``: how many of the experts each token actually uses (``actual (N, k)``) are among the
@@ -519,21 +525,31 @@ GRID = {"standard": ("softmax", "softmax"), "diff": ("diff", "diff"), "mod": ("m
         "xkv": ("xkv", "xkv")}
 
 
+def _extra(name: str):
+    """Chapter 15's fields for a variant's rows (:func:`labsrc.recall.sweep`): FLOPs per token, and for MoD a
+    second score with the causal predictor routing (what decoding could do) and the routed fractions."""
+    def fields(model, data):
+        from labsrc.claims import wilson
+
+        row = {"flops_per_token": variant_flops_per_token(name, model.embed.embedding_dim, data.context_len)}
+        if name == "mod":
+            row["routed_fraction"] = [b.routed_fraction for b in model.blocks]
+            set_mod_routing(model, True)
+            right, total = recall.evaluate(model, data)
+            set_mod_routing(model, False)
+            row.update({"causal_right": right, "causal_total": total, "causal_accuracy": right / total,
+                        "causal_wilson95": list(wilson(right, total)),
+                        "causal_routed_fraction": [b.routed_fraction for b in model.blocks]})
+        return row
+    return fields
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--task", choices=["mqar", "passkey"], default="mqar")
     p.add_argument("--out", type=Path, default=None, help="default: frontier_mqar.json / frontier_passkey.json")
-    p.add_argument("--key-len", type=int, default=4, help="pass key: key tokens")
     p.add_argument("--models", nargs="+", default=list(GRID), choices=list(GRID))
-    p.add_argument("--width", type=int, default=32)
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--n-pairs", type=int, default=2)
-    p.add_argument("--context-len", type=int, default=72)
-    p.add_argument("--n-train", type=int, default=1500)
-    p.add_argument("--n-eval", type=int, default=150)
-    p.add_argument("--max-seconds", type=float, default=None, help="wall-clock cap per run")
-    p.add_argument("--threads", type=int, default=1)
+    recall.add_task_args(p, widths=(32, 64))   # DIFF needs a width that is a multiple of 32
     p.add_argument("--moe", action="store_true", help="train the small MoE and measure expert prefetch instead")
     p.add_argument("--moe-steps", type=int, default=300)
     args = p.parse_args(argv)
@@ -547,45 +563,14 @@ def main(argv=None) -> int:
             print(f"layer {row['layer']}: hit rate {row['hit_rate']:.3f} {row['wilson95']}, most frequent "
                   f"{row['baseline_hit_rate']:.3f}, chance {row['chance']:.3f}", flush=True)
         return 0
-    from labsrc.claims import wilson
-
-    if args.task == "passkey":
-        args.out = args.out or PASSKEY_OUT
-        data = recall.PassKeyData(args.key_len, args.context_len, args.n_train, args.n_eval)
-        task = {"name": "passkey (labsrc.recall.PassKeyData)", "key_len": args.key_len,
-                "n_symbols": data.n_symbols, "n_filler": data.n_filler, "chance": data.chance}
-    else:
-        args.out = args.out or DEFAULT_OUT
-        data = recall.MQARData(recall._tokenizer(), args.n_pairs, args.context_len, args.n_train, args.n_eval)
-        task = {"name": "mqar (labsrc.tasks.mqar_sample)", "n_pairs": args.n_pairs}
-    result = {"task": {**task, "context_len": args.context_len, "n_train": args.n_train, "n_eval": args.n_eval,
-                       "vocab": data.vocab},
-              "train": {"steps": args.steps, "batch": args.batch, "threads": args.threads, "width": args.width,
-                        "max_seconds": args.max_seconds, "torch": torch.__version__},
-              "runs": []}
-    for name in args.models:
-        cfg = recall.RecallConfig(GRID[name], args.width, steps=args.steps, batch=args.batch)
-        t0 = time.perf_counter()
-        log: list = []
-        model = recall.train(cfg, data, log, args.max_seconds)
-        row = {"model": name, "mixers": list(cfg.mixers), "d_model": args.width, "steps": args.steps,
-               "params": sum(p.numel() for p in model.parameters()),
-               "memory_bytes": model.memory_bytes(args.context_len),
-               "flops_per_token": variant_flops_per_token(name, args.width, args.context_len), "log": log}
-        evals = {"": False} if name != "mod" else {"": False, "causal_": True}
-        for prefix, causal in evals.items():
-            set_mod_routing(model, causal)
-            right, total = recall.evaluate(model, data)
-            row.update({f"{prefix}right": right, f"{prefix}total": total, f"{prefix}accuracy": right / total,
-                        f"{prefix}wilson95": list(wilson(right, total))})
-            if name == "mod":
-                row[f"{prefix}routed_fraction"] = [b.routed_fraction for b in model.blocks]
-        row["seconds"] = round(time.perf_counter() - t0, 1)
-        result["runs"].append(row)
-        print(f"{name:8s} acc={row['accuracy']:.3f} {row['wilson95']} params={row['params']} "
-              f"bytes={row['memory_bytes']} {row['seconds']} s", flush=True)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
+    # the same data, model, training loop and scoring as chapter 8's grid (labsrc.recall.sweep)
+    data, task = recall.make_data(args.task, args)
+    grid = {name: GRID[name] for name in args.models}
+    command = recall.command_line("labsrc.frontier", p, args, omit_defaults=("out", "moe_steps"))
+    header = recall.stored_header(command, [m for ms in grid.values() for m in ms], args.task, task, args)
+    out = args.out or (PASSKEY_OUT if args.task == "passkey" else DEFAULT_OUT)
+    recall.sweep(grid, data, args.widths, args.seeds, args.steps, args.batch, args.max_seconds, extra=_extra,
+                 header=header, out=out)
     return 0
 
 

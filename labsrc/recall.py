@@ -22,17 +22,30 @@ The pieces, reusable by any chapter that compares mixers:
 * :func:`train` (AdamW, cosine schedule, loss on the answer tokens) and :func:`evaluate` (exact match of
   each answer span under greedy decoding, which teacher forcing computes in one pass).
 
-``python -m labsrc.recall`` trains the chapter's grid (every mixer at widths 16 and 32, 1200 steps, two
-pairs per sample; about 5 CPU-minutes on one thread) and writes ``labsrc/data/recall_mqar.json``: the
-configuration, the results and each run's loss log; the linear-attention chapter plots it. Training is by a
-fixed number of steps (a rerun gives the same numbers on the same machine and library versions).
+* :func:`sweep` -- the one training path of every stored run (chapters 8 and 15): each variant of a grid at
+  each width and each training seed through :func:`run`, one row per seed; :func:`across_seeds` summarises a
+  variant by the mean over its seeds with a Student-t 95% interval (the spread a reader must see before a
+  ranking); :func:`code_version` fingerprints the source that determines a run's result, stored with it.
+
+``python -m labsrc.recall`` trains chapter 8's grid (every mixer at widths 16 and 32, three seeds, two pairs
+per sample) and writes ``labsrc/data/recall_mqar.json``: the exact command, the code version, the task and
+training settings and one row per (mixer, width, seed) with its loss log. Training is by a fixed number of
+steps from the seed, so a rerun gives the same numbers on the same machine and library versions. The task's
+compact vocabulary (hence the model's initial weights) depends on the task sizes, which is why every command
+takes them from the same defaults (:func:`add_task_args`): chapter 8's 0.51 and chapter 15's 0.86 for the
+same softmax model at width 32 came from two evaluation sizes (100 and 150 samples), so two vocabularies,
+two initialisations and, with one seed each, two draws from a wide spread.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import importlib
+import inspect
 import json
 import math
 import random
+import shlex
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,8 +57,9 @@ import torch.nn.functional as F
 
 from labsrc import linear_attention as la
 
-__all__ = ["MIXERS", "register_mixer", "BLOCKS", "register_block", "RecallModel", "MQARData", "PassKeyData", "PassKeySample", "RecallConfig", "train", "evaluate",
-           "run", "main", "DEFAULT_OUT"]
+__all__ = ["MIXERS", "register_mixer", "BLOCKS", "register_block", "RecallModel", "MQARData", "PassKeyData",
+           "PassKeySample", "RecallConfig", "train", "evaluate", "run", "sweep", "across_seeds", "code_version",
+           "add_task_args", "make_data", "command_line", "main", "DEFAULT_OUT"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "recall_mqar.json"
 MIXERS: dict[str, Callable[..., nn.Module]] = {}
@@ -110,6 +124,8 @@ class LinearMixer(_Heads):
     """Katharopoulos et al.'s linear attention, ``phi = elu + 1``, normalised: a ``p x p`` state per head
     (plus the ``p``-vector normaliser)."""
 
+    code_deps = ("labsrc.linear_attention:linear_attention",)     # what code_version fingerprints beside it
+
     def __init__(self, d_model, head_dim, state_size=None):
         super().__init__(d_model, head_dim)
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
@@ -126,6 +142,8 @@ class LinearMixer(_Heads):
 class DeltaMixer(_Heads):
     """Gated DeltaNet: L2-normalised queries and keys, ``beta = sigmoid(.)``, ``g = logsigmoid(.)``, the chunked
     gated delta rule (:func:`labsrc.linear_attention.gated_delta_rule_chunked`), a ``p x p`` state per head."""
+
+    code_deps = ("labsrc.linear_attention:gated_delta_rule_chunked",)
 
     def __init__(self, d_model, head_dim, state_size=None):
         super().__init__(d_model, head_dim)
@@ -149,6 +167,8 @@ class Mamba2Mixer(_Heads):
     """Mamba-2's mixer on chapter 7's SSD (:func:`labsrc.ssm.ssd_chunked`): ``x (b, l, h, p)``, ``dt =
     softplus(.)``, ``A = -exp(A_log)``, one group of ``B, C (b, l, 1, n)``, a skip ``D`` and a SiLU gate; a
     ``p x n`` state per head."""
+
+    code_deps = ("labsrc.ssm:ssd_chunked",)
 
     def __init__(self, d_model, head_dim, state_size=16):
         super().__init__(d_model, head_dim)
@@ -226,7 +246,11 @@ class RecallModel(nn.Module):
 
 class MQARData:
     """MQAR samples from :func:`labsrc.tasks.mqar_sample` (lab tokenizer), remapped to a compact vocabulary:
-    the ids that occur in a pool of samples, in order of first appearance; any other id maps to 0."""
+    the ids that occur in a pool of samples, in order of first appearance; any other id maps to 0. The
+    vocabulary therefore depends on ``n_train`` and ``n_eval``, and with it the model's initial weights: runs
+    compared with each other must share the task sizes (:func:`add_task_args`)."""
+
+    code_deps = ("labsrc.tasks:mqar_sample", "labsrc.tasks:_assemble", "labsrc.tasks:_digits")
 
     def __init__(self, tokenizer, n_pairs: int, context_len: int, n_train: int, n_eval: int, seed: int = 0):
         from labsrc import tasks
@@ -386,8 +410,9 @@ def _tokenizer():
     return AutoTokenizer.from_pretrained(resolve("lab-target"))
 
 
-def run(cfg: RecallConfig, data: MQARData, max_seconds: float | None = None) -> dict:
-    """Train and evaluate one configuration; a JSON-able result row with its Wilson interval."""
+def run(cfg: RecallConfig, data: MQARData, max_seconds: float | None = None, extra=None) -> dict:
+    """Train and evaluate one configuration; a JSON-able result row with its Wilson interval. ``extra(model,
+    data)``, if given, returns more fields for the row (chapter 15 adds FLOPs and MoD's causal score)."""
     from labsrc.claims import wilson
 
     log: list = []
@@ -395,11 +420,143 @@ def run(cfg: RecallConfig, data: MQARData, max_seconds: float | None = None) -> 
     model = train(cfg, data, log, max_seconds)
     right, total = evaluate(model, data)
     lo, hi = wilson(right, total)
-    return {"mixers": list(cfg.mixers), "d_model": cfg.d_model, "steps": cfg.steps,
-            "params": sum(p.numel() for p in model.parameters()),
-            "memory_bytes": model.memory_bytes(data.context_len), "right": right, "total": total,
-            "accuracy": right / total, "wilson95": [lo, hi], "seconds": round(time.perf_counter() - t0, 1),
-            "log": log}
+    row = {"mixers": list(cfg.mixers), "d_model": cfg.d_model, "seed": cfg.seed, "steps": cfg.steps,
+           "params": sum(p.numel() for p in model.parameters()),
+           "memory_bytes": model.memory_bytes(data.context_len), "right": right, "total": total,
+           "accuracy": right / total, "wilson95": [lo, hi]}
+    if extra is not None:
+        row.update(extra(model, data))
+    row.update({"seconds": round(time.perf_counter() - t0, 1), "log": log})
+    return row
+
+
+# ------------------------------------------------------------------------------ stored runs and their version
+# What decides a run's numbers besides its settings: the model, its blocks, the data, the training loop and
+# the scoring. A mixer adds its own class and the functions it names in ``code_deps``; a data class the same.
+_CORE = ("_Heads", "_Block", "RecallModel", "RecallConfig", "train", "evaluate", "run", "sweep")
+DATA = {"mqar": MQARData, "passkey": PassKeyData}
+
+
+def _sources(obj) -> list[str]:
+    out = [inspect.getsource(obj)]
+    for dep in getattr(obj, "code_deps", ()):        # a function or class, or "module:name" (imported late)
+        if isinstance(dep, str):
+            module, name = dep.split(":")
+            dep = getattr(importlib.import_module(module), name)
+        out.append(inspect.getsource(dep))
+    return out
+
+
+def code_version(mixers, task: str) -> str:
+    """A SHA-256 (first 16 hex digits) over the source of everything that determines a stored run's result:
+    this module's model, blocks, training loop, scoring and :func:`sweep`, the ``task``'s data class
+    (``"mqar"`` or ``"passkey"``) and each mixer or block kind in ``mixers`` with the functions it names in
+    ``code_deps``. Source is read with :func:`inspect.getsource`, so an edit elsewhere in a file (another
+    function, a comment between functions) leaves it unchanged, while any edit inside these does not: a
+    stored run whose version differs was made by other code and must be rerun by its stored command."""
+    if task not in DATA:
+        raise ValueError(f"task must be one of {sorted(DATA)}, got {task!r}")
+    parts = [inspect.getsource(globals()[name]) for name in _CORE] + _sources(DATA[task])
+    for name in sorted(set(mixers)):
+        if name not in MIXERS and name not in BLOCKS:
+            raise ValueError(f"unknown mixer {name!r}; registered: {sorted(MIXERS) + sorted(BLOCKS)} "
+                             "(chapter 15's kinds register when labsrc.frontier is imported)")
+        parts += _sources(BLOCKS.get(name) or MIXERS[name])
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def sweep(grid: dict, data, widths: Sequence[int], seeds: Sequence[int], steps: int, batch: int = 32,
+          max_seconds: float | None = None, extra=None, header: dict | None = None, out: Path | None = None,
+          echo=print) -> dict:
+    """Train every variant of ``grid`` (name -> mixers per layer) at every width and training seed on the same
+    ``data`` (the data's own seed stays fixed, so seeds differ in initial weights and batch order only); one
+    row per run, written to ``out`` after each run so an interrupted sweep keeps what it finished.
+    ``extra(name) -> callable(model, data) -> dict`` adds fields to a variant's rows; ``header`` goes in front
+    of the rows (the command, code version, task and training settings)."""
+    result = {**(header or {}), "runs": []}
+    for width in widths:
+        for seed in seeds:
+            for name, mixers in grid.items():
+                cfg = RecallConfig(tuple(mixers), width, steps=steps, batch=batch, seed=seed)
+                row = {"model": name, **run(cfg, data, max_seconds, extra(name) if extra else None)}
+                result["runs"].append(row)
+                echo(f"{name:8s} d={width:3d} seed={seed} acc={row['accuracy']:.3f} "
+                     f"[{row['wilson95'][0]:.3f}, {row['wilson95'][1]:.3f}] {row['seconds']} s", flush=True)
+                if out is not None:
+                    out.parent.mkdir(parents=True, exist_ok=True)
+                    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def across_seeds(runs: list[dict], key: str = "accuracy") -> dict:
+    """``{(model, width): Estimate}``: each variant's mean ``key`` over its seeds with a Student-t 95% interval
+    (:meth:`labsrc.claims.Estimate.mean`; ``n`` is the number of seeds). Two variants are ranked only where
+    these intervals separate (:func:`labsrc.claims.compare`)."""
+    from labsrc.claims import Estimate
+
+    groups: dict = {}
+    for r in runs:
+        groups.setdefault((r["model"], r["d_model"]), []).append(r[key])
+    return {k: Estimate.mean(v) for k, v in groups.items()}
+
+
+def add_task_args(p: argparse.ArgumentParser, widths: Sequence[int], steps: int = 600) -> None:
+    """The options every stored recall run shares (chapters 8 and 15), with one set of defaults."""
+    p.add_argument("--widths", nargs="+", type=int, default=list(widths))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="training seeds (at least three)")
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--n-pairs", type=int, default=2, help="MQAR: pairs per sample")
+    p.add_argument("--key-len", type=int, default=4, help="pass key: key symbols")
+    p.add_argument("--context-len", type=int, default=72)
+    p.add_argument("--n-train", type=int, default=1500)
+    p.add_argument("--n-eval", type=int, default=150)
+    p.add_argument("--max-seconds", type=float, default=None, help="wall-clock cap per run (not reproducible)")
+    p.add_argument("--threads", type=int, default=1)
+
+
+def make_data(task: str, args):
+    """The task's data from the shared options: ``(data, task description for the stored file)``."""
+    if task == "passkey":
+        data = PassKeyData(args.key_len, args.context_len, args.n_train, args.n_eval)
+        desc = {"name": "passkey (labsrc.recall.PassKeyData)", "key_len": args.key_len,
+                "n_symbols": data.n_symbols, "n_filler": data.n_filler, "chance": data.chance}
+    elif task == "mqar":
+        data = MQARData(_tokenizer(), args.n_pairs, args.context_len, args.n_train, args.n_eval)
+        desc = {"name": "mqar (labsrc.tasks.mqar_sample)", "n_pairs": args.n_pairs}
+    else:
+        raise ValueError(f"task must be one of {sorted(DATA)}, got {task!r}")
+    return data, {**desc, "context_len": args.context_len, "n_train": args.n_train, "n_eval": args.n_eval,
+                  "vocab": data.vocab}
+
+
+def command_line(module: str, parser: argparse.ArgumentParser, args, omit_defaults=("out",)) -> str:
+    """``python -m module`` with every option spelled out (defaults too), so the stored command reruns the same
+    thing even if a default changes later; the options in ``omit_defaults`` are left out when at their default
+    (the output path, which is a path on the machine that wrote it)."""
+    words = ["python", "-m", module]
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest)
+        if value is None or value is False:
+            continue
+        if action.dest in omit_defaults and value == action.default:
+            continue
+        words.append(action.option_strings[-1] if action.option_strings[-1].startswith("--")
+                     else action.option_strings[0])
+        if value is True:
+            continue
+        words += [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def stored_header(command: str, mixers, task: str, task_desc: dict, args, **train_extra) -> dict:
+    """The head of a stored file: how to rerun it and which code made it."""
+    return {"command": command, "code_version": code_version(mixers, task), "task": task_desc,
+            "train": {"steps": args.steps, "batch": args.batch, "widths": list(args.widths),
+                      "seeds": list(args.seeds), "threads": args.threads, "max_seconds": args.max_seconds,
+                      "torch": torch.__version__, **train_extra}}
 
 
 GRID = {"softmax": ("softmax", "softmax"), "linear": ("linear", "linear"), "delta": ("delta", "delta"),
@@ -410,33 +567,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--models", nargs="+", default=list(GRID), choices=list(GRID))
-    p.add_argument("--widths", nargs="+", type=int, default=[16, 32])
-    p.add_argument("--steps", type=int, default=1200)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--n-pairs", type=int, default=2)
-    p.add_argument("--context-len", type=int, default=72)
-    p.add_argument("--n-train", type=int, default=1500)
-    p.add_argument("--n-eval", type=int, default=100)
-    p.add_argument("--max-seconds", type=float, default=None, help="wall-clock cap per run")
-    p.add_argument("--threads", type=int, default=1)
+    add_task_args(p, widths=(16, 32))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    data = MQARData(_tokenizer(), args.n_pairs, args.context_len, args.n_train, args.n_eval)
-    result = {"task": {"name": "mqar (labsrc.tasks.mqar_sample)", "n_pairs": args.n_pairs,
-                       "context_len": args.context_len, "n_train": args.n_train, "n_eval": args.n_eval,
-                       "vocab": data.vocab},
-              "train": {"steps": args.steps, "batch": args.batch, "threads": args.threads,
-                        "max_seconds": args.max_seconds, "torch": torch.__version__},
-              "runs": []}
-    for width in args.widths:
-        for name in args.models:
-            cfg = RecallConfig(GRID[name], width, steps=args.steps, batch=args.batch)
-            row = {"model": name, **run(cfg, data, args.max_seconds)}
-            result["runs"].append(row)
-            print(f"{name:8s} d={width:4d} acc={row['accuracy']:.3f} [{row['wilson95'][0]:.3f}, "
-                  f"{row['wilson95'][1]:.3f}] bytes={row['memory_bytes']} {row['seconds']} s", flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1))
+    data, task = make_data("mqar", args)
+    grid = {name: GRID[name] for name in args.models}
+    header = stored_header(command_line("labsrc.recall", p, args), [m for ms in grid.values() for m in ms],
+                           "mqar", task, args)
+    sweep(grid, data, args.widths, args.seeds, args.steps, args.batch, args.max_seconds, header=header,
+          out=args.out)
     return 0
 
 

@@ -193,15 +193,14 @@ SIZES: dict[str, dict[str, dict]] = {
     },
     "frontier": {
         # needle_*: the common-mode picture; kernel_shape (B, H, T, D, Dv): the fused-kernel check; int8_*: lab-target's
-        # Q/K in INT8 (windows of int8_len tokens); live_*: the MQAR case rerun (the stored grid: python -m labsrc.frontier);
+        # Q/K in INT8 (windows of int8_len tokens); live (variant, width, seed), live_seconds: the stored pass-key run
+        # retrained for its first live_seconds (None: all of it) to show it reproduces;
         # moe_*: the expert-prefetch rerun (the stored run: python -m labsrc.frontier --moe); prune_windows: 512-token
         # validation windows for head pruning
         "cpu": dict(needle_len=64, kernel_shape=(1, 2, 37, 24, 48), int8_len=512, int8_windows=3,
-                    live_models=("diff",), live_width=32, live_steps=40, live_train=200, live_eval=40,
-                    live_pairs=2, live_len=72, moe_steps=60, moe_windows=8, prune_windows=6),
+                    live=("diff", 32, 0), live_seconds=8, moe_steps=60, moe_windows=8, prune_windows=6),
         "gpu": dict(needle_len=256, kernel_shape=(4, 16, 2048, 64, 128), int8_len=2048, int8_windows=8,
-                    live_models=("standard", "diff", "mod", "xkv"), live_width=32, live_steps=1200,
-                    live_train=1500, live_eval=150, live_pairs=2, live_len=72, moe_steps=300, moe_windows=16,
+                    live=("diff", 32, 0), live_seconds=None, moe_steps=300, moe_windows=16,
                     prune_windows=24),
     },
     "memory": {
@@ -218,18 +217,19 @@ SIZES: dict[str, dict[str, dict]] = {
                     window=384, chunk=128, live_length=4096, live_depth=0.1, rag_size=64, rag_overlap=32),
     },
     "linear_attention": {
-        # check_*: the reference/kernel comparison; perf_*: Performer's error against m; recall_*: the live
-        # MQAR case (one tiny run; the stored grid comes from python -m labsrc.recall)
+        # check_*: the reference/kernel comparison; perf_*: Performer's error against m; recall_live (mixer,
+        # width, seed): the stored MQAR run whose first recall_live_seconds are retrained to show it reproduces
+        # (the stored grid comes from the command in labsrc/data/recall_mqar.json); recall_*: the GPU retrain
         "cpu": dict(check_shape=(2, 100, 3, 40, 24), check_chunk=32, perf_len=256, perf_dim=32,
                     perf_ms=(8, 16, 32, 64, 128, 256, 512), perf_draws=6,
                     perf_temps=(0.25, 0.5, 1.0, 1.5),
-                    recall_width=32, recall_steps=40, recall_train=400, recall_eval=40, recall_pairs=2,
-                    recall_len=72, retrain=False),
+                    recall_live=("softmax", 16, 0), recall_live_seconds=8, recall_steps=600,
+                    recall_train=1500, recall_eval=150, retrain=False),   # recall_steps..: the stored grid's sizes
         "gpu": dict(check_shape=(4, 2048, 16, 128, 128), check_chunk=64, perf_len=1024, perf_dim=64,
                     perf_ms=(8, 16, 32, 64, 128, 256, 512, 1024), perf_draws=20,
                     perf_temps=(0.25, 0.5, 1.0, 1.5),
-                    recall_width=64, recall_steps=3000, recall_train=4000, recall_eval=100, recall_pairs=2,
-                    recall_len=72, retrain=True),
+                    recall_live=("softmax", 16, 0), recall_live_seconds=8, recall_steps=3000,
+                    recall_train=4000, recall_eval=150, retrain=True),
     },
     "ssm": {
         # legs_*: the HiPPO memory picture; conv_len: the LTI faces; kernel_*: interpreter-sized checks; swap_*:

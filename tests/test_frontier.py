@@ -252,7 +252,8 @@ def test_pruned_heads_zero_exactly_the_masked_heads():
 
 def test_main_writes_the_comparison(tmp_path, capsys):
     out = tmp_path / "frontier.json"
-    assert fr.main(["--out", str(out), "--steps", "3", "--n-train", "40", "--n-eval", "6", "--batch", "4"]) == 0
+    assert fr.main(["--out", str(out), "--steps", "3", "--n-train", "40", "--n-eval", "6", "--batch", "4",
+                    "--widths", "32", "--seeds", "0"]) == 0
     import json
 
     runs = {r["model"]: r for r in json.loads(out.read_text())["runs"]}
@@ -269,7 +270,7 @@ def test_main_trains_the_same_variants_on_the_pass_key(tmp_path):
 
     out = tmp_path / "passkey.json"
     assert fr.main(["--task", "passkey", "--out", str(out), "--steps", "3", "--n-train", "40", "--n-eval", "6",
-                    "--batch", "4", "--context-len", "24"]) == 0
+                    "--batch", "4", "--context-len", "24", "--widths", "32", "--seeds", "0"]) == 0
     result = json.loads(out.read_text())
     assert result["task"]["chance"] == 10 ** -4 and result["task"]["context_len"] == 24
     runs = {r["model"]: r for r in result["runs"]}

@@ -91,17 +91,98 @@ def test_training_lowers_the_loss_and_evaluate_counts_spans():
     assert row["total"] == 18 and row["wilson95"] == list(wilson(row["right"], 18))
 
 
-def test_stored_results_are_well_formed():
-    stored = json.loads(recall.DEFAULT_OUT.read_text())
-    assert stored["task"]["n_pairs"] >= 1 and stored["runs"]
+def _stored():
+    """The three stored files this harness writes, with the module whose command wrote each and its task."""
+    from labsrc import frontier
+
+    return [(recall.DEFAULT_OUT, recall.GRID, "mqar"), (frontier.DEFAULT_OUT, frontier.GRID, "mqar"),
+            (frontier.PASSKEY_OUT, frontier.GRID, "passkey")]
+
+
+@pytest.mark.parametrize("index", range(3), ids=["recall_mqar", "frontier_mqar", "frontier_passkey"])
+def test_stored_runs_were_made_by_the_current_code(index):
+    path, grid, task = _stored()[index]
+    stored = json.loads(path.read_text())
+    mixers = [m for r in stored["runs"] for m in r["mixers"]]
+    now = recall.code_version(mixers, task)
+    assert stored["code_version"] == now, (
+        f"{path.name} was made by code version {stored['code_version']}, but the code that decides its runs is "
+        f"now {now}: rerun `{stored['command']}` (labsrc/data/README.md) and commit the new file")
+
+
+@pytest.mark.parametrize("index", range(3), ids=["recall_mqar", "frontier_mqar", "frontier_passkey"])
+def test_stored_results_are_well_formed(index):
+    path, grid, task = _stored()[index]
+    stored = json.loads(path.read_text())
+    module = "labsrc.recall" if grid is recall.GRID else "labsrc.frontier"
+    assert stored["command"].startswith(f"python -m {module} ") and f"--steps {stored['train']['steps']}" in \
+        stored["command"]
+    assert stored["runs"] and stored["task"]["n_eval"] >= 100
     for row in stored["runs"]:
-        assert row["model"] in recall.GRID and tuple(row["mixers"]) == recall.GRID[row["model"]]
+        assert row["model"] in grid and tuple(row["mixers"]) == grid[row["model"]]
+        assert row["steps"] == stored["train"]["steps"]
         assert 0 <= row["right"] <= row["total"] and row["accuracy"] == row["right"] / row["total"]
-        lo, hi = wilson(row["right"], row["total"])
-        assert row["wilson95"] == pytest.approx([lo, hi])
-    models = {(r["model"], r["d_model"]) for r in stored["runs"]}
-    widths = {w for _, w in models}
-    assert models == {(m, w) for m in recall.GRID for w in widths}, "every mixer at every width"
+        assert row["wilson95"] == pytest.approx(list(wilson(row["right"], row["total"])))
+    seeds, widths = stored["train"]["seeds"], stored["train"]["widths"]
+    assert len(set(seeds)) >= 3 and len(set(widths)) >= 2, "at least three seeds and two widths per variant"
+    runs = sorted((r["model"], r["d_model"], r["seed"]) for r in stored["runs"])
+    assert runs == sorted((m, w, s) for m in grid for w in widths for s in seeds), "one row per variant, width, seed"
+    summary = recall.across_seeds(stored["runs"])
+    assert all(e.n == len(seeds) and e.lo <= e.value <= e.hi for e in summary.values())
+
+
+def test_both_chapters_train_the_same_model_the_same_way():
+    """The disagreement this harness once had (0.51 against 0.86 for one configuration): where chapter 8's grid
+    and chapter 15's comparison hold the same model (two softmax layers) at the same width, seed and task, the
+    stored results are the same, run for run."""
+    from labsrc import frontier
+
+    a, b = (json.loads(p.read_text()) for p in (recall.DEFAULT_OUT, frontier.DEFAULT_OUT))
+    same_task = {k: v for k, v in a["task"].items()} == {k: v for k, v in b["task"].items()}
+    assert same_task and a["train"]["steps"] == b["train"]["steps"] and a["train"]["batch"] == b["train"]["batch"]
+    ours = {(r["d_model"], r["seed"]): r for r in a["runs"] if r["model"] == "softmax"}
+    theirs = {(r["d_model"], r["seed"]): r for r in b["runs"] if r["model"] == "standard"}
+    common = set(ours) & set(theirs)
+    assert len(common) >= 3
+    for key in common:
+        assert (ours[key]["right"], ours[key]["params"]) == (theirs[key]["right"], theirs[key]["params"]), key
+
+
+def test_code_version_follows_the_code_not_the_comments_around_it(monkeypatch):
+    base = recall.code_version(["softmax"], "mqar")
+    assert base == recall.code_version(["softmax", "softmax"], "mqar") and len(base) == 16
+    assert base != recall.code_version(["softmax"], "passkey") != recall.code_version(["linear"], "passkey")
+
+    class Probe(recall.SoftmaxMixer):
+        pass
+
+    class ProbeChanged(recall.SoftmaxMixer):
+        scale = 2.0
+
+    monkeypatch.setitem(recall.MIXERS, "probe", Probe)
+    first = recall.code_version(["probe"], "mqar")
+    assert first == recall.code_version(["probe"], "mqar")
+    monkeypatch.setitem(recall.MIXERS, "probe", ProbeChanged)
+    assert recall.code_version(["probe"], "mqar") != first                   # an edit inside the mixer counts
+    with pytest.raises(ValueError, match="unknown mixer 'nope'"):
+        recall.code_version(["nope"], "mqar")
+
+
+def test_across_seeds_is_a_t_interval_over_seeds():
+    runs = [{"model": "m", "d_model": 8, "accuracy": a} for a in (0.2, 0.4, 0.6)]
+    e = recall.across_seeds(runs)[("m", 8)]
+    assert e.n == 3 and e.value == pytest.approx(0.4)
+    assert e.hi - e.value == pytest.approx(4.303 * 0.2 / 3 ** 0.5, rel=1e-3)   # t(0.975, 2 df) sd / sqrt(n)
+
+
+def test_main_writes_command_version_and_one_row_per_seed(tmp_path):
+    out = tmp_path / "r.json"
+    assert recall.main(["--out", str(out), "--models", "softmax", "--widths", "16", "--seeds", "0", "1",
+                        "--steps", "2", "--batch", "4", "--n-train", "20", "--n-eval", "4"]) == 0
+    stored = json.loads(out.read_text())
+    assert stored["code_version"] == recall.code_version(["softmax"], "mqar")
+    assert "--seeds 0 1" in stored["command"] and "--n-eval 4" in stored["command"]
+    assert [r["seed"] for r in stored["runs"]] == [0, 1]
 
 
 # ------------------------------------------------------------------------------------------- the pass key
