@@ -272,12 +272,12 @@ def test_probe_samples_of_fewer_draws_are_a_prefix_and_cover_the_depths():
     d = tasks.probe_depths(100)
     assert d[:20] == tasks.probe_depths(20) and all(0 <= x < 1 for x in d)
     assert sorted(min(int(x * 5), 4) for x in d[:20]).count(0) >= 3, "every fifth of the depths in 20 draws"
-    for task in ("needle", "passage", "mqar", "variable_tracking"):
+    for task in ("passkey", "needle", "passage", "mqar", "variable_tracking"):
         a = tasks.probe_samples(task, tok, 300, n=6)
         b = tasks.probe_samples(task, tok, 300, n=3)
         assert [s.ids for s in a[:3]] == [s.ids for s in b], task
     with pytest.raises(ValueError, match="task must be"):
-        tasks.probe_samples("passkey", tok, 300)
+        tasks.probe_samples("copy", tok, 300)  # a training aid, not a probe
 
 
 def test_passage_copy_accuracy_counts_tokens():

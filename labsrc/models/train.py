@@ -602,11 +602,9 @@ def _interval(per_sample: list[float]) -> dict:
 
 
 def probe_set(tokenizer, task: str, context_len: int, n: int = PROBE_N, seed: int = 0) -> list:
-    """The samples of one headline probe (a prefix of the ``n`` is the probe of fewer samples)."""
-    if task == "passkey":
-        rng = random.Random(f"passkey-{seed}-{context_len}-probe")
-        return [tasks.passkey_sample(tokenizer, context_len, d, rng) for d in tasks.probe_depths(n)]
-    return tasks.probe_samples(task, tokenizer, context_len, n, seed, **PROBE_SETTINGS[task])
+    """The samples of one headline probe, with the eval card's settings (a prefix of the ``n`` is the probe of
+    fewer samples)."""
+    return tasks.probe_samples(task, tokenizer, context_len, n, seed, **PROBE_SETTINGS.get(task, {}))
 
 
 def probe(model, tokenizer, task: str, context_len: int, n: int = PROBE_N, seed: int = 0) -> dict:

@@ -454,14 +454,18 @@ def probe_depths(n: int) -> list[float]:
 
 
 def probe_samples(task: str, tokenizer, context_len: int, n: int = 20, seed: int = 0, **kw) -> list[Sample]:
-    """The ``n`` samples a probe scores: ``task`` is ``"needle"`` (``n_distractors``, default 3), ``"mqar"``
-    (``n_pairs``, default 8), ``"variable_tracking"`` (``n_hops``, default 2) or ``"passage"`` (``n_tokens``,
-    default 100), at ``context_len`` tokens, drawn from a generator seeded by the probe's own name. The needle
-    and the passage sit at :func:`probe_depths` (``meta["depth"]``), so the first ``m`` samples of ``n`` are the
-    ``m`` samples a probe of ``m`` draws, spread over every depth: a smaller probe is a prefix of a larger one."""
+    """The ``n`` samples a probe scores: ``task`` is ``"passkey"``, ``"needle"`` (``n_distractors``, default 3),
+    ``"mqar"`` (``n_pairs``, default 8), ``"variable_tracking"`` (``n_hops``, default 2) or ``"passage"``
+    (``n_tokens``, default 100), at ``context_len`` tokens, drawn from a generator seeded by the probe's own name.
+    The pass key, the needle and the passage sit at :func:`probe_depths` (``meta["depth"]``), so the first ``m``
+    samples of ``n`` are the ``m`` samples a probe of ``m`` draws, spread over every depth: a smaller probe is a
+    prefix of a larger one."""
     _check_common(context_len)
     _check_n_seed(n, seed)
     depths = probe_depths(n)
+    if task == "passkey":
+        rng = random.Random(f"passkey-{seed}-{context_len}-probe")
+        return [passkey_sample(tokenizer, context_len, d, rng, **kw) for d in depths]
     if task == "needle":
         k = kw.pop("n_distractors", 3)
         rng = random.Random(f"needle-{seed}-{context_len}-{k}")
@@ -478,11 +482,12 @@ def probe_samples(task: str, tokenizer, context_len: int, n: int = 20, seed: int
         k = kw.pop("n_tokens", 100)
         rng = random.Random(f"passage-{seed}-{context_len}-{k}")
         return [passage_sample(tokenizer, context_len, d, rng, k, **kw) for d in depths]
-    raise ValueError(f"task must be 'needle', 'mqar', 'variable_tracking' or 'passage', got {task!r}")
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
-def needle_accuracy(model, tokenizer, context_len: int, n: int = 20, n_distractors: int = 3, seed: int = 0) -> float:
-    """Needle-with-distractors accuracy at ``context_len``, depths spread evenly over ``n`` samples."""
+def needle_accuracy(model, tokenizer, context_len: int, n: int = 20, n_distractors: int = 3,
+                    seed: int = 0) -> float:
+    """Needle-with-distractors accuracy at ``context_len`` over ``n`` samples at :func:`probe_depths`."""
     return accuracy(model, probe_samples("needle", tokenizer, context_len, n, seed, n_distractors=n_distractors))
 
 
@@ -491,10 +496,11 @@ def mqar_accuracy(model, tokenizer, context_len: int, n: int = 20, n_pairs: int 
     return accuracy(model, probe_samples("mqar", tokenizer, context_len, n, seed, n_pairs=n_pairs))
 
 
-def passage_copy_accuracy(model, tokenizer, context_len: int, n: int = 20, n_tokens: int = 100, seed: int = 0) -> float:
+def passage_copy_accuracy(model, tokenizer, context_len: int, n: int = 20, n_tokens: int = 100,
+                          seed: int = 0) -> float:
     """Passage copying: the fraction of the ``n_tokens`` tokens of a quoted passage that greedy decoding
-    repeats right (teacher-forced, so a slip costs its own token, not the rest), depths spread evenly over
-    ``n`` samples."""
+    repeats right (teacher-forced, so a slip costs its own token, not the rest), over ``n`` samples at
+    :func:`probe_depths`."""
     return accuracy(model, probe_samples("passage", tokenizer, context_len, n, seed, n_tokens=n_tokens))
 
 
