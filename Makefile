@@ -24,6 +24,7 @@ export OMP_NUM_THREADS ?= 1
 export OPENBLAS_NUM_THREADS ?= 1
 
 CHAPTERS    := $(sort $(wildcard chapters/*.ipynb))
+RELEASED    := $(sort $(wildcard release/chapters/*.ipynb))
 LABSRC      := $(shell find labsrc -name '*.py' -o -name '*.json' -o -name '*.safetensors' 2>/dev/null)
 EXECUTED    := _executed/chapters/.stamp
 HTML        := _build/html
@@ -57,8 +58,7 @@ setup: $(VENV)/.ready
 # --- tests -------------------------------------------------------------------------------------------------
 test: setup
 	@$(TIMED) "unit and kernel tests" $(MAKE) --no-print-directory test-unit
-	@$(TIMED) "chapters executed (nbmake)" $(MAKE) --no-print-directory execute
-	@$(TIMED) "student build executed" $(MAKE) --no-print-directory test-student
+	@$(TIMED) "chapters executed, instructor then student exercises (nbmake)" $(MAKE) --no-print-directory execute
 	@$(TIMED) "kernel bench smoke run" $(MAKE) --no-print-directory bench-smoke
 	@$(TIMED) "book build (warnings are errors)" $(MAKE) --no-print-directory book
 	@$(TIMED) "browser test" $(MAKE) --no-print-directory test-browser
@@ -66,13 +66,18 @@ test: setup
 test-unit: setup
 	$(PYTEST) -q -n 2 tests
 
-# Instructor notebooks: exercises must pass (LAB_EXERCISES=strict makes a failed check raise). Two notebooks
-# run side by side, each on one torch thread (labsrc.runtime's CPU default).
+# Every chapter once, as the instructor version (exercises must pass: LAB_EXERCISES=strict makes a failed check
+# raise) and then, in the same kernel, the release version from its first changed cell on, i.e. the exercises
+# with every solution a stub: each check must report "not solved yet" and the chapter run to its end
+# (tools/student_suffix.py; the cells before are the same in both, so running them twice would prove nothing).
+# The executed instructor cells stay in _executed/chapters/ (the book is built from them), the student ones go
+# to _executed/student/. Two notebooks run side by side, each on one torch thread (labsrc.runtime's default).
 execute: $(EXECUTED)
-$(EXECUTED): $(CHAPTERS) $(LABSRC) $(VENV)/.ready
-	rm -rf _executed/chapters _build/claims _build/ledger.jsonl && mkdir -p _executed/chapters
-	cp $(CHAPTERS) _executed/chapters/
+$(EXECUTED): $(CHAPTERS) $(RELEASED) $(LABSRC) $(VENV)/.ready
+	rm -rf _executed/chapters _executed/student _build/claims _build/ledger.jsonl && mkdir -p _executed/chapters
+	$(PY) tools/student_suffix.py combine chapters release/chapters _executed/chapters --student-dir _executed/student
 	LAB_EXERCISES=strict $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=900 _executed/chapters/*.ipynb
+	$(PY) tools/student_suffix.py split _executed/chapters _executed/student
 	touch $@
 
 # Release notebooks: the real `nbgrader generate_assignment`, in a temporary course it lays out
@@ -87,13 +92,14 @@ student: setup
 	rm -rf _build/student
 	$(PY) -m labsrc.exercises.student chapters _build/student
 
-# Release notebooks executed: every exercise is a stub and the hidden tests are gone, so the visible checks print
-# "not solved yet" (they raise only with LAB_EXERCISES=strict, which is not set here) and each chapter runs to the
-# end. That an unsolved exercise scores 0 under nbgrader's autograde is tests/test_grading.py's round trip.
+# Release notebooks executed whole, from the top: every exercise is a stub and the hidden tests are gone, so the
+# visible checks print "not solved yet" (they raise only with LAB_EXERCISES=strict, which is not set here) and
+# each chapter runs to the end. `make test` proves the same more cheaply inside `execute`; this target is for
+# a student's-eye run. That an unsolved exercise scores 0 under nbgrader's autograde is tests/test_grading.py's.
 test-student: student
-	rm -rf _executed/student && mkdir -p _executed/student && cp _build/student/*.ipynb _executed/student/
-	LAB_CLAIMS_DIR=_executed/student/claims LAB_LEDGER=_executed/student/ledger.jsonl \
-	  $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --nbmake-timeout=900 _executed/student/*.ipynb
+	rm -rf _build/student-run && mkdir -p _build/student-run && cp _build/student/*.ipynb _build/student-run/
+	LAB_CLAIMS_DIR=_build/student-run/claims LAB_LEDGER=_build/student-run/ledger.jsonl \
+	  $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --nbmake-timeout=900 _build/student-run/*.ipynb
 
 # The GPU plan at tiny sizes under the interpreter: every bench entry checked and smoke-timed, and the plan's
 # own script (labsrc.gpucheck) exercised, in one run.

@@ -1,6 +1,7 @@
 """The shape every chapter promises (conventions.md), checked without executing anything.
 
-Executing the chapters is `make execute` (nbmake over the instructor notebooks) and `make test-student`.
+Executing the chapters is `make execute` (nbmake over the instructor notebooks, each followed by its exercises in
+the release version: tools/student_suffix.py).
 """
 import json
 import re

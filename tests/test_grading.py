@@ -4,7 +4,7 @@ the instructors page's exercise table.
 The round trip runs on a small notebook made of chapter 1's real exercise cells (its solution and test cells
 with their nbgrader metadata and the exercise statements before them): the grading machinery is the same for
 every chapter, and this notebook executes in seconds, so no chapter is executed a third time in `make test`
-(each executes once as instructor in `make execute` and once as student in `make test-student`).
+(each executes once in `make execute`: as instructor, then its exercises as student, tools/student_suffix.py).
 """
 import copy
 import json
