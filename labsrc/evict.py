@@ -1175,17 +1175,17 @@ def generate_evicting(model, input_ids: torch.Tensor, policy: EvictionPolicy, bu
 
 
 @torch.no_grad()
-def answer_accuracy(model, samples, policy: EvictionPolicy | None, evict_rate: float | None, seed: int = 0,
-                    **cache_kwargs) -> float:
-    """Fraction of probe ``samples`` (:class:`labsrc.tasks.Sample`) whose answer greedy generation through an
-    evicting cache reproduces exactly.
+def answer_matches(model, samples, policy: EvictionPolicy | None, evict_rate: float | None, seed: int = 0,
+                   **cache_kwargs) -> list[bool]:
+    """For each probe sample (:class:`labsrc.tasks.Sample`): does greedy generation through an evicting cache
+    reproduce its answer exactly?
 
     The budget is ``budget_for(prompt length, evict_rate)`` for each sample; ``policy=None`` with
     ``evict_rate=None`` is the full cache (nothing is ever evicted). Sample j uses seed ``seed + j``.
     """
     if (policy is None) != (evict_rate is None):
         raise ValueError("give both policy and evict_rate, or neither (the full cache)")
-    right = 0
+    right = []
     for j, s in enumerate(samples):
         ids = torch.tensor([s.prompt_ids])
         if policy is None:
@@ -1194,8 +1194,15 @@ def answer_accuracy(model, samples, policy: EvictionPolicy | None, evict_rate: f
             pol, budget = policy, budget_for(ids.shape[1], evict_rate)
         new, _ = generate_evicting(model, ids, pol, budget, max_new_tokens=len(s.answer_ids), seed=seed + j,
                                    **cache_kwargs)
-        right += new[0].tolist() == list(s.answer_ids)
-    return right / len(samples)
+        right.append(new[0].tolist() == list(s.answer_ids))
+    return right
+
+
+def answer_accuracy(model, samples, policy: EvictionPolicy | None, evict_rate: float | None, seed: int = 0,
+                    **cache_kwargs) -> float:
+    """The fraction of :func:`answer_matches` that hold."""
+    right = answer_matches(model, samples, policy, evict_rate, seed, **cache_kwargs)
+    return sum(right) / len(right)
 
 
 @torch.no_grad()

@@ -1,0 +1,9 @@
+"""The stored curves of the chapters that compare methods, one module per mechanism, each a command.
+
+Each module sweeps its mechanism's methods across the axis where they differ and stores the curve in
+``labsrc/data/results/`` with :func:`labsrc.curves.sweep`; its chapter plots the stored curve, writes its prose
+from it, and re-scores a slice live. Each module names what the curve depends on (:func:`header`) so that a
+test can tell when the stored file is stale.
+
+* :mod:`labsrc.sweeps.evict`: eviction policies against the KV budget (chapter 6).
+"""

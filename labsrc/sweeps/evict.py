@@ -1,0 +1,105 @@
+"""Chapter 6's stored curve: every eviction policy against the share of the KV cache it may keep.
+
+    python -m labsrc.sweeps.evict                  # the stored run: labsrc/data/results/evict_curve.json
+    python -m labsrc.sweeps.evict --n 8 --out /tmp/evict.json --kept 0.2 0.5   # a small one
+
+Each policy keeps a fraction ``x`` of the prompt's entries (from 10% to 90%: the budget of
+:func:`labsrc.evict.budget_for` with ``evict_rate = 1 - x``) while ``lab-target`` reads the same ``n`` probe
+samples per probe, at 90% of its trained context (:func:`labsrc.tasks.probe_samples`, seed 0), and greedy
+decoding through :class:`labsrc.evict.EvictingCache` must reproduce the answer exactly
+(:func:`labsrc.evict.answer_matches`). The full cache is the baseline. Small budgets are where policies differ;
+near 90% every sensible policy keeps what the probe needs, so the curve shows both.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+from pathlib import Path
+
+import torch
+
+from labsrc import curves, evict as ev, tasks
+
+POLICIES = ("fifo", "lru", "h2o", "streamingllm", "scissorhands", "value_aware")
+KEPT = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+PROBES = ("passkey", "needle")
+N = 100
+PATH = curves.RESULTS / "evict_curve.json"
+
+
+def context_len(model) -> int:
+    """The probes' length: 90% of the model's trained context, as on its eval card (room for the question)."""
+    from labsrc.models.train import PROBE_FRACTION
+    return int(PROBE_FRACTION * model.config.lab_trained_context)
+
+
+class Scorer:
+    """Scores one point of the curve: a policy at a kept share on the first ``m`` samples of a probe."""
+
+    def __init__(self, model, tokenizer, n: int = N, seed: int = 0):
+        self.model, self.tokenizer, self.n, self.seed = model, tokenizer, n, seed
+        self.context_len = context_len(model)
+
+    @functools.cache
+    def samples(self, probe: str) -> list:
+        return tasks.probe_samples(probe, self.tokenizer, self.context_len, self.n, self.seed)
+
+    def __call__(self, method: str, kept: float, probe: str, m: int | None = None) -> list[bool]:
+        if not 0.0 < kept < 1.0:
+            raise ValueError(f"kept must lie in (0, 1), got {kept!r}")
+        samples = self.samples(probe)[:m]
+        return ev.answer_matches(self.model, samples, ev.make_policy(method), 1.0 - kept)
+
+    def baseline(self, probe: str) -> list[bool]:
+        return ev.answer_matches(self.model, self.samples(probe), None, None)
+
+
+def scoring_code() -> list:
+    """Everything whose source decides a point's result (the samples are pinned by their own digest)."""
+    policies = list(dict.fromkeys(ev.POLICIES.values()))
+    return [ev.answer_matches, ev.generate_evicting, ev.budget_for, ev.EvictingCache, ev.EvictingLayer,
+            ev.TokenStats, ev.EvictionPolicy, *policies, ev.recency, ev.value_aware_scores,
+            ev.inclusion_probabilities, ev.systematic_indices, ev.stochastic_keep, ev.bernoulli_keep,
+            ev.topk_keep, ev._recent_mask, Scorer]
+
+
+def header(scorer: Scorer, model_name: str, probes, command: str) -> dict:
+    """What the stored curve depends on; a test recomputes it to tell a stale file."""
+    return {"command": command, "model": model_name, "model_digest": curves.model_digest(model_name),
+            "code_version": curves.source_version(*scoring_code()), "context_len": scorer.context_len,
+            "n": scorer.n, "samples_digest": {p: curves.samples_digest(scorer.samples(p)) for p in probes}}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description="Chapter 6's stored curve: eviction policies against the "
+                                                 "share of the KV cache kept.")
+    parser.add_argument("--n", type=int, default=N, help="probe samples per point")
+    parser.add_argument("--probes", nargs="+", default=list(PROBES), choices=tasks.TASKS)
+    parser.add_argument("--kept", nargs="+", type=float, default=list(KEPT))
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=sorted(ev.POLICIES))
+    parser.add_argument("--model", default="lab-target")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=PATH)
+    args = parser.parse_args(argv)
+    from labsrc import models, runtime
+
+    torch.set_num_threads(args.threads)
+    model, tok = models.load(args.model)
+    model.eval()
+    scorer = Scorer(model, tok, args.n)
+    command = (f"python -m labsrc.sweeps.evict --n {args.n} --probes {' '.join(args.probes)} --kept "
+               f"{' '.join(map(str, args.kept))} --policies {' '.join(args.policies)} --model {args.model} "
+               f"--threads {args.threads}" + ("" if args.out == PATH else f" --out {args.out}"))
+    t0 = time.perf_counter()
+    result = curves.sweep(scorer, args.policies, args.kept, args.probes,
+                          header(scorer, args.model, args.probes, command), out=args.out,
+                          baseline=scorer.baseline)
+    result["machine"] = {"device": runtime.device_name(), "torch": torch.__version__, "threads": args.threads,
+                         "seconds_this_session": round(time.perf_counter() - t0)}
+    curves._write(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

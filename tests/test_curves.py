@@ -1,0 +1,135 @@
+"""labsrc.curves: stored accuracy curves (sweep, resume, separations and prose from the numbers, live rescoring),
+and chapter 6's sweep (labsrc.sweeps.evict) end to end on a few samples."""
+import json
+
+import pytest
+
+from labsrc import claims, curves
+
+
+def fake_score(table):
+    """A scorer reading fixed per-sample results, counting its calls."""
+    calls = []
+
+    def score(method, x, probe):
+        calls.append((method, x, probe))
+        return table[method, x, probe]
+    return score, calls
+
+
+TABLE = {("a", 1, "p"): [True] * 50, ("b", 1, "p"): [False] * 50,
+         ("a", 2, "p"): [True] * 25 + [False] * 25, ("b", 2, "p"): [True] * 24 + [False] * 26}
+
+
+def test_sweep_rows_and_file(tmp_path):
+    score, calls = fake_score(TABLE)
+    out = tmp_path / "c.json"
+    result = curves.sweep(score, ["a", "b"], [1, 2], ["p"], {"command": "x"}, out=out,
+                          baseline=lambda probe: [True] * 50, echo=lambda *_: None)
+    assert len(calls) == 4 and result["complete"]
+    stored = curves.load(out)
+    assert stored == json.loads(json.dumps(result))
+    base = [r for r in stored["rows"] if r["method"] == curves.BASELINE]
+    assert len(base) == 1 and base[0]["k"] == 50 and base[0]["x"] is None
+    assert curves.point(stored, "a", 2, "p") == claims.Estimate.accuracy(25, 50)
+    with pytest.raises(KeyError):
+        curves.point(stored, "c", 2, "p")
+
+
+def test_an_interrupted_sweep_resumes_and_a_changed_header_starts_over(tmp_path):
+    out = tmp_path / "c.json"
+    score, _ = fake_score(TABLE)
+
+    def dies_on_b2(method, x, probe):
+        if (method, x) == ("b", 2):
+            raise KeyboardInterrupt
+        return score(method, x, probe)
+    with pytest.raises(KeyboardInterrupt):
+        curves.sweep(dies_on_b2, ["a", "b"], [1, 2], ["p"], {"command": "x"}, out=out, echo=lambda *_: None)
+    with pytest.raises(ValueError, match="unfinished"):
+        curves.load(out)
+    score2, calls = fake_score(TABLE)
+    curves.sweep(score2, ["a", "b"], [1, 2], ["p"], {"command": "x"}, out=out, echo=lambda *_: None)
+    assert calls == [("b", 2, "p")]
+    score3, calls = fake_score(TABLE)
+    curves.sweep(score3, ["a", "b"], [1, 2], ["p"], {"command": "y"}, out=out, echo=lambda *_: None)
+    assert len(calls) == 4
+
+
+def test_bad_sweeps_are_named():
+    score, _ = fake_score(TABLE)
+    with pytest.raises(ValueError, match="methods"):
+        curves.sweep(score, [], [1], ["p"], {})
+    with pytest.raises(ValueError, match="baseline"):
+        curves.sweep(score, ["baseline"], [1], ["p"], {})
+    with pytest.raises(ValueError, match="no samples"):
+        curves.sweep(lambda *a: [], ["a"], [1], ["p"], {}, echo=lambda *_: None)
+
+
+def test_separations_and_prose_come_from_the_intervals():
+    score, _ = fake_score(TABLE)
+    curve = curves.sweep(score, ["a", "b"], [1, 2], ["p"], {}, echo=lambda *_: None)
+    sep = curves.separations(curve, "p")
+    assert sep[1]["above"] == [("a", "b")] and sep[1]["tied"] == []
+    assert sep[2]["above"] == [] and sep[2]["tied"] == [("a", "b")]   # 25/50 against 24/50 overlap
+    text = curves.describe(curve, "p", x_label=lambda x: f"x = {x}").splitlines()
+    assert text[0].startswith("At x = 1 (n = 50 each): a 1.00") and "a above b" in text[0]
+    assert "no two of them separate" in text[1]
+
+
+def test_rescore_returns_stored_and_fresh_slices():
+    score, _ = fake_score(TABLE)
+    curve = curves.sweep(score, ["a", "b"], [1, 2], ["p"], {}, echo=lambda *_: None)
+    stored, fresh = curves.rescore(curve, lambda m, x, p, k: TABLE[m, x, p][:k], "a", 2, "p", 30)
+    assert stored == fresh == [1] * 25 + [0] * 5
+    with pytest.raises(ValueError, match="at most"):
+        curves.rescore(curve, lambda *a: [], "a", 2, "p", 51)
+
+
+def test_digests_change_with_what_they_cover(tmp_path):
+    def f():
+        return 1
+
+    def g():
+        return 2
+    assert curves.source_version(f) != curves.source_version(g)
+    assert curves.source_version(f, g) != curves.source_version(g, f)
+    with pytest.raises(ValueError):
+        curves.source_version()
+
+    class S:
+        def __init__(self, ids, spans):
+            self.ids, self.spans = ids, spans
+    a = curves.samples_digest([S([1, 2, 3], [(1, 2)])])
+    assert a == curves.samples_digest([S([1, 2, 3], [(1, 2)])])
+    assert a != curves.samples_digest([S([1, 2, 4], [(1, 2)])])
+    assert a != curves.samples_digest([S([1, 2, 3], [(1, 3)])])
+    (tmp_path / "w.safetensors").write_bytes(b"abc")
+    d = curves.model_digest(tmp_path)
+    (tmp_path / "w.safetensors").write_bytes(b"abd")
+    assert curves.model_digest(tmp_path) != d
+    with pytest.raises(FileNotFoundError):
+        curves.model_digest(tmp_path / "nowhere")
+
+
+def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
+    # Chapter 6's command on 2 pass keys, 2 policies, one budget: the file has its header, the baseline and
+    # every point, and re-scoring a slice reproduces the stored per-sample results.
+    from labsrc.sweeps import evict as sweep_evict
+    out = tmp_path / "evict.json"
+    result = sweep_evict.main(["--n", "2", "--probes", "passkey", "--kept", "0.3", "--policies", "fifo", "h2o",
+                               "--out", str(out)])
+    stored = curves.load(out)
+    assert stored["command"].startswith("python -m labsrc.sweeps.evict --n 2 --probes passkey --kept 0.3")
+    assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("fifo", 0.3), ("h2o", 0.3)}
+    assert stored["code_version"] == curves.source_version(*sweep_evict.scoring_code())
+    assert stored["model_digest"] == curves.model_digest("lab-target")
+    assert result["rows"] == stored["rows"]
+    from labsrc import models
+    model, tok = models.load("lab-target")
+    scorer = sweep_evict.Scorer(model, tok, n=2)
+    assert stored["samples_digest"]["passkey"] == curves.samples_digest(scorer.samples("passkey"))
+    got, fresh = curves.rescore(stored, scorer, "h2o", 0.3, "passkey", 2)
+    assert got == fresh
+    with pytest.raises(ValueError, match="kept"):
+        scorer("fifo", 1.0, "passkey")
