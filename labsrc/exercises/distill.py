@@ -175,7 +175,7 @@ def check_kd_kl_kernel(kernel) -> Result:
     seed, sizes = 134, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, v + 5) for r, v in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(R,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of R programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     for trial, (R, V) in enumerate(sizes):

@@ -110,7 +110,7 @@ def check_diff_softmax_kernel(kernel) -> Result:
     seed, sizes = 53, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, d) for t, d in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(1,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of one program")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance(torch.float32)

@@ -252,7 +252,7 @@ def check_recurrent_kernel(kernel) -> Result:
     seed, sizes = 45, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, k + 3, v + 1) for t, k, v in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(BH,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of BH programs")) is not None:
         return _report(unlaunchable)
     import triton
 

@@ -254,7 +254,7 @@ def check_pipeline_verify_kernel(kernel) -> Result:
                                             kverify.greedy_verify_ref), hint, owner="labsrc.kernels.verify")
     if refused is not None:
         return refused
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(B,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of B programs")) is not None:
         return _report(unlaunchable)
     seed, sizes = 34, _KERNEL_SIZES
     if hidden():

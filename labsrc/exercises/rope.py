@@ -297,7 +297,7 @@ def check_rope_kernel(kernel) -> Result:
     seed, sizes = 26, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, h + 4) for t, h in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(T,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of T programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance(torch.float32)

@@ -252,7 +252,7 @@ def check_gather_kernel(kernel) -> Result:
         return skipped
     hint = ("block = tl.load(table_ptr + t // PAGE); the row starts at pool_ptr + (block * PAGE + t % PAGE) * ROW "
             "(widen block to int64 first); load and store tl.arange(0, BLOCK) with the mask < ROW.")
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(n,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of n programs")) is not None:
         return _report(unlaunchable)
     seed = 95 + (HIDDEN_SEED_OFFSET if hidden() else 0)
     gen = torch.Generator().manual_seed(seed)

@@ -150,7 +150,7 @@ def check_spec_residual_kernel(kernel) -> Result:
     seed, cases = 7, _KERNEL_CASES
     if hidden():
         seed, cases = seed + HIDDEN_SEED_OFFSET, cases + tuple((r + 1, v + 3) for r, v in cases)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(R,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of R programs")) is not None:
         return _report(unlaunchable)
     import triton
 

@@ -191,7 +191,7 @@ def check_scan_kernel(kernel) -> Result:
     seed, sizes = 74, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, L + 21, B) for r, L, B in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(rows,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of rows programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     for trial, (rows, L, block) in enumerate(sizes):
