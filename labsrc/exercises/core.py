@@ -347,15 +347,17 @@ def check_tensor(name: str, answer: Any, expected: torch.Tensor, *, rtol: float 
 
 def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Callable[[torch.Generator], tuple],
                    *, trials: int = 5, seed: int = 0, rtol: float | None = None, atol: float | None = None,
-                   hint: str = "", arg_names: Iterable[str] | None = None) -> Result:
+                   hint: str = "", arg_names: Iterable[str] | None = None,
+                   explain: Callable[..., str] | None = None) -> Result:
     """Check ``fn`` against ``reference`` on ``trials`` fresh random inputs.
 
     ``make_inputs(generator)`` returns the argument tuple for one trial. Outputs may be tensors or numbers.
     The failing inputs' shapes are shown so the student can reproduce the case; a wrong number is diagnosed
     (an exact factor, an off-by-one) and, with ``arg_names`` (the names of the numeric arguments, in order), so
-    is the argument whose doubling moves the answer differently (:func:`scaling_diagnosis`). Inside a check
-    called with ``hidden=True`` (see :func:`exercise`) the trials come from another seed and there are twice as
-    many.
+    is the argument whose doubling moves the answer differently (:func:`scaling_diagnosis`). ``explain(got,
+    expected, *args)``, when given, adds a chapter's own diagnosis of a failed trial (a sentence, or ''). Inside
+    a check called with ``hidden=True`` (see :func:`exercise`) the trials come from another seed and there are
+    twice as many.
     """
     if hidden():
         seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
@@ -380,6 +382,12 @@ def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Ca
             else:
                 problem = f"returned {got!r}, which is wrong."
         if problem:
+            if explain is not None:
+                try:
+                    extra = explain(got, expected, *args)
+                except Exception:  # noqa: BLE001 - an answer too malformed to diagnose keeps the plain message
+                    extra = ""
+                problem = f"{problem} {extra}".strip() if extra else problem
             shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
             return _report(Result(name, FAILED, _with_hint(f"trial {trial + 1} with inputs {shapes}: {problem}", hint)))
     return _report(Result(name, PASSED, f"agrees with the reference on {trials} random inputs."))
