@@ -232,12 +232,12 @@ def diagnose_number(got: float, expected: float) -> str:
     if math.isclose(ratio, -1.0, rel_tol=1e-9):
         return " It has the wrong sign."
     whole = float(got).is_integer() and float(expected).is_integer()
-    if whole and abs(got - expected) == 1 and abs(expected) >= 2:
-        return " It is off by one: check where a count starts and whether its last item is included."
+    if whole and 1 <= abs(got - expected) <= 2 and abs(expected) >= 3:
+        return (f" It is off by {int(got - expected):+d}: check where a count starts and whether its last item "
+                f"is included.")
     simple = _simple_ratio(ratio)
     if simple is not None and simple != "1":
-        return (f" It is exactly {simple} times the right value: a factor is counted too often or left out "
-                f"(a scale, a factor of two, a count of heads or layers).")
+        return f" It is exactly {simple} times the right value: a factor is counted too often or left out."
     return ""
 
 
