@@ -213,11 +213,16 @@ def check_value(name: str, answer: Any, expected: Any, *, rtol: float = 1e-6, at
 
 
 def _simple_ratio(r: float) -> str | None:
-    """``r`` written as a small fraction ``p/q`` (p, q <= 8) when it is one, else None."""
+    """``r`` written as a small fraction ``p/q`` (p, q <= 8), a whole number up to 100 or one over such a number,
+    when it is one; else None."""
     for q in range(1, 9):
         p = round(r * q)
         if 1 <= abs(p) <= 8 and math.isclose(r, p / q, rel_tol=1e-6):
             return f"{p}" if q == 1 else f"{p}/{q}"
+    if r and 1 < abs(round(r)) <= 100 and math.isclose(r, round(r), rel_tol=1e-6):
+        return f"{round(r)}"
+    if r and 1 < abs(round(1 / r)) <= 100 and math.isclose(1 / r, round(1 / r), rel_tol=1e-6):
+        return f"1/{round(1 / r)}"
     return None
 
 
