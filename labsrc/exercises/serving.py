@@ -188,11 +188,10 @@ def check_admission(fn) -> Result:
         if unsolved is not None:
             return _unsolved(name, unsolved)
         if not isinstance(got, (bool, int)) or bool(got) != _admission_reference(*args):
+            verdict = "admit a request that must wait" if got else "refuse a request that fits"
             return _report(Result(name, FAILED, f"trial {trial + 1} (num_tokens={args[0]}, block_size={args[1]}, "
                                                 f"hits {args[2]} held + {args[3]} evictable, {args[4]} free, "
-                                                f"{args[5]} of {args[6]} running): you "
-                                                f"{'admit a request that must wait' if got else 'refuse a request that fits'}."
-                                                f" Hint: {hint}"))
+                                                f"{args[5]} of {args[6]} running): you {verdict}. Hint: {hint}"))
     return _report(Result(name, PASSED, f"right on {trials} random queues."))
 
 
