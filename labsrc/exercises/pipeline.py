@@ -300,7 +300,7 @@ def check_pipeline_verify_kernel(kernel) -> Result:
             cause = err.__cause__ or err.__context__
             if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
                 return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (B, N, V = {size}): the launch raised "
+            return _report(Result(name, FAILED, f"trial {trial + 1} (B={size[0]}, N={size[1]}, V={size[2]}): the launch raised "
                                                 f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
         if problem is None:
             want_p, want_a = kverify.greedy_verify_ref(logits, tokens, first)
@@ -313,5 +313,5 @@ def check_pipeline_verify_kernel(kernel) -> Result:
                 b = int((accepted != want_a).nonzero()[0])
                 problem = f"accepted is wrong for window {b}."
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (B, N, V = {size}): {problem} Hint: {hint}"))
+            return _report(Result(name, FAILED, f"trial {trial + 1} (B={size[0]}, N={size[1]}, V={size[2]}): {problem} Hint: {hint}"))
     return _report(Result(name, PASSED, f"equal to greedy_verify_ref on {len(sizes)} launches, ties included."))
