@@ -309,6 +309,37 @@ def test_no_message_writes_a_formula(ex, lenient_env):
                                f"`{found}`:\n  {message[:300]}")
 
 
+def _headings(path: Path) -> set[str]:
+    nb = json.loads(path.read_text())
+    found = set()
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            found.update(_rendered(m) for m in re.findall(r"^#+ (.*)$", _source(cell), re.M))
+    return found
+
+
+def _rendered(heading: str) -> str:
+    """A heading as the reader sees it: no math dollars, a squared exponent as the ² a hint can print."""
+    return heading.replace("^2", "²").replace("$", "").strip()
+
+
+@pytest.mark.parametrize("module", sorted({e["module"] for e in EXERCISES}))
+def test_every_section_a_hint_sends_the_student_to_is_in_the_chapter(module):
+    """A hint that says "re-read 'X'" names a heading of the chapter whose exercises the module checks, so a
+    renamed section cannot leave the student looking for a page that is not there."""
+    chapters = {e["chapter"] for e in EXERCISES if e["module"] == module}
+    headings = set().union(*(_headings(ROOT / "chapters" / f"{c}.ipynb") for c in chapters))
+    mod = importlib.import_module(f"labsrc.exercises.{module}")
+    named = set()
+    for message in static_messages(mod):
+        quoted = r"'((?:[^']|'s\b)+)'"      # a quoted heading, whose own apostrophes are possessives
+        named.update(re.findall(r"re-read [^'\n]*?" + quoted, message))
+        named.update(re.findall(r" and " + quoted, message))
+    assert named, f"{module}: no hint sends the student to a section"
+    missing = sorted(n for n in named if n not in headings)
+    assert not missing, f"{module}: hints name sections that {sorted(chapters)} lacks: {missing}"
+
+
 def test_the_guard_catches_a_hint_that_is_the_solution():
     """The comparison itself: a hint that writes out the solution's update, even with other module prefixes and
     spacing, is caught; one that names the failing case is not."""

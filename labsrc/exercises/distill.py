@@ -101,7 +101,7 @@ def check_kd_loss_by_hand(fn) -> Result:
     ``alpha * CE + (1 - alpha) * T² * KL(softmax(t/T) || softmax(s/T))``, both averaged over the tokens whose
     label is not -100."""
     name = "KD loss by hand"
-    hint = ("re-read 'The KD loss and its $T^2$' and compute each term on its own (alpha = 1 keeps only the "
+    hint = ("re-read 'The KD loss and its T²' and compute each term on its own (alpha = 1 keeps only the "
             "hard term, alpha = 0 only the soft one).")
     refused = _refuse(name, fn, _kd_inputs, 131, hint)
     if refused is not None:
@@ -127,7 +127,7 @@ def check_kd_soft_gradient(fn) -> Result:
     """Check ``fn(student_logits (V,), teacher_logits (V,), T) -> (V,)``: the gradient of
     ``T² KL(softmax(t/T) || softmax(s/T))`` with respect to ``s``, written in closed form (no autograd)."""
     name = "gradient of the soft term"
-    hint = ("re-read 'The KD loss and its $T^2$' and compare your gradient with autograd's on a small case in a "
+    hint = ("re-read 'The KD loss and its T²' and compare your gradient with autograd's on a small case in a "
             "scratch cell; the message says whether it is off by a constant factor or in sign.")
     refused = _refuse(name, fn, _grad_inputs, 132, hint)
     if refused is not None:
