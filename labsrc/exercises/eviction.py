@@ -18,6 +18,8 @@ student to write (:func:`refuses_library`): the point is to write it.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from labsrc import evict as ev
@@ -205,6 +207,10 @@ def check_wrongly_dropped(answer) -> Result:
         unsolved.name = name
         return _report(unsolved)
     section = "re-read 'Why FIFO and LRU drop the premise, and dormant tokens'."
+    if isinstance(got, torch.Tensor) and got.numel() == 1 and not got.is_floating_point():
+        got = got.item()            # a one-element integer tensor counts as the index it holds
+    if isinstance(got, numbers.Integral) and not isinstance(got, bool):
+        got = int(got)              # and so does a NumPy integer
     if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got < len(dropped):
         return _report(Result(name, FAILED, _with_hint(
             f"{got!r} is not a token index of the chain (0 to {len(dropped) - 1}).", section)))
