@@ -7,6 +7,12 @@ Every exercise in the lab is a function the student fills in. A check calls it:
 * if its answer is right, the check prints ``passed``;
 * otherwise it prints what is wrong and a hint, never the solution.
 
+"What is wrong" is as specific as the check can make it: the failing case, a wrong shape, and where it can
+tell, the kind of slip (a number off by an exact factor or by one, a tensor transposed, scaled or shifted, the
+argument whose doubling moves the answer unlike the truth: :func:`diagnose_number`, :func:`scaling_diagnosis`,
+and a chapter's own ``explain`` callback to :func:`check_function`). The hint sends the student to the section
+of the chapter to re-read; it never writes out the expected code or formula (``tests/test_exercise_hints.py``).
+
 With ``LAB_EXERCISES=strict`` in the environment (set when the instructor notebooks are executed by the
 tests and the book build, and by the grading command) anything but ``passed`` raises :class:`ExerciseFailed`,
 so a broken solution cannot slip into the book and a wrong answer loses the test cell's points.

@@ -57,7 +57,7 @@ def check_merge(fn) -> Result:
     given each chunk's row max ``m`` (rows,), normaliser ``l = sum exp(s - m)`` (rows,) and normalised output
     ``o`` (rows, d). Inputs are fp64."""
     return check_function("merge two partial softmax results", fn, _merge_reference, _merge_inputs,
-                          trials=8, seed=31, rtol=1e-9, atol=1e-9, explain=_explain_merge,
+                          trials=8, seed=31, rtol=1e-9, atol=1e-9, explain=_explaining_merge(fn),
                           hint="re-read 'Online softmax' and test your merge on a tiny case against softmax "
                                "attention over both chunks' keys at once; in these trials the two chunks' "
                                "scores sit on very different scales.")
@@ -117,10 +117,23 @@ _TILED_HINT = ("re-read 'Tiled attention in plain PyTorch' and count, query bloc
                "value rows that block reads under the causal mask.")
 
 
-def _explain_merge(got, expected, m1, l1, o1, m2, l2, o2) -> str:
-    if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.isfinite(got).all():
-        return "Some outputs are inf or NaN: an exp overflowed or divided by zero."
-    return ""
+def _explaining_merge(fn):
+    """``explain`` for the merge: two properties any right merge has, tried on the failing trial's chunks."""
+    def explain(got, expected, m1, l1, o1, m2, l2, o2) -> str:
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.isfinite(got).all():
+            return "Some outputs are inf or NaN: an exp overflowed or divided by zero."
+        same = fn(m1, l1, o1, m1, l1, o1)
+        if not (isinstance(same, torch.Tensor) and torch.allclose(same, o1, rtol=1e-9, atol=1e-9)):
+            return "Merging the first chunk with itself does not give back its own output o1."
+        swapped = fn(m2, l2, o2, m1, l1, o1)
+        if not (isinstance(swapped, torch.Tensor) and torch.allclose(swapped, got, rtol=1e-9, atol=1e-9)):
+            return "Your merge depends on which chunk comes first; the union of two chunks does not."
+        level = fn(m1, l1, o1, m1, l2, o2)   # both chunks with the same row max
+        if isinstance(level, torch.Tensor) and torch.allclose(level, _merge_reference(m1, l1, o1, m1, l2, o2),
+                                                              rtol=1e-9, atol=1e-9):
+            return "Your merge is right when the two chunks have the same row max, and wrong when they do not."
+        return ""
+    return explain
 
 
 def _explaining_tiled(fn):
