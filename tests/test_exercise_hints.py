@@ -26,7 +26,6 @@ import contextlib
 import importlib
 import inspect
 import io
-import io as _io
 import json
 import re
 import tokenize
@@ -82,7 +81,7 @@ def code_tokens(source: str) -> list[str]:
     """The tokens of Python ``source`` without its comments and string literals (prose, not code)."""
     kept = []
     try:
-        for tok in tokenize.generate_tokens(_io.StringIO(source).readline):
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
             if tok.type in (tokenize.COMMENT, tokenize.STRING) or tok.type >= tokenize.N_TOKENS:
                 continue
             kept.append(tok.string)
