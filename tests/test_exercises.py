@@ -241,3 +241,58 @@ def test_refuse_library_reports_what_was_used(capsys):
                               "to write. Hint: count the bytes.")
     assert "gqa_cache_bytes" in capsys.readouterr().out
     assert refuse_library("bytes", lambda n: 2 * n, _LIB, "count the bytes.") is None
+
+
+# ------------------------------------------------------------------------------------ what a wrong answer looks like
+from labsrc.exercises.core import _compare_tensors, diagnose_number, scaling_diagnosis  # noqa: E402
+
+
+def test_a_wrong_number_is_diagnosed_by_the_kind_of_slip_not_by_the_value():
+    assert "exactly 2 times" in diagnose_number(2048.0, 1024.0)
+    assert "exactly 1/25 times" in diagnose_number(0.04, 1.0)
+    assert "off by +1" in diagnose_number(11, 10)
+    assert "off by -2" in diagnose_number(8, 10)
+    assert "wrong sign" in diagnose_number(-3.5, 3.5)
+    assert "zero" in diagnose_number(0, 7)
+    assert diagnose_number(3.3, 1.0) == ""             # no simple relation: nothing is made up
+    for text in (diagnose_number(2048.0, 1024.0), diagnose_number(11, 10)):
+        assert "1024" not in text and "10 " not in text   # the expected value itself is never printed
+
+
+def test_a_wrong_tensor_of_the_right_shape_is_diagnosed():
+    gen = torch.Generator().manual_seed(0)
+    e = torch.randn(5, 5, generator=gen)
+    assert "transposed" in _compare_tensors(e.T.contiguous(), e, None, None)
+    assert "3 times the right one" in _compare_tensors(3 * e, e, None, None)
+    assert "wrong sign" in _compare_tensors(-e, e, None, None)
+    assert "all zeros" in _compare_tensors(torch.zeros_like(e), e, None, None)
+    assert "shifted by one position along dimension 1" in _compare_tensors(torch.roll(e, 1, 1), e, None, None)
+    assert "last two dimensions are swapped" in _compare_tensors(torch.randn(3, 5), torch.randn(5, 3), None, None)
+    noise = e + torch.randn(5, 5, generator=gen)
+    message = _compare_tensors(noise, e, None, None)
+    assert message.endswith(").") and "times" not in message and "transposed" not in message
+
+
+def test_scaling_diagnosis_names_the_argument_an_answer_mishandles():
+    def right(n_heads, n_kv_heads, head_dim):
+        return 2 * n_kv_heads * head_dim
+
+    def query_heads(n_heads, n_kv_heads, head_dim):
+        return 2 * n_heads * head_dim
+
+    said = scaling_diagnosis(query_heads, right, (8, 2, 64), ("n_heads", "n_kv_heads", "head_dim"))
+    assert "Doubling n_heads leaves it unchanged in the right answer but multiplies it by 2 in yours" in said
+    assert scaling_diagnosis(right, right, (8, 2, 64), ("n_heads", "n_kv_heads", "head_dim")) == ""
+
+
+def test_check_function_adds_a_chapter_explanation_to_a_failed_trial(monkeypatch):
+    monkeypatch.delenv("LAB_EXERCISES", raising=False)
+    result = ex.check_function("add", lambda a, b: a - b, lambda a, b: a + b, lambda g: (2.0, 3.0),
+                               hint="re-read the section on addition.",
+                               explain=lambda got, want, a, b: f"b = {b} went the wrong way.")
+    assert not result.passed
+    assert "b = 3.0 went the wrong way." in result.message and result.message.index("b = 3.0") < \
+        result.message.index("Hint:")
+    broken = ex.check_function("add", lambda a, b: a - b, lambda a, b: a + b, lambda g: (2.0, 3.0),
+                               explain=lambda *args: 1 / 0)     # a failing explanation keeps the plain message
+    assert not broken.passed and "too small" in broken.message

@@ -7,6 +7,12 @@ Every exercise in the lab is a function the student fills in. A check calls it:
 * if its answer is right, the check prints ``passed``;
 * otherwise it prints what is wrong and a hint, never the solution.
 
+"What is wrong" is as specific as the check can make it: the failing case, a wrong shape, and where it can
+tell, the kind of slip (a number off by an exact factor or by one, a tensor transposed, scaled or shifted, the
+argument whose doubling moves the answer unlike the truth: :func:`diagnose_number`, :func:`scaling_diagnosis`,
+and a chapter's own ``explain`` callback to :func:`check_function`). The hint sends the student to the section
+of the chapter to re-read; it never writes out the expected code or formula (``tests/test_exercise_hints.py``).
+
 With ``LAB_EXERCISES=strict`` in the environment (set when the instructor notebooks are executed by the
 tests and the book build, and by the grading command) anything but ``passed`` raises :class:`ExerciseFailed`,
 so a broken solution cannot slip into the book and a wrong answer loses the test cell's points.
@@ -159,7 +165,7 @@ def skipped_without_triton(name: str) -> Result | None:
 def not_a_kernel(name: str, kernel: Any, launch: str) -> Result | None:
     """``None`` when ``kernel`` launches as ``kernel[grid](...)`` (a ``@triton.jit`` function); else the result to
     report: "not solved yet" for the untouched stub (it raises ``NotImplementedError``), failed for anything
-    else, with a hint naming the launch (``launch``, e.g. ``"kernel[(R,)](...)"``)."""
+    else, with a hint naming the launch in words (``launch``, e.g. ``"a grid of R programs"``)."""
     if hasattr(kernel, "__getitem__"):
         return None
     try:
@@ -168,8 +174,8 @@ def not_a_kernel(name: str, kernel: Any, launch: str) -> Result | None:
         return Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again.")
     except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
         pass
-    return Result(name, FAILED, f"{kernel!r} is not a Triton kernel. Hint: decorate it with @triton.jit so "
-                                f"that {launch} launches it.")
+    return Result(name, FAILED, f"{kernel!r} is not a Triton kernel, so the check cannot launch it on "
+                                f"{launch}. Hint: re-read how the chapter's kernel is declared and launched.")
 
 
 def _call(answer: Any, *args: Any) -> tuple[Any, Result | None]:
@@ -204,19 +210,122 @@ def check_value(name: str, answer: Any, expected: Any, *, rtol: float = 1e-6, at
             return _report(Result(name, FAILED, _with_hint(f"expected a number, got {type(got).__name__}.", hint)))
         if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
             direction = "too large" if got > expected else "too small"
-            return _report(Result(name, FAILED, _with_hint(f"{got!r} is {direction}.", hint)))
+            return _report(Result(name, FAILED, _with_hint(
+                f"{got!r} is {direction}.{diagnose_number(got, expected)}", hint)))
         return _report(Result(name, PASSED))
     if got != expected:
         return _report(Result(name, FAILED, _with_hint(f"{got!r} is not the expected answer.", hint)))
     return _report(Result(name, PASSED))
 
 
+def _simple_ratio(r: float) -> str | None:
+    """``r`` written as a small fraction ``p/q`` (p, q <= 8), a whole number up to 100 or one over such a number,
+    when it is one; else None."""
+    for q in range(1, 9):
+        p = round(r * q)
+        if 1 <= abs(p) <= 8 and math.isclose(r, p / q, rel_tol=1e-6):
+            return f"{p}" if q == 1 else f"{p}/{q}"
+    if r and 1 < abs(round(r)) <= 100 and math.isclose(r, round(r), rel_tol=1e-6):
+        return f"{round(r)}"
+    if r and 1 < abs(round(1 / r)) <= 100 and math.isclose(1 / r, round(1 / r), rel_tol=1e-6):
+        return f"1/{round(1 / r)}"
+    return None
+
+
+def diagnose_number(got: float, expected: float) -> str:
+    """What kind of slip a wrong number looks like, as a sentence (or ''): an exact factor (a term counted twice
+    or left out, a missing scale), an off-by-one, the wrong sign. It names the slip, not the expected value."""
+    if not (math.isfinite(got) and math.isfinite(expected)) or expected == 0:
+        return ""
+    if got == 0:
+        return " It is zero: is every term counted?"
+    ratio = got / expected
+    if math.isclose(ratio, -1.0, rel_tol=1e-9):
+        return " It has the wrong sign."
+    whole = float(got).is_integer() and float(expected).is_integer()
+    if whole and 1 <= abs(got - expected) <= 2 and abs(expected) >= 3:
+        return (f" It is off by {int(got - expected):+d}: check where a count starts and whether its last item "
+                f"is included.")
+    simple = _simple_ratio(ratio)
+    if simple is not None and simple != "1":
+        return f" It is exactly {simple} times the right value: a factor is counted too often or left out."
+    return ""
+
+
+def scaling_diagnosis(fn: Callable, reference: Callable, args: tuple, names: Iterable[str]) -> str:
+    """Which argument the answer ``fn`` depends on wrongly, as a sentence (or ''): each numeric argument in turn
+    is doubled, and the first one that changes ``fn``'s result by another factor than the reference's is named
+    (an argument left out, counted twice, or used where another belongs). It says how the answer should react,
+    not what to write."""
+    def value(f, a):
+        try:
+            out = f(*a)
+            out = out.item() if isinstance(out, torch.Tensor) and out.numel() == 1 else out
+            return float(out) if isinstance(out, (int, float)) and not isinstance(out, bool) else None
+        except Exception:  # noqa: BLE001 - an answer that fails on the doubled case says nothing here
+            return None
+
+    got0, exp0 = value(fn, args), value(reference, args)
+    if not got0 or not exp0:
+        return ""
+    for i, name in enumerate(names):
+        if i >= len(args) or isinstance(args[i], bool) or not isinstance(args[i], (int, float)):
+            continue
+        doubled = args[:i] + (args[i] * 2,) + args[i + 1:]
+        got1, exp1 = value(fn, doubled), value(reference, doubled)
+        if got1 is None or exp1 is None:
+            continue
+        want, have = exp1 / exp0, got1 / got0
+        if not math.isclose(want, have, rel_tol=1e-2):   # a clear difference, not a lower-order term
+            def said(r):
+                return "leaves it unchanged" if math.isclose(r, 1.0, rel_tol=1e-9) else f"multiplies it by {r:.4g}"
+            return (f" Doubling {name} {said(want)} in the right answer but {said(have)} in yours: look at how "
+                    f"{name} enters your count.")
+    return ""
+
+
+def _diagnose_tensor(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> str:
+    """What kind of slip a wrong tensor of the right shape looks like (or ''): transposed, scaled by one constant,
+    the wrong sign, all zeros, shifted by one position along a dimension."""
+    def close(a, b):
+        return a.shape == b.shape and bool(torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
+
+    g, e = got.double(), expected.double()
+    if not torch.isfinite(e).all() or e.numel() < 2:
+        return ""
+    if got.dim() >= 2 and got.shape[-1] == got.shape[-2] and close(g.transpose(-1, -2), e):
+        return " It equals the right result transposed (its last two dimensions swapped)."
+    if not g.any() and e.any():
+        return " It is all zeros."
+    if close(-g, e):
+        return " It has the wrong sign everywhere."
+    nonzero = e.abs() > max(atol, 1e-12)
+    if nonzero.any() and torch.isfinite(g).all():
+        ratio = g[nonzero] / e[nonzero]
+        c = ratio.median().item()
+        if c != 0 and not math.isclose(c, 1.0, rel_tol=1e-9) and close(g, c * e):
+            return (f" Every element is {c:.4g} times the right one: a scale factor is missing, extra or "
+                    f"applied twice.")
+    for d in range(g.dim()):
+        n = g.shape[d]
+        if n < 3:
+            continue
+        if close(g.narrow(d, 1, n - 1), e.narrow(d, 0, n - 1)) or close(g.narrow(d, 0, n - 1),
+                                                                          e.narrow(d, 1, n - 1)):
+            return (f" It is the right result shifted by one position along dimension {d}: an index is off by "
+                    f"one.")
+    return ""
+
+
 def _compare_tensors(got: Any, expected: torch.Tensor, rtol: float | None, atol: float | None) -> str | None:
-    """Return what is wrong with ``got`` compared to ``expected``, or None when they agree."""
+    """Return what is wrong with ``got`` compared to ``expected``, or None when they agree. A wrong tensor of the
+    right shape is diagnosed where it can be (:func:`_diagnose_tensor`)."""
     if not isinstance(got, torch.Tensor):
         return f"expected a tensor, got {type(got).__name__}."
     if got.shape != expected.shape:
-        return f"shape {tuple(got.shape)} should be {tuple(expected.shape)}."
+        swapped = got.dim() >= 2 and got.shape[:-2] + got.shape[-2:][::-1] == expected.shape
+        return (f"shape {tuple(got.shape)} should be {tuple(expected.shape)}"
+                + (" (the last two dimensions are swapped)." if swapped else "."))
     if got.dtype != expected.dtype:
         return f"dtype {got.dtype} should be {expected.dtype}."
     default_rtol, default_atol = tolerance(expected.dtype)
@@ -230,7 +339,7 @@ def _compare_tensors(got: Any, expected: torch.Tensor, rtol: float | None, atol:
         bad = ~torch.isclose(got_c.double(), exp_c.double(), rtol=rtol, atol=atol, equal_nan=True)
         first = tuple(int(i) for i in bad.nonzero()[0])
         return (f"{int(bad.sum())} of {bad.numel()} elements differ (largest difference {diff.max().item():.3g}; "
-                f"first at index {first}).")
+                f"first at index {first}).{_diagnose_tensor(got_c, exp_c, rtol, atol)}")
     return None
 
 
@@ -249,12 +358,17 @@ def check_tensor(name: str, answer: Any, expected: torch.Tensor, *, rtol: float 
 
 def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Callable[[torch.Generator], tuple],
                    *, trials: int = 5, seed: int = 0, rtol: float | None = None, atol: float | None = None,
-                   hint: str = "") -> Result:
+                   hint: str = "", arg_names: Iterable[str] | None = None,
+                   explain: Callable[..., str] | None = None) -> Result:
     """Check ``fn`` against ``reference`` on ``trials`` fresh random inputs.
 
     ``make_inputs(generator)`` returns the argument tuple for one trial. Outputs may be tensors or numbers.
-    The failing inputs' shapes are shown so the student can reproduce the case. Inside a check called with
-    ``hidden=True`` (see :func:`exercise`) the trials come from another seed and there are twice as many.
+    The failing inputs' shapes are shown so the student can reproduce the case; a wrong number is diagnosed
+    (an exact factor, an off-by-one) and, with ``arg_names`` (the names of the numeric arguments, in order), so
+    is the argument whose doubling moves the answer differently (:func:`scaling_diagnosis`). ``explain(got,
+    expected, *args)``, when given, adds a chapter's own diagnosis of a failed trial (a sentence, or ''). Inside
+    a check called with ``hidden=True`` (see :func:`exercise`) the trials come from another seed and there are
+    twice as many.
     """
     if hidden():
         seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
@@ -270,8 +384,21 @@ def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Ca
             problem = _compare_tensors(got, expected, rtol, atol)
         else:
             ok = isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=rtol or 1e-6, abs_tol=atol or 0.0)
-            problem = None if ok else f"returned {got!r}, which is wrong."
+            if ok:
+                problem = None
+            elif isinstance(got, (int, float)) and not isinstance(got, bool):
+                direction = "too large" if got > expected else "too small"
+                problem = (f"returned {got!r}, which is {direction}.{diagnose_number(got, expected)}"
+                           + (scaling_diagnosis(fn, reference, args, arg_names) if arg_names else ""))
+            else:
+                problem = f"returned {got!r}, which is wrong."
         if problem:
+            if explain is not None:
+                try:
+                    extra = explain(got, expected, *args)
+                except Exception:  # noqa: BLE001 - an answer too malformed to diagnose keeps the plain message
+                    extra = ""
+                problem = f"{problem} {extra}".strip() if extra else problem
             shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
             return _report(Result(name, FAILED, _with_hint(f"trial {trial + 1} with inputs {shapes}: {problem}", hint)))
     return _report(Result(name, PASSED, f"agrees with the reference on {trials} random inputs."))

@@ -23,7 +23,7 @@ import torch
 from labsrc import distill, runtime
 from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, as_number,
-                                   check_function, exercise, hidden, randint, refuse_library)
+                                   check_function, diagnose_number, exercise, hidden, randint, refuse_library)
 
 __all__ = ["check_kd_loss_by_hand", "check_kd_soft_gradient", "check_tinybert_layer_map", "check_kd_kl_kernel"]
 
@@ -59,19 +59,55 @@ def _kd_reference(s, t, labels, T, alpha):
     return float(distill.kd_loss(s, t, labels, T=T, alpha=alpha))
 
 
+def _explaining_kd(fn):
+    """``explain`` for the KD loss: judge the hard term (alpha = 1) and the soft term (alpha = 0) on their own."""
+    def explain(got, expected, s, t, labels, T, alpha) -> str:
+        def alone(a, lab=labels):
+            return as_number(fn)(s, t, lab, T, a), _kd_reference(s, t, lab, T, a)
+        said = []
+        for a, term in ((1.0, "hard"), (0.0, "soft")):
+            mine, right = alone(a)
+            if not (isinstance(mine, (int, float)) and abs(mine - right) <= 1e-4 * abs(right) + 1e-6):
+                slip = diagnose_number(float(mine), right) if isinstance(mine, (int, float)) else ""
+                said.append(f"the {term} term alone is wrong.{slip}")
+        if not said:
+            return "Each term alone is right: look at how they are mixed by alpha."
+        everyone = torch.where(labels == -100, torch.zeros_like(labels), labels)
+        mine, _ = alone(0.0)
+        if (labels == -100).any() and isinstance(mine, (int, float)) and \
+                abs(mine - _kd_reference(s, t, everyone, T, 0.0)) <= 1e-4 * abs(mine) + 1e-6:
+            said.append("Your soft term averages over every token, the ignored ones (label -100) too.")
+        return " ".join(x[0].upper() + x[1:] for x in said)
+    return explain
+
+
+def _explain_gradient(got, expected, s, t, T) -> str:
+    if isinstance(got, torch.Tensor) and got.shape == expected.shape and abs(float(got.sum())) > 1e-4:
+        return "Your gradient does not sum to 0 over the vocabulary; the gradient of this loss does."
+    return ""
+
+
+def _explain_map(got, expected, N, M) -> str:
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return f"The list has one entry per student layer plus the embeddings: {M + 1} here."
+    if int(got[0]) != int(expected[0]) or int(got[-1]) != int(expected[-1]):
+        return "One of the two ends of your list is wrong."
+    return "The ends are right; the spacing in between is not."
+
+
 @exercise
 def check_kd_loss_by_hand(fn) -> Result:
     """Check ``fn(student_logits (N, V), teacher_logits (N, V), labels (N,), T, alpha) -> float``:
     ``alpha * CE + (1 - alpha) * T² * KL(softmax(t/T) || softmax(s/T))``, both averaged over the tokens whose
     label is not -100."""
     name = "KD loss by hand"
-    hint = ("the hard term is cross-entropy at temperature 1; the soft term is T*T times the mean over kept "
-            "tokens of sum_v p_v (log p_v - log q_v) with p = softmax(t/T), q = softmax(s/T).")
+    hint = ("re-read 'The KD loss and its T²' and compute each term on its own (alpha = 1 keeps only the "
+            "hard term, alpha = 0 only the soft one).")
     refused = _refuse(name, fn, _kd_inputs, 131, hint)
     if refused is not None:
         return refused
     return check_function(name, as_number(fn), _kd_reference, _kd_inputs, trials=6, seed=131, rtol=1e-4,
-                          atol=1e-6, hint=hint)
+                          atol=1e-6, hint=hint, explain=_explaining_kd(fn))
 
 
 # ------------------------------------------------------------------------------ the soft term's gradient
@@ -91,8 +127,8 @@ def check_kd_soft_gradient(fn) -> Result:
     """Check ``fn(student_logits (V,), teacher_logits (V,), T) -> (V,)``: the gradient of
     ``T² KL(softmax(t/T) || softmax(s/T))`` with respect to ``s``, written in closed form (no autograd)."""
     name = "gradient of the soft term"
-    hint = ("d KL / d s_v = (q_v - p_v) / T for the temperature softmaxes q of s/T and p of t/T; then multiply "
-            "by the T*T in front.")
+    hint = ("re-read 'The KD loss and its T²' and compare your gradient with autograd's on a small case in a "
+            "scratch cell; the message says whether it is off by a constant factor or in sign.")
     refused = _refuse(name, fn, _grad_inputs, 132, hint)
     if refused is not None:
         return refused
@@ -102,7 +138,7 @@ def check_kd_soft_gradient(fn) -> Result:
             return fn(s, t, T)
 
     return check_function(name, no_autograd, _grad_reference, _grad_inputs, trials=6, seed=132, rtol=1e-4,
-                          atol=1e-6, hint=hint)
+                          atol=1e-6, hint=hint, explain=_explain_gradient)
 
 
 # ---------------------------------------------------------------------------------- TinyBERT's layer map
@@ -116,8 +152,8 @@ def check_tinybert_layer_map(fn) -> Result:
     """Check ``fn(n_teacher, n_student) -> list[int]`` of length ``n_student + 1``: the teacher layer each
     student layer learns from (layer 0: the embeddings), TinyBERT's uniform strategy."""
     name = "TinyBERT layer map"
-    hint = ("g(m) = m * N / M for m = 0..M: the embeddings to the embeddings, the last layer to the last, "
-            "evenly spaced in between.")
+    hint = ("re-read 'Beyond the logits: DistilBERT and TinyBERT' on the uniform strategy, and check your "
+            "list's length, its two ends and the spacing of its entries.")
     refused = _refuse(name, fn, _map_inputs, 133, hint)
     if refused is not None:
         return refused
@@ -127,7 +163,7 @@ def check_tinybert_layer_map(fn) -> Result:
         return torch.tensor([int(x) for x in got]) if isinstance(got, (list, tuple, torch.Tensor)) else got
 
     return check_function(name, as_list, lambda N, M: torch.tensor(distill.tinybert_layer_map(N, M)),
-                          _map_inputs, trials=8, seed=133, hint=hint)
+                          _map_inputs, trials=8, seed=133, hint=hint, explain=_explain_map)
 
 
 # --------------------------------------------------------------------------------------- the KL kernel
@@ -170,12 +206,12 @@ def check_kd_kl_kernel(kernel) -> Result:
         return skipped
     from labsrc.kernels.distill import kd_kl_ref
 
-    hint = ("load the row with mask=cols < V and other=-inf, scale by inv_T, subtract each row's max before "
-            "exp; KL = sum p (a - b) - lse(a) + lse(b), and the masked lanes must add nothing.")
+    hint = ("re-read 'The kernel: the soft term in one pass'. Every third trial has large logits at T = 0.5, "
+            "where a softmax computed naively overflows; NaN rows or writes outside point at the masks.")
     seed, sizes = 134, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, v + 5) for r, v in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(R,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of R programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     for trial, (R, V) in enumerate(sizes):
@@ -198,6 +234,8 @@ def check_kd_kl_kernel(kernel) -> Result:
                 problem = f"{int(torch.isnan(out).sum())} row(s) got NaN or were never written."
             elif not torch.allclose(out, expected, rtol=1e-4, atol=1e-5):
                 problem = f"{int((~torch.isclose(out, expected, rtol=1e-4, atol=1e-5)).sum())} of {R} rows differ."
+                if trial % 3 == 2:
+                    problem += " This is a trial with large logits at a low temperature."
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} (R={R}, V={V}, T={T}): {problem} "
                                                 f"Hint: {hint}"))

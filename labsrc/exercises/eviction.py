@@ -18,10 +18,13 @@ student to write (:func:`refuses_library`): the point is to write it.
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from labsrc import evict as ev
-from labsrc.exercises.core import Result, check_function, check_value, exercise, randint, refuse_library
+from labsrc.exercises.core import (FAILED, PASSED, Result, _call, _report, _with_hint, check_function, exercise,
+                                   randint, refuse_library)
 
 __all__ = ["hand_case", "check_scores", "reasoning_chain", "check_lru_keep", "check_wrongly_dropped",
            "check_probabilities", "check_systematic", "check_ever_kept", "refuses_library"]
@@ -85,8 +88,36 @@ def check_scores(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("value-aware scores", _as(torch.float32)(fn), reference, make, trials=6, rtol=1e-4,
-                          atol=1e-6, hint="sum attn over heads and window queries; R_i uses (N - i) / N with "
-                                          "i counted from 0 for the oldest token; ||V_i|| is the L2 norm.")
+                          atol=1e-6, explain=_explain_scores,
+                          hint="trial 1 is the hand case of Exercise 1: score it on paper following 'The "
+                               "value-aware score, a loop at a time', then compare token by token.")
+
+
+def _explain_scores(got, expected, attn, values, alpha, beta, gamma, lam) -> str:
+    """Recognise scores that leave one factor of the rule out (as if its exponent were 0)."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return f"There is one score per token: {attn.shape[-1]} here."
+    for name, exps in (("attention", (0.0, beta, gamma)), ("value-norm", (alpha, 0.0, gamma)),
+                       ("recency", (alpha, beta, 0.0))):
+        if exps != (alpha, beta, gamma) and torch.allclose(
+                got.double(), ev.value_aware_scores(attn, values, *exps, lam).double(), rtol=1e-4, atol=1e-6):
+            return f"Your scores equal the rule without its {name} factor."
+    return ""
+
+
+def _explain_keep(got, expected, *args) -> str:
+    """Say how a wrong set of kept indices is off (counts and order, never which tokens)."""
+    if not isinstance(got, torch.Tensor) or got.dim() != 1:
+        return "Return a 1-D tensor of indices."
+    items = got.tolist()
+    if items != sorted(items):
+        return "The indices are not sorted."
+    if len(set(items)) != len(items):
+        return "An index appears twice."
+    if len(items) != len(expected):
+        return f"You keep {len(items)} tokens; the budget keeps {len(expected)}."
+    extra = len(set(items) - set(expected.tolist()))
+    return f"{extra} of the tokens you keep are ones the policy drops."
 
 
 def reasoning_chain() -> dict:
@@ -155,8 +186,9 @@ def check_lru_keep(fn) -> Result:
         return refused
 
     return check_function("LRU keep", _as(torch.int64)(fn), _lru_keep_reference, make, trials=6,
-                          hint="last_used[i] = max(i, latest query position t with attn[t, i] > threshold); "
-                               "keep the budget largest, newer first on ties, and return them sorted.")
+                          explain=_explain_keep,
+                          hint="re-read 'Why FIFO and LRU drop the premise, and dormant tokens' and write down "
+                               "each token's last use for the failing trial by hand.")
 
 
 @exercise
@@ -169,9 +201,24 @@ def check_wrongly_dropped(answer) -> Result:
     dropped[keep] = False
     future = chain["future"].masked_fill(~dropped, -1.0)
     expected = int(torch.argmax(future))
-    return check_value("token LRU wrongly drops", answer, expected,
-                       hint="run LRU with the chain's budget and threshold, then look at what the "
-                            "verification step (chain['future']) needs among the tokens LRU dropped.")
+    name = "token LRU wrongly drops"
+    got, unsolved = _call(answer)
+    if unsolved is not None:
+        unsolved.name = name
+        return _report(unsolved)
+    section = "re-read 'Why FIFO and LRU drop the premise, and dormant tokens'."
+    if isinstance(got, torch.Tensor) and got.numel() == 1 and not got.is_floating_point():
+        got = got.item()            # a one-element integer tensor counts as the index it holds
+    if isinstance(got, numbers.Integral) and not isinstance(got, bool):
+        got = int(got)              # and so does a NumPy integer
+    if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got < len(dropped):
+        return _report(Result(name, FAILED, _with_hint(
+            f"{got!r} is not a token index of the chain (0 to {len(dropped) - 1}).", section)))
+    if got != expected:   # an index is right or wrong: no "too large", which would allow a binary search
+        why = (f"LRU keeps token {got}, so it is not dropped" if not dropped[got] else
+               f"token {got} is dropped, but the verification step attends another dropped token more")
+        return _report(Result(name, FAILED, _with_hint(f"{why}.", section)))
+    return _report(Result(name, PASSED))
 
 
 def _prob_inputs(gen: torch.Generator):
@@ -190,9 +237,28 @@ def check_probabilities(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("capped keep probabilities", _as(torch.float64)(fn), ev.inclusion_probabilities,
-                          _prob_inputs, trials=8, rtol=1e-5, atol=1e-6,
-                          hint="min(1, K s_i / sum s) sums to less than K when a cap binds: fix the capped "
-                               "items at 1 and share K minus their count among the others, until none exceeds 1.")
+                          _prob_inputs, trials=8, rtol=1e-5, atol=1e-6, explain=_explain_probabilities,
+                          hint="re-read 'Keep-probabilities that really sum to K' and check the three "
+                               "properties the task asks for on the failing trial, one at a time.")
+
+
+def _explain_probabilities(got, expected, scores, budget) -> str:
+    """Which property of the keep-probabilities the answer breaks: the cap, the sum, or the proportions."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ""
+    g = got.double()
+    if (g > 1 + 1e-9).any():
+        return f"{int((g > 1 + 1e-9).sum())} probabilities exceed 1."
+    if not torch.isclose(g.sum(), torch.tensor(float(budget), dtype=torch.float64), rtol=1e-6):
+        return f"They sum to {g.sum().item():.6g}, not to the budget {budget}."
+    return "Among the tokens below the cap, the probabilities are not in proportion to the scores."
+
+
+def _explain_systematic(got, expected, p, u) -> str:
+    k = int(round(float(p.sum())))
+    if isinstance(got, torch.Tensor) and got.dim() == 1 and got.numel() != k:
+        return f"You keep {got.numel()} items for u = {u!r}; the points are K = {k}."
+    return _explain_keep(got, expected)
 
 
 def _systematic_inputs(gen: torch.Generator):
@@ -228,9 +294,9 @@ def check_systematic(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("systematic sampling", _as(torch.int64)(fn), ev.systematic_indices, make,
-                          trials=8 + len(_EDGE_U), hint="count the points below each edge: floor(C_i - u) - floor(C_{i-1} - u) "
-                                         "is 1 exactly when item i is kept, and there are only K points: "
-                                         "check how many items you keep when u is tiny.")
+                          trials=8 + len(_EDGE_U), explain=_explain_systematic,
+                          hint="re-read systematic sampling in 'Keep-probabilities that really sum to K' and "
+                               "draw the failing trial's points on the cumulative sum of p by hand.")
 
 
 def _ever_kept_reference(scores: torch.Tensor, budget: int, rounds: int) -> torch.Tensor:
@@ -240,6 +306,17 @@ def _ever_kept_reference(scores: torch.Tensor, budget: int, rounds: int) -> torc
 def _ever_kept_inputs(gen: torch.Generator):
     scores, budget = _prob_inputs(gen)
     return scores, budget, int(torch.randint(1, 12, (1,), generator=gen))
+
+
+def _explain_ever_kept(got, expected, scores, budget, rounds) -> str:
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ""
+    once = ev.inclusion_probabilities(scores, budget)
+    if rounds > 1 and torch.allclose(got.double(), once, rtol=1e-5, atol=1e-6):
+        return f"Your answer is one draw's probability; this trial re-evicts {rounds} times."
+    if (got.double() > 1 + 1e-9).any() or (got.double() < -1e-9).any():
+        return "Some of your values are not probabilities (outside [0, 1])."
+    return ""
 
 
 @exercise
@@ -252,7 +329,6 @@ def check_ever_kept(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("kept at least once", _as(torch.float64)(fn), _ever_kept_reference,
-                          _ever_kept_inputs, trials=8, rtol=1e-5, atol=1e-6,
-                          hint="one draw keeps token i with probability p_i (the capped probabilities, "
-                               "not K s_i / sum s); the draws are independent, so think about the "
-                               "chance of being dropped every time.")
+                          _ever_kept_inputs, trials=8, rtol=1e-5, atol=1e-6, explain=_explain_ever_kept,
+                          hint="test your prediction with rounds = 1 first, where it must equal one draw's "
+                               "keep-probabilities; then compare it with the simulation after this exercise.")

@@ -57,9 +57,10 @@ def check_merge(fn) -> Result:
     given each chunk's row max ``m`` (rows,), normaliser ``l = sum exp(s - m)`` (rows,) and normalised output
     ``o`` (rows, d). Inputs are fp64."""
     return check_function("merge two partial softmax results", fn, _merge_reference, _merge_inputs,
-                          trials=8, seed=31, rtol=1e-9, atol=1e-9,
-                          hint="Bring both normalisers to the common max m = max(m1, m2) before weighting the "
-                               "two outputs; each o is already divided by its own l.")
+                          trials=8, seed=31, rtol=1e-9, atol=1e-9, explain=_explaining_merge(fn),
+                          hint="re-read 'Online softmax' and test your merge on a tiny case against softmax "
+                               "attention over both chunks' keys at once; in these trials the two chunks' "
+                               "scores sit on very different scales.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -81,7 +82,9 @@ def check_naive_bytes(fn) -> Result:
     every tensor that a separate PyTorch op produces (S, then P) is written to memory and read back."""
     return check_function("bytes moved by naive attention", as_number(fn), _naive_reference, _naive_inputs,
                           trials=8, seed=32, rtol=1e-12, atol=0.5,
-                          hint="Three ops: S = Q K^T, P = softmax(S), O = P V. Count what each reads and writes.")
+                          arg_names=("T", "D", "dtype_bytes"),
+                          hint="re-read 'How many bytes each version moves': list each op of naive attention "
+                               "with every tensor it reads and writes and that tensor's shape.")
 
 
 def _tiled_inputs(gen: torch.Generator) -> tuple:
@@ -110,6 +113,72 @@ def check_tiled_causal_bytes(fn, measure=None, *, hidden: bool = False) -> Resul
     return exercise(functools.partial(_check_tiled_causal_bytes, measure=measure))(fn, hidden=hidden)
 
 
+_TILED_HINT = ("re-read 'Tiled attention in plain PyTorch' and count, query block by query block, the key and "
+               "value rows that block reads under the causal mask.")
+
+
+def _explaining_merge(fn):
+    """``explain`` for the merge: two properties any right merge has, tried on the failing trial's chunks."""
+    def explain(got, expected, m1, l1, o1, m2, l2, o2) -> str:
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.isfinite(got).all():
+            return "Some outputs are inf or NaN: an exp overflowed or divided by zero."
+        same = fn(m1, l1, o1, m1, l1, o1)
+        if not (isinstance(same, torch.Tensor) and torch.allclose(same, o1, rtol=1e-9, atol=1e-9)):
+            return "Merging the first chunk with itself does not give back its own output o1."
+        swapped = fn(m2, l2, o2, m1, l1, o1)
+        if not (isinstance(swapped, torch.Tensor) and torch.allclose(swapped, got, rtol=1e-9, atol=1e-9)):
+            return "Your merge depends on which chunk comes first; the union of two chunks does not."
+        level = fn(m1, l1, o1, m1, l2, o2)   # both chunks with the same row max
+        if isinstance(level, torch.Tensor) and torch.allclose(level, _merge_reference(m1, l1, o1, m1, l2, o2),
+                                                              rtol=1e-9, atol=1e-9):
+            return "Your merge is right when the two chunks have the same row max, and wrong when they do not."
+        return ""
+    return explain
+
+
+def _explaining_tiled(fn):
+    """``explain`` for the tiled count: a count that is right when block_m divides T but wrong here has the
+    partial last query block wrong."""
+    def explain(got, expected, T, D, block_m, dtype_bytes) -> str:
+        if T % block_m == 0:
+            return ""
+        whole = block_m * -(-T // block_m)
+        if as_number(fn)(whole, D, block_m, dtype_bytes) == _tiled_causal_reference(whole, D, block_m, dtype_bytes):
+            return (f"Your count is right for T={whole}, a multiple of block_m, and wrong here: look at the last, "
+                    f"partial query block.")
+        return ""
+    return explain
+
+
+def _explain_tile(got, expected, k, start, block_n, block_d) -> str:
+    """Where the wrong lanes of a key tile are: past the last row, past the last column, or inside the matrix."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ""
+    T, D = k.shape
+    bad = ~((got == expected) | (torch.isnan(got) & torch.isnan(expected)))
+    rows = torch.arange(block_n)[:, None] + start
+    cols = torch.arange(block_d)[None, :]
+    places = [((rows < T) & (cols < D), "inside the matrix"), ((rows < T) & (cols >= D), "in columns past D"),
+              ((rows >= T), "in rows past the matrix's last row")]
+    wrong = [where for region, where in places if bool((bad & region).any())]
+    return f"The wrong lanes are {' and '.join(wrong)} (T={T}, D={D}, start={start})." if wrong else ""
+
+
+def _explain_block_update(got, expected, q, k, v, vis, m, l, acc, scale, block_n) -> str:
+    """Which part of the state (m, l or acc) goes wrong first, and for what kind of row."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ""
+    bad = ~torch.isclose(got.double(), expected.double(), rtol=1e-4, atol=1e-4, equal_nan=True)
+    if not bad.any():
+        return ""
+    row = int(bad.any(1).nonzero()[0])
+    part = "m" if bad[row, 0] else "l" if bad[row, 1] else "acc"
+    seen = "a fresh row (nothing seen before)" if m[row] == float("-inf") else "a row with an earlier state"
+    sees = "none of this block's keys" if int(vis[row]) == 0 else f"{int(vis[row])} of its {k.shape[0]} keys"
+    nan = " and comes out NaN" if torch.isnan(got[row]).any() else ""
+    return f"Row {row} is wrong first, in {part}{nan}: it is {seen} that may see {sees}."
+
+
 def _functions_named_by(fn) -> list:
     """The Python functions ``fn``'s code names through its globals (what a measurement runs)."""
     code = getattr(fn, "__code__", None)
@@ -130,14 +199,12 @@ def _check_tiled_causal_bytes(fn, measure) -> Result:
             return refused
     if measure is None:
         return check_function("bytes moved by tiled causal attention", as_number(fn), _tiled_causal_reference,
-                              _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5,
-                              hint="Query block i holds rows [i*block_m, min((i+1)*block_m, T)); its last row "
-                                   "sees keys up to and including itself. The last block may be partial.")
+                              _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5, explain=_explaining_tiled(fn),
+                              arg_names=("T", "D", "block_m", "dtype_bytes"), hint=_TILED_HINT)
     return check_function("predicted vs measured bytes of tiled causal attention", as_number(fn),
                           lambda T, D, block_m, dtype_bytes: measure(T, D, block_m) * dtype_bytes // 4,
-                          _measured_inputs, trials=6, seed=36, rtol=1e-12, atol=0.5,
-                          hint="Query block i holds rows [i*block_m, min((i+1)*block_m, T)); its last row "
-                               "sees keys up to and including itself. The last block may be partial.")
+                          _measured_inputs, trials=6, seed=36, rtol=1e-12, atol=0.5, explain=_explaining_tiled(fn),
+                          hint=_TILED_HINT)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -194,9 +261,9 @@ def check_key_tile(fn) -> Result:
     ``start .. start+block_n`` of the contiguous ``(T, D)`` matrix ``k``, zero where the row is ``>= T`` or the
     column is ``>= D``, loaded with :func:`tl_load` on ``k.flatten()``."""
     return check_function("masked load of a key tile", _catch_index_error(fn), _tile_reference, _tile_inputs,
-                          trials=12, seed=34, rtol=0.0, atol=0.0,
-                          hint="A lane is valid only if its row is inside the matrix AND its column is; in a "
-                               "flattened row-major buffer, column D of row r is column 0 of row r + 1.")
+                          trials=12, seed=34, rtol=0.0, atol=0.0, explain=_explain_tile,
+                          hint="re-read 'Reading the forward kernel' on masks, then print your offsets and mask "
+                               "for the failing trial's last rows and columns.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -311,8 +378,8 @@ def check_online_softmax_kernel(kernel) -> Result:
         return Result(name, NOT_SOLVED, _KERNEL_SKIPPED)
     if not callable(kernel) and not _is_kernel(kernel):
         return _report(Result(name, FAILED, "expected a kernel. Hint: decorate the function with @triton.jit."))
-    refused = refuse_library(name, kernel, _library_objects(), "write the update with tl.load, tl.dot, tl.max, "
-                             "tl.exp and tl.where yourself.", owner="the lab")
+    refused = refuse_library(name, kernel, _library_objects(), "write the update yourself, in your own kernel.",
+                             owner="the lab")
     if refused is not None:
         return refused
     if not _is_kernel(kernel):
@@ -331,10 +398,10 @@ def check_online_softmax_kernel(kernel) -> Result:
 
     atol = 1e-4 if runtime.INTERPRETED else 2e-2  # a GPU's fp32 tl.dot may use TF32 unless told "ieee"
     return check_function(name, _launcher(kernel), _block_update_reference_launch, make_inputs,
-                          trials=10, seed=35, rtol=1e-4, atol=atol,
-                          hint="Mask the keys a row may not see to -inf before the row max; when a row's new max "
-                               "is still -inf, subtract 0 instead so exp gives 0, not exp(-inf - -inf) = NaN; "
-                               "rescale the old l and acc by exp(m_old - m_new) before adding the block.")
+                          trials=10, seed=35, rtol=1e-4, atol=atol, explain=_explain_block_update,
+                          hint="re-read 'Online softmax' and 'Reading the forward kernel', and follow the row "
+                               "named above through your kernel on paper: what it had seen before this block, "
+                               "and which of this block's keys it may see.")
 
 
 def _block_update_reference_launch(q, k, v, vis, m, l, acc, scale, block_n):

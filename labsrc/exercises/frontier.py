@@ -37,19 +37,31 @@ def _lambda_reference(layer, lq1, lk1, lq2, lk2):
     return frontier.reparam_lambda(lq1, lk1, lq2, lk2, frontier.lambda_init(layer))
 
 
+def _explaining_lambda(fn):
+    """``explain`` for lambda: with the four vectors zero only the layer's schedule remains."""
+    def explain(got, expected, layer, lq1, lk1, lq2, lk2) -> str:
+        zeros = [torch.zeros_like(x) for x in (lq1, lk1, lq2, lk2)]
+        mine, right = fn(layer, *zeros), _lambda_reference(layer, *zeros)
+        if not (isinstance(mine, torch.Tensor) and mine.shape == right.shape
+                and torch.allclose(mine.double(), right, rtol=1e-9, atol=1e-12)):
+            return f"With the four vectors zero your lambda for layer {layer} is already wrong: the schedule."
+        return "With the four vectors zero your lambda is right: the part they add is wrong."
+    return explain
+
+
 @exercise
 def check_diff_lambda(fn) -> Result:
     """Check ``fn(layer, lq1, lk1, lq2, lk2) -> (H,)``: ``exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init(layer)``
     per head, with ``lambda_init(l) = 0.8 - 0.6 exp(-0.3 (l - 1))`` and layers counted from 1."""
     name = "the DIFF Transformer's lambda for one layer"
-    hint = ("lambda_init starts at 0.2 in layer 1 and rises towards 0.8; the dot products run over the last "
-            "axis (one per head), and the exponentials are of the dot products, not of each element.")
+    hint = ("re-read 'Differential attention' and check your function with all four vectors zero, where only "
+            "the layer's schedule is left and you can work it out by hand.")
     refused = refuse_library(name, fn, (frontier.lambda_init, frontier.reparam_lambda), hint,
                              owner="labsrc.frontier", args=_lambda_inputs(torch.Generator().manual_seed(51)))
     if refused is not None:
         return refused
     return check_function(name, fn, _lambda_reference, _lambda_inputs, trials=12, seed=51, rtol=1e-9,
-                          atol=1e-12, hint=hint)
+                          atol=1e-12, hint=hint, explain=_explaining_lambda(fn))
 
 
 # ------------------------------------------------------------------------------------------ MoD top-k
@@ -60,13 +72,28 @@ def _route_inputs(gen):
     return scores, capacity
 
 
+def _explain_route(got, expected, scores, capacity) -> str:
+    """Which rule a routed set breaks: the order, the tie rule, or the choice of scores."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return f"(T = {scores.shape[1]}, capacity = {capacity}: check the count rule.)"
+    if (got[:, 1:] <= got[:, :-1]).any():
+        return "The positions of a row are not in increasing order."
+    for b in range(got.shape[0]):
+        mine, right = got[b].long(), expected[b].long()
+        if not torch.equal(mine, right):
+            if torch.equal(scores[b, mine].sort().values, scores[b, right].sort().values):
+                return f"Row {b} keeps scores as high as the right ones, but breaks a tie the wrong way."
+            return f"Row {b} keeps a position whose score is lower than one it leaves out."
+    return ""
+
+
 @exercise
 def check_mod_capacity_topk(fn) -> Result:
     """Check ``fn(scores, capacity) -> (B, k)`` positions: ``k = round(capacity * T)`` (halves up, at least
     1), each row's ``k`` highest scores, ties to the earlier position, listed in increasing position."""
     name = "Mixture-of-Depths' capacity top-k"
-    hint = ("k = max(1, floor(capacity * T + 0.5)); rank each row by score, highest first, an earlier position "
-            "before a later one at equal scores (a stable sort); keep k and put them back in position order.")
+    hint = ("re-read 'Mixture-of-Depths: only some tokens pass through a block' and the task's rules for the "
+            "count, the ties and the order; the message says which of them the failing trial breaks.")
     refused = refuse_library(name, fn, (frontier.mod_route, frontier.mod_capacity_count), hint,
                              owner="labsrc.frontier", args=_route_inputs(torch.Generator().manual_seed(52)))
     if refused is not None:
@@ -77,7 +104,7 @@ def check_mod_capacity_topk(fn) -> Result:
         return torch.as_tensor(got).double() if isinstance(got, (torch.Tensor, list)) else got
 
     return check_function(name, answer, lambda s, c: frontier.mod_route(s, c).double(), _route_inputs,
-                          trials=25, seed=52, rtol=0, atol=0, hint=hint)
+                          trials=25, seed=52, rtol=0, atol=0, hint=hint, explain=_explain_route)
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -89,6 +116,27 @@ def _guarded(values: torch.Tensor):
     storage = torch.full((values.numel() + 2 * _GUARD,), float("nan"), dtype=values.dtype)
     storage[_GUARD:_GUARD + values.numel()] = values.flatten()
     return storage[_GUARD:_GUARD + values.numel()].view(values.shape), storage
+
+
+def _diff_slip(out, q1, k1, q2, k2, v, lam, scale) -> str:
+    """Recognise a kernel without the causal mask, without the scale, or with the subtraction turned round."""
+    T = q1.shape[0]
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+
+    def attend(q, k, masked, sc):
+        s = (q @ k.T) * sc
+        return torch.softmax(s.masked_fill(~causal, float("-inf")) if masked else s, -1) @ v
+
+    rtol, atol = tolerance(torch.float32)
+    guesses = (("without the causal mask", True, scale, False), ("with unscaled scores", False, 1.0, False),
+               ("with the two softmaxes' roles swapped", False, scale, True))
+    for said, unmasked, sc, swap in guesses:
+        a, b = (q2, k2), (q1, k1)
+        first, second = (a, b) if swap else (b, a)
+        alt = attend(*first, not unmasked, sc) - lam * attend(*second, not unmasked, sc)
+        if torch.allclose(out, alt, rtol=rtol, atol=atol):
+            return f" Your outputs are those of differential attention {said}."
+    return ""
 
 
 @exercise
@@ -104,13 +152,12 @@ def check_diff_softmax_kernel(kernel) -> Result:
         return skipped
     import triton
 
-    hint = ("load the five (BLOCK_T, BLOCK_D) tiles with the mask (t < T) & (d < D); s1 = tl.dot(q1, "
-            "tl.trans(k1)) * scale and s2 likewise; set -inf where the key is after the query or past T; a "
-            "row softmax of each (subtract the row max first); out = tl.dot(p1 - lam * p2, v); store masked.")
+    hint = ("re-read 'The kernel' and follow the query row named above through your kernel; NaN or writes "
+            "outside point at the masks (T and D are rarely powers of two here).")
     seed, sizes = 53, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, d) for t, d in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(1,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of one program")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance(torch.float32)
@@ -140,7 +187,7 @@ def check_diff_softmax_kernel(kernel) -> Result:
             if not torch.allclose(out, want, rtol=rtol, atol=atol):
                 bad = ~torch.isclose(out, want, rtol=rtol, atol=atol)
                 problem = (f"{int(bad.sum())} of {bad.numel()} elements differ (first in row "
-                           f"{int(bad.nonzero()[0, 0])}).")
+                           f"{int(bad.nonzero()[0, 0])}).{_diff_slip(out, q1, k1, q2, k2, v, lam, scale)}")
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, D={D}): {problem} Hint: {hint}"))
     return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))

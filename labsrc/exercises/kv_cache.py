@@ -49,10 +49,12 @@ def _gqa_reference(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtyp
 def check_gqa_bytes(fn) -> Result:
     """Check ``fn(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes) -> bytes`` of a GQA cache."""
     name, hint = ("KV-cache bytes of a GQA model",
-                  "K and V are both cached, and only the K/V heads are, not the query heads.")
+                  "compare your count with the failing trial's arguments, then re-read 'How many bytes': "
+                  "list what one token adds to one layer's cache and which head count that is.")
     refused = _asks_library(name, fn, hint)
     return refused if refused is not None else check_function(
-        name, as_number(fn), _gqa_reference, _gqa_inputs, trials=8, seed=11, rtol=1e-12, atol=0.5, hint=hint)
+        name, as_number(fn), _gqa_reference, _gqa_inputs, trials=8, seed=11, rtol=1e-12, atol=0.5, hint=hint,
+        arg_names=("n_layers", "n_heads", "n_kv_heads", "head_dim", "seq_len", "batch", "dtype_bytes"))
 
 
 @exercise
@@ -60,8 +62,9 @@ def check_v3_crossover(fn) -> Result:
     """Check ``fn() -> tokens``: the context at which DeepSeek-V3's bf16 cache (batch 1) weighs as much as its
     bf16 weights, all 671B of them resident. The student computes it from the published shape, not from kvmath."""
     name, hint = ("DeepSeek-V3: context at which the cache outweighs the weights",
-                  "Every expert's weights sit in memory, not only the 37B a token reads; MLA caches one latent "
-                  "and one RoPE key per layer and token, with no factor 2 for K and V.")
+                  "the answer divides two byte counts, so check each on its own against 'MLA and MLKV against "
+                  "the source': which parameters are resident (not only those one token reads), and what one "
+                  "token adds to one layer's MLA cache.")
     v3 = kvmath.PRESETS["DeepSeek-V3"]
     expected = kvmath.kv_equals_weights_context(v3.weight_bytes(2), v3.kv_bytes_per_token(2))
     refused = _asks_library(name, fn, hint)
@@ -84,7 +87,8 @@ def check_reservation_waste(fn) -> Result:
     """Check ``fn(lengths, max_len) -> fraction`` of reserved slots left empty when each request reserves
     ``max_len`` slots and uses ``lengths[i]`` of them (``lengths`` is a 1-D int64 tensor)."""
     name, hint = ("fraction wasted by max-length reservation",
-                  "Wasted = reserved - used, as a fraction of reserved; it lies between 0 and 1.")
+                  "re-read 'Fragmentation: reserving the maximum length'; your answer must lie in [0, 1], be 0 "
+                  "when every request uses all max_len slots, and grow as requests get shorter.")
     refused = _asks_library(name, fn, hint)
     return refused if refused is not None else check_function(
         name, as_number(fn), _waste_reference, _waste_inputs, trials=8, seed=13, rtol=1e-6, atol=1e-9, hint=hint)
@@ -104,11 +108,12 @@ def check_mla_equivalent_heads(fn) -> Result:
     """Check ``fn(kv_lora_rank, qk_rope_head_dim, head_dim) -> heads``: how many GQA K/V heads of ``head_dim``
     cost as many cache bytes per layer and token as one MLA latent plus its RoPE key (a float)."""
     name, hint = ("MLA as an equivalent number of K/V heads",
-                  "Write the numbers one token adds to one layer's cache in both designs and set them equal; "
-                  "a GQA K/V head stores a key and a value.")
+                  "re-read 'MLA and MLKV against the source' and count, for one token and one layer, the "
+                  "numbers each design caches; the failing trial shows which argument your count misuses.")
     refused = _asks_library(name, fn, hint)
     return refused if refused is not None else check_function(
-        name, as_number(fn), _mla_heads_reference, _mla_heads_inputs, trials=8, seed=14, rtol=1e-9, hint=hint)
+        name, as_number(fn), _mla_heads_reference, _mla_heads_inputs, trials=8, seed=14, rtol=1e-9, hint=hint,
+        arg_names=("kv_lora_rank", "qk_rope_head_dim", "head_dim"))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -160,8 +165,11 @@ def _kernel_problem(kernel, n_slots, k_new, v_new, slots) -> str | None:
     for name, got, want in (("k_cache", k_cache, k_ref), ("v_cache", v_cache, v_ref)):
         written = ~torch.isnan(want).all(dim=(1, 2))
         if not torch.equal(got[written], want[written]):
-            bad = (got[written] != want[written]).any(dim=(1, 2)).sum()
-            return f"{int(bad)} of the {n_rows} slots that should hold a new row differ in {name}."
+            diff = (got[written] != want[written]).flatten(1)      # NaN != NaN: an unwritten element counts
+            bad = diff.any(dim=1).sum()
+            first = int(diff.any(dim=0).nonzero()[0])
+            return (f"{int(bad)} of the {n_rows} slots that should hold a new row differ in {name}; the first "
+                    f"wrong element is element {first} of a row of {row_size} (block {first // KV_STORE_BLOCK}).")
         if not torch.isnan(got[~written]).all():
             return f"{name} changed at slots that no new row was meant for."
     return None
@@ -186,8 +194,9 @@ def check_kv_store_kernel(kernel) -> Result:
     Without Triton (macOS, Windows) it says the exercise is skipped and neither passes nor fails.
     """
     name = "a masked copy into cache slots, as a Triton kernel"
-    hint = ("Program (row, block) copies elements block*BLOCK ... block*BLOCK+BLOCK-1 of row `row` to the same "
-            "elements of row `slots[row]`; the last block of a row runs past its end unless masked.")
+    hint = ("re-read 'The kernel: storing new rows into a preallocated cache'. The trial above has row sizes "
+            "that BLOCK does not divide: 'differ' points at the source or destination addresses of a row, "
+            "'changed at slots' at a write past the end of a row or into the wrong row.")
     if not HAS_TRITON:
         result = Skipped(name, NOT_SOLVED, "Triton is not installed on this machine (it has Linux wheels only), "
                                            "so the kernel cannot run; the rest of the chapter does not need it.")

@@ -66,9 +66,21 @@ def check_scale_zero(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("step and zero point of a group", _pair_as_tensor(fn), _scale_zero_reference,
-                          _group_inputs, trials=8, seed=21, rtol=1e-9, atol=1e-12,
-                          hint="One step and one zero point cover the whole group (all its tokens and channels); "
-                               "b bits give 2**b levels, hence 2**b - 1 steps between the smallest and largest value.")
+                          _group_inputs, trials=8, seed=21, rtol=1e-9, atol=1e-12, explain=_explain_scale_zero,
+                          hint="re-read 'Uniform asymmetric quantization' and dequantize the lowest and the "
+                               "highest code with your step and zero point: they should land on the ends of "
+                               "the group's range.")
+
+
+def _explain_scale_zero(got, expected, group, bits) -> str:
+    if not isinstance(got, torch.Tensor) or got.shape != (2,):
+        return "Return the pair (scale, zero) as two numbers."
+    wrong = [what for i, what in enumerate(("step", "zero point"))
+             if not torch.isclose(got[i], expected[i], rtol=1e-9, atol=1e-12)]
+    said = " and the ".join(wrong)
+    ratio = (got[0] / expected[0]).item() if expected[0] != 0 else float("nan")
+    extra = f" (your step is {ratio:.4g} times the right one)" if "step" in wrong else ""
+    return f"The {said} {'is' if len(wrong) == 1 else 'are'} wrong{extra}, for {bits} bits."
 
 
 # ------------------------------------------------------------------------------------------- MSE ratio
@@ -86,10 +98,14 @@ def check_mse_ratio(fn) -> Result:
         return refused
     return check_function("predicted gain of variance normalisation", as_number(fn),
                           lambda v, per: kvquant.predicted_mse_ratio(v, per_channel_steps=per), _ratio_inputs,
-                          trials=10, seed=22, rtol=1e-9,
-                          hint="With one shared step the widest channel sets the step for every channel; after "
-                               "normalisation dequantising multiplies channel j's error by its sigma_j. "
-                               "With a step per channel, compare the two errors channel by channel.")
+                          trials=10, seed=22, rtol=1e-9, explain=_explain_ratio,
+                          hint="re-read 'What normalisation gains: the rate-distortion argument, corrected' "
+                               "for the case of the failing trial, and try your function on two channels of "
+                               "equal variance, where the answer should be 1.")
+
+
+def _explain_ratio(got, expected, var, per_channel_steps) -> str:
+    return f"This trial has {'one step per channel' if per_channel_steps else 'one step shared by the channels'}."
 
 
 # ------------------------------------------------------------------------------------------- bytes
@@ -114,10 +130,25 @@ def check_cache_bytes(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("bytes of a KVarN cache", as_number(fn), _bytes_reference, _bytes_inputs,
-                          trials=10, seed=23, rtol=1e-12, atol=0.5,
-                          hint="Count what one K/V head of one layer stores (codes, the per-group "
-                               "parameters, the statistics), then multiply. Check the rounding: "
-                               "codes share bytes, and a partial group still stores its parameters.")
+                          trials=10, seed=23, rtol=1e-12, atol=0.5, explain=_explaining_bytes(fn),
+                          arg_names=("n_tokens", "n_layers", "n_kv_heads", "head_dim", "bits", "group_size"),
+                          hint="re-read 'Experiment 5: memory, measured against the formulas' and list what "
+                               "the cache holds besides the codes.")
+
+
+def _explaining_bytes(fn):
+    """``explain`` for the byte count: a count right when group_size divides n_tokens but wrong here has the
+    trailing partial group wrong."""
+    def explain(got, expected, n_tokens, n_layers, n_kv_heads, head_dim, bits, group_size) -> str:
+        if n_tokens % group_size == 0:
+            return ""
+        whole = group_size * -(-n_tokens // group_size)
+        args = (whole, n_layers, n_kv_heads, head_dim, bits, group_size)
+        if as_number(fn)(*args) == _bytes_reference(*args):
+            return (f"Your count is right for {whole} tokens, a whole number of groups, and wrong here: look at "
+                    f"the last, partial group.")
+        return ""
+    return explain
 
 
 # ------------------------------------------------------------------------------------------- INT4 unpack kernel
@@ -185,8 +216,8 @@ def check_unpack_kernel(kernel) -> Result:
     refused = _own_work(UNPACK_KERNEL, kernel, (kk.dequantize_unpack, kk.dequantize_unpack_ref))
     if refused is not None:
         return refused
-    hint = ("Each byte holds two codes: mask with 0xF for one, shift right by 4 for the other; token t uses "
-            "the step and zero point of group t // GROUP; mask the tokens past T and the byte columns past DP.")
+    hint = ("re-read 'Unpack and dequantize' and the packing layout above; the first wrong element's channel "
+            "(below DP or not) and token (its group) say which part of the unpacking to look at.")
     trials, seed = (12, 1025) if hidden() else (6, 25)
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
@@ -211,5 +242,6 @@ def check_unpack_kernel(kernel) -> Result:
             t0, c0 = (int(i) for i in bad.nonzero()[0])
             return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
                 f"trial {trial + 1} (T={x.shape[0]}, D={x.shape[1]}, group {g}): {int(bad.sum())} of "
-                f"{bad.numel()} elements differ, the first at token {t0}, channel {c0}.", hint)))
+                f"{bad.numel()} elements differ, the first at token {t0} (group {t0 // g}), channel {c0} "
+                f"({'a low' if c0 < x.shape[1] // 2 else 'a high'} nibble).", hint)))
     return _report(Result(UNPACK_KERNEL, "passed", f"agrees with the reference on {trials} random odd sizes."))

@@ -10,7 +10,8 @@ import torch
 
 import math
 
-from labsrc.exercises.core import Result, check_function, exercise, randint, refuse_library
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, PASSED, Result, _call, _report,
+                                   _with_hint, check_function, exercise, hidden, randint, refuse_library)
 
 
 # ---------------------------------------------------------------------------------- the library-call guard
@@ -52,9 +53,10 @@ def check_parameter_count(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("parameter count of a Llama model", fn, _llama_reference, _llama_inputs, trials=6,
-                          hint="count embeddings, q/k/v/o (k and v have num_key_value_heads heads), the three "
-                               "SwiGLU matrices, two RMSNorm weights per layer, the final norm, and the LM head "
-                               "unless it is tied to the embeddings; Llama's linear layers have no biases.")
+                          explain=_explain_parameters,
+                          hint="re-read 'The models' and print the named parameters of a small model built from "
+                               "the failing configuration: the difference above says in which part your count "
+                               "is off.")
 
 
 # -------------------------------------------------------------------------- 2. effective context length
@@ -82,8 +84,9 @@ def check_effective_context_length(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("effective context length", fn, effective_context_length_ref, _ecl_inputs, trials=8,
-                          hint="sort by length first; it is the longest length such that every length up to and "
-                               "including it meets the threshold (0 if the shortest already fails).")
+                          explain=_explain_ecl,
+                          hint="re-read 'Effective context length, RULER's way' and walk the failing trial's "
+                               "lengths (given out of order) by hand.")
 
 
 # -------------------------------------------------------------------------- 3. perplexity by position bucket
@@ -107,8 +110,10 @@ def check_bucket_perplexity(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("perplexity by position bucket", fn, bucket_perplexity_ref, _bucket_inputs, trials=6,
-                          hint="average the loss over windows *and* over the positions of a bucket, then take "
-                               "exp; the last bucket may be shorter than the others.")
+                          explain=_explain_buckets,
+                          hint="re-read the task of Exercise 3: one perplexity per bucket of "
+                               "positions, pooled over every window; the failing trial's position count is not "
+                               "always a multiple of the bucket size.")
 
 
 def _pareto_ref(points):
@@ -136,12 +141,26 @@ def check_pareto_front(fn) -> Result:
     if refused is not None:
         return refused
 
-    def agrees(points):
-        got = fn(points)
-        return float(sorted(got) == _pareto_ref(points))
-    return check_function("Pareto front", agrees, lambda points: 1.0, _pareto_inputs, trials=10,
-                          hint="a point is dominated when another has x <= and y >= with at least one strict; "
-                               "return the indices of the others in increasing order (ties both stay).")
+    name, trials, seed = "Pareto front", 10, 0
+    if hidden():
+        trials, seed = trials * HIDDEN_TRIALS, seed + HIDDEN_SEED_OFFSET
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        points, = _pareto_inputs(gen)
+        got, unsolved = _call(fn, points)
+        if unsolved is not None:
+            unsolved.name = name
+            return _report(unsolved)
+        try:
+            right = sorted(got) == _pareto_ref(points)
+        except TypeError:
+            right = False
+        if not right:
+            return _report(Result(name, FAILED, _with_hint(
+                f"trial {trial + 1} with points {points}: {_explain_pareto(got, points)}",
+                "re-read Exercise 4's task on which point beats which, and check the point named above "
+                "against it by hand.")))
+    return _report(Result(name, PASSED, f"agrees with the reference on {trials} random inputs."))
 
 
 # -------------------------------------------------------------------------- 5. how many keys a verdict needs
@@ -175,8 +194,76 @@ def check_keys_needed(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("keys needed for a clear pass", fn, keys_needed_ref, _keys_inputs, trials=8,
-                          hint="set k = n in the Wilson interval's lower end and simplify; then find the "
-                               "smallest whole n that clears the threshold (check n - 1 fails).")
+                          explain=_explain_keys,
+                          hint="re-read the Wilson interval in 'Which probes `lab-target` passes, and why' and "
+                               "evaluate its lower end for your n and for n - 1.")
+
+
+# ------------------------------------------------------------------------- what a failed trial looks like
+def _explain_parameters(got, expected, cfg) -> str:
+    """Say in units of the configuration's sizes how far a wrong parameter count is from the real model's."""
+    if not isinstance(got, (int, float)) or isinstance(got, bool):
+        return ""
+    diff, h, vocab = int(got) - int(expected), cfg["hidden_size"], cfg["vocab_size"]
+    sign = "more" if diff > 0 else "fewer"
+    units = [(vocab * h, "vocab_size x hidden_size"), (h * cfg["intermediate_size"], "hidden_size x intermediate_size"),
+             (h * h, "hidden_size x hidden_size"), (h, "hidden_size")]
+    for unit, said in units:
+        if diff and diff % unit == 0:
+            return (f"Your count has {abs(diff) // unit} x ({said}) {sign} parameters than the model "
+                    f"(tie_word_embeddings={cfg['tie_word_embeddings']}).")
+    return f"Your count has {abs(diff)} {sign} parameters than the model."
+
+
+def _explain_ecl(got, expected, lengths, accuracy, threshold) -> str:
+    if got != 0 and got not in lengths:
+        return f"{got!r} is not one of the measured lengths."
+    failing = [length for length, acc in zip(lengths, accuracy) if length <= got and acc < threshold]
+    if failing:
+        return f"length {min(failing)} is at most your answer, yet its accuracy is below the threshold."
+    if got < expected:
+        return "a longer measured length also meets the definition."
+    return ""
+
+
+def _explain_buckets(got, expected, nll, bucket) -> str:
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return (f"{nll.shape[1]} positions in buckets of {bucket} make {expected.numel()} buckets, the last one "
+                f"holding {nll.shape[1] - bucket * (expected.numel() - 1)} positions.")
+    ok = torch.isclose(got.double(), expected.double(), rtol=1e-5, atol=1e-6)
+    if bool(ok[:-1].all()) and not bool(ok[-1]):
+        return "only the last, shorter bucket is wrong."
+    return ""
+
+
+def _explain_pareto(got, points) -> str:
+    try:
+        got = sorted(int(i) for i in got)
+    except (TypeError, ValueError):
+        return f"{got!r} is not a list of indices into points."
+    front = _pareto_ref(points)
+    missing = [i for i in front if i not in got]
+    extra = [i for i in got if i not in front]
+    if missing:
+        return f"point {missing[0]} {points[missing[0]]} is beaten by no other point, but your answer leaves it out."
+    if extra:
+        return f"point {extra[0]} {points[extra[0]]} is beaten by another point, but your answer keeps it."
+    return "the indices repeat or are out of range."
+
+
+def _wilson_lower(n: int) -> float:
+    """The 95% Wilson interval's lower end for n right out of n (the value the chapter's table prints)."""
+    from labsrc import claims
+
+    return claims.wilson(n, n)[0]
+
+
+def _explain_keys(got, expected, threshold) -> str:
+    if not isinstance(got, int) or isinstance(got, bool) or got < 1:
+        return "the answer is a whole number of keys, at least 1."
+    if _wilson_lower(got) < threshold:
+        return f"with {got} keys all right the interval's lower end is still below {threshold}."
+    return f"{got - 1} keys all right already clear {threshold}: yours is not the fewest."
 
 
 # The reference solutions themselves (passed in directly) are refused too.

@@ -25,7 +25,7 @@ import torch
 from labsrc import linear_attention as la, runtime
 from labsrc.exercises.core import not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   check_function, exercise, hidden, randint, refuse_library)
+                                   check_function, diagnose_number, exercise, hidden, randint, refuse_library)
 
 __all__ = ["check_association_costs", "check_delta_step", "check_chunk_output", "check_features_needed",
            "check_recurrent_kernel", "delta_step_reference", "chunk_output_reference"]
@@ -45,12 +45,28 @@ def _cost_reference(T, d, dv):
     return (2 * T * T * d + 2 * T * T * dv, 4 * T * d * dv)
 
 
+def _cost_scaling(fn, args) -> str:
+    """Name the size (T, d or dv) whose doubling moves a wrong count unlike the right one."""
+    try:
+        got0, want0 = fn(*args), _cost_reference(*args)
+        for i, size in enumerate(("T", "d", "dv")):
+            doubled = args[:i] + (2 * args[i],) + args[i + 1:]
+            got1, want1 = fn(*doubled), _cost_reference(*doubled)
+            for g0, g1, w0, w1, order in zip(got0, got1, want0, want1, ("quadratic", "linear")):
+                if g0 and not math.isclose(g1 / g0, w1 / w0, rel_tol=1e-6):
+                    return (f"; doubling {size} multiplies the {order} order's count by {w1 / w0:g}, yours by "
+                            f"{g1 / g0:g}")
+    except Exception:  # noqa: BLE001 - an answer that is not a pair of numbers is reported as such
+        pass
+    return ""
+
+
 @exercise
 def check_association_costs(fn) -> Result:
     """Check ``fn(T, d, dv) -> (quadratic_flops, linear_flops)``."""
     name = "cost of the two association orders"
-    hint = ("an (a x b) @ (b x c) product costs 2abc FLOPs; phi(Q) phi(K)^T is T x d times d x T, and "
-            "phi(K)^T V is d x T times T x dv.")
+    hint = ("re-read the task of Exercise 1 on what counts as a FLOP, and write down the shapes of both "
+            "products of the wrong order.")
     if hidden():
         seed, trials = 41 + HIDDEN_SEED_OFFSET, 8 * HIDDEN_TRIALS
     else:
@@ -71,10 +87,12 @@ def check_association_costs(fn) -> Result:
             if isinstance(got, (tuple, list)) and len(got) == 2:
                 wrong = [label for x, w, label in zip(got, want, ("the quadratic order", "the linear order"))
                          if not (isinstance(x, numbers.Real) and math.isclose(float(x), w, rel_tol=1e-9))]
-                which = f" ({' and '.join(wrong)} is wrong)"
+                factor = "".join(diagnose_number(float(x), w) for x, w in zip(got, want)
+                                 if isinstance(x, numbers.Real) and not math.isclose(float(x), w, rel_tol=1e-9))
+                which = f" ({' and '.join(wrong)} is wrong{_cost_scaling(fn, args)}).{factor}"
             else:
-                which = " (return a pair of numbers)"
-            return _report(Result(name, FAILED, f"trial {trial + 1} with T, d, dv = {args}{which}. Hint: {hint}"))
+                which = " (return a pair of numbers)."
+            return _report(Result(name, FAILED, f"trial {trial + 1} with T, d, dv = {args}{which} Hint: {hint}"))
     return _report(Result(name, PASSED, f"right on {trials} random sizes."))
 
 
@@ -87,6 +105,21 @@ def delta_step_reference(S, k, v, beta, g):
         torch.tensor([[[g]]], dtype=torch.float64), torch.tensor([[[beta]]], dtype=torch.float64),
         initial_state=S[None, None].double(), output_final_state=True)
     return state[0, 0].to(S.dtype)
+
+
+def _explaining_delta(fn):
+    """``explain`` for the delta step: beta = 0 leaves only the decay, g = 0 only the delta update."""
+    def explain(got, expected, S, k, v, beta, g) -> str:
+        def right(b_, g_):
+            return torch.allclose(fn(S.clone(), k, v, b_, g_), delta_step_reference(S, k, v, b_, g_), rtol=1e-9,
+                                  atol=1e-12)
+        decay_ok, update_ok = right(0.0, g), right(beta, 0.0)
+        if not decay_ok:
+            return "With beta = 0 (only the decay acts) your state is already wrong."
+        if not update_ok:
+            return "The decay alone is right; with g = 0 (no decay) the update is wrong."
+        return "The decay alone and the update alone are right; together they are not: look at their order."
+    return explain
 
 
 def _delta_inputs(gen):
@@ -104,14 +137,14 @@ def check_delta_step(fn) -> Result:
     """Check ``fn(S, k, v, beta, g) -> S_new``: decay by ``exp(g)``, then move the state's prediction for ``k``
     a fraction ``beta`` of the way to ``v``."""
     name = "one gated delta rule step"
-    hint = ("first S = exp(g) * S; the prediction for k is S^T k (a V-vector); add beta * outer(k, v - S^T k), "
-            "using the decayed S in the prediction.")
+    hint = ("re-read 'The delta rule and gating' and 'Why the delta rule fixes the overwrite', then test your "
+            "step with beta = 0 and with g = 0 separately.")
     refused = _refuse(name, fn, (la.gated_delta_rule_recurrent, la.gated_delta_rule_chunked), hint,
                       _delta_inputs(torch.Generator().manual_seed(42)))
     if refused is not None:
         return refused
     return check_function(name, fn, delta_step_reference, _delta_inputs, trials=8, seed=42, rtol=1e-9,
-                          atol=1e-12, hint=hint)
+                          atol=1e-12, hint=hint, explain=_explaining_delta(fn))
 
 
 # ---------------------------------------------------------------------------------------- chunk output
@@ -123,6 +156,21 @@ def chunk_output_reference(q, k, v, gamma, S):
     lower = torch.ones(n, n, dtype=torch.bool).tril()
     decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()
     return (q * gamma.exp()[:, None]) @ S + ((q @ k.T) * decay) @ v
+
+
+def _explaining_chunk(fn):
+    """``explain`` for the chunk output: S = 0 leaves only the chunk's own tokens, v = 0 only the state."""
+    def explain(got, expected, q, k, v, gamma, S) -> str:
+        def right(v_, S_):
+            return torch.allclose(fn(q, k, v_, gamma, S_), chunk_output_reference(q, k, v_, gamma, S_),
+                                  rtol=1e-9, atol=1e-10)
+        own_ok, state_ok = right(v, torch.zeros_like(S)), right(torch.zeros_like(v), S)
+        if own_ok and not state_ok:
+            return "From S = 0 your output is right: the part that reads the carried-in state is wrong."
+        if state_ok and not own_ok:
+            return "The part that reads the state is right; the chunk's own tokens are wrong."
+        return ""
+    return explain
 
 
 def _chunk_inputs(gen):
@@ -140,14 +188,14 @@ def check_chunk_output(fn) -> Result:
     ``gamma (n,)`` the cumulative log decay from the chunk's start (``gamma_i = sum_{j <= i} g_j``), ``S (K, V)``
     the state before the chunk."""
     name = "one chunk's output"
-    hint = ("token i sees the state decayed by exp(gamma_i), and token j <= i of its own chunk with weight "
-            "(q_i . k_j) exp(gamma_i - gamma_j); tokens j > i get weight 0 (mask before you multiply by v).")
+    hint = ("re-read 'Blocks: Lightning attention' and compare your output with a token-by-token recurrence "
+            "on a chunk of one token and of two.")
     refused = _refuse(name, fn, (la.lightning_attention, la.gated_delta_rule_chunked), hint,
                       _chunk_inputs(torch.Generator().manual_seed(43)))
     if refused is not None:
         return refused
     return check_function(name, fn, chunk_output_reference, _chunk_inputs, trials=8, seed=43, rtol=1e-9,
-                          atol=1e-10, hint=hint)
+                          atol=1e-10, hint=hint, explain=_explaining_chunk(fn))
 
 
 # ----------------------------------------------------------------------------------- features needed
@@ -191,9 +239,9 @@ def check_features_needed(fn) -> Result:
     estimate with positive features and projection ``make_proj(m)`` has a mean absolute error below ``bound``
     against exact softmax attention (non-causal), or None when none does."""
     name = "random features under an error bound"
-    hint = ("for each m in order: build proj = make_proj(m), compute favor_attention(q, k, v, proj, 'positive') "
-            "and softmax_attention(q, k, v, causal=False), and return the first m whose mean |difference| is "
-            "below the bound.")
+    hint = ("re-read 'Experiment 1: how many random features does Performer need?' and print, for the failing "
+            "case, the error of every candidate as the task defines it (which estimate, against which exact "
+            "attention, which mean).")
     trials = 4 * (HIDDEN_TRIALS if hidden() else 1)
     gen = torch.Generator().manual_seed(44 + (HIDDEN_SEED_OFFSET if hidden() else 0))
     for trial in range(trials):
@@ -247,12 +295,13 @@ def check_recurrent_kernel(kernel) -> Result:
     name = "recurrent linear attention kernel"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("load k_t and v_t with masks offs < K and offs < V, update S = decay * S + k_t[:, None] * "
-            "v_t[None, :], then o_t = tl.sum(q_t[:, None] * S, 0); every load and store needs its mask.")
+    hint = ("re-read 'The kernel'. A first wrong token of 0 points at the state's first update or the output "
+            "sum; a later one at what the state carries from one step to the next; writes outside or never "
+            "made point at the masks.")
     seed, sizes = 45, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, k + 3, v + 1) for t, k, v in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(BH,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of BH programs")) is not None:
         return _report(unlaunchable)
     import triton
 
@@ -285,6 +334,9 @@ def check_recurrent_kernel(kernel) -> Result:
                 bad = ~torch.isclose(out, want, rtol=1e-4, atol=1e-4)
                 _, t, _ = (int(i) for i in bad.nonzero()[0])
                 problem = f"{int(bad.sum())} of {bad.numel()} outputs differ; the first at token {t}."
+                undecayed, _ = la.linear_attention_recurrent(*as_bthk, torch.ones(q.shape[0], dtype=torch.float64))
+                if decay != 1 and torch.allclose(out, undecayed[0].permute(1, 0, 2).float(), rtol=1e-4, atol=1e-4):
+                    problem += " Your outputs are those of a state that never decays."
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, K={K}, V={V}): {problem} "
                                                 f"Hint: {hint}"))

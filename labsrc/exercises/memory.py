@@ -52,13 +52,29 @@ def _merge_reference(sa, ia, sb, ib, k):
     return torch.cat(memory.topk_merge(sa, ia, sb, ib, k), 1)
 
 
+def _explain_merge(got, expected, sa, ia, sb, ib, k) -> str:
+    """How a merged list is off: its length (k may exceed the results), its order, or a tie broken wrongly."""
+    held = sa.shape[1] + sb.shape[1]
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return f"This trial asks for k = {k} of the {held} results the two searches hold."
+    n = expected.shape[1] // 2
+    scores, ids = got[:, :n], got[:, n:]
+    if (scores[:, 1:] > scores[:, :-1]).any():
+        return "Your scores are not best first."
+    wrong = (got != expected).nonzero()
+    row, col = int(wrong[0, 0]), int(wrong[0, 1]) % n
+    if torch.equal(scores[row], expected[row, :n]):
+        return f"The scores are right; in row {row}, position {col}, equal scores are in the wrong order."
+    return f"Row {row}, position {col} holds the wrong result."
+
+
 @exercise
 def check_memory_topk_merge(fn) -> Result:
     """Check ``fn(scores_a, ids_a, scores_b, ids_b, k) -> (scores, ids)``: the best ``min(k, ka + kb)`` of the
     two partial searches, best first, a tie going to the lower id."""
     name = "top-k merge of two partial searches"
-    hint = ("put both searches side by side, order by score (descending) and, among equal scores, by id, and "
-            "keep the first k -- k may exceed what the two searches hold.")
+    hint = ("re-read the task of Exercise 1 (the order of the results and how a tie is broken) and merge the "
+            "failing trial's two searches by hand.")
     refused = refuse_library(name, fn, (memory.topk_merge,), hint, owner="labsrc.memory",
                              args=_merge_inputs(torch.Generator().manual_seed(41)))
     if refused is not None:
@@ -71,7 +87,7 @@ def check_memory_topk_merge(fn) -> Result:
         return torch.cat([torch.as_tensor(got[0]).float(), torch.as_tensor(got[1]).float()], 1)
 
     return check_function(name, answer, lambda *a: _merge_reference(*a).float(), _merge_inputs, trials=10,
-                          seed=41, rtol=0, atol=0, hint=hint)
+                          seed=41, rtol=0, atol=0, hint=hint, explain=_explain_merge)
 
 
 # ------------------------------------------------------------------------------------------ chunking
@@ -86,8 +102,8 @@ def check_overlap_chunks(fn) -> Result:
     ``size - overlap``, the last one ending at ``n`` (a single span ``(0, n)`` when ``n <= size``; none
     when ``n == 0``)."""
     name = "chunks with overlap"
-    hint = ("start at 0 and step by size - overlap while a whole chunk still fits before n; then add one last "
-            "chunk that ends exactly at n, so nothing is left out and no chunk is shorter than size.")
+    hint = ("re-read 'RAG: chunks, BM25 and dense retrieval' and the rule in the task, and lay out the spans of "
+            "the case named above by hand.")
     refused = refuse_library(name, fn, (memory.chunk_spans,), hint, owner="labsrc.memory",
                              args=_chunk_inputs(torch.Generator().manual_seed(42)))
     if refused is not None:
@@ -112,9 +128,13 @@ def check_overlap_chunks(fn) -> Result:
             covered = set()
             for s, e in got:
                 covered.update(range(s, e))
+            first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             problem = ("some tokens are in no chunk" if covered != set(range(n)) else
                        "a chunk is longer than size" if any(e - s > size for s, e in got) else
-                       "the spans are not the ones the rule gives")
+                       "the last span does not end at n" if got and got[-1][1] != n else
+                       f"you return {len(got)} spans and the rule {len(want)}" if len(got) != len(want) else
+                       f"the spans are not the ones the rule gives, from span {first} on (yours: "
+                       f"{got[first]})")
             return _report(Result(name, FAILED, f"n={n}, size={size}, overlap={overlap}: {problem}. Hint: {hint}"))
     return _report(Result(name, PASSED, f"equal to the rule on {len(cases)} cases, edge cases included."))
 
@@ -132,21 +152,37 @@ def _mix_inputs(gen):
     return q, kl, vl, mk, mv, gate
 
 
+def _explaining_mix(fn):
+    """``explain`` for the gated mix: a very large gate keeps only the memory part, a very negative one only the
+    local part, so each is judged on its own."""
+    def explain(got, expected, q, kl, vl, mk, mv, gate) -> str:
+        said = []
+        for g, part in ((50.0, "memory"), (-50.0, "local")):
+            full = torch.full_like(gate, g)
+            if not torch.allclose(fn(q, kl, vl, mk, mv, full), kmem.knn_memory_attention_ref(q, kl, vl, mk, mv, full),
+                                  rtol=1e-9, atol=1e-10):
+                said.append(part)
+        if not said:
+            return "The local part alone and the memory part alone are right: look at the gate's mix."
+        parts = " and the ".join(said) + (" parts are" if len(said) == 2 else " part is")
+        return f"With the gate pushed all the way, the {parts} wrong."
+    return explain
+
+
 @exercise
 def check_gated_memory_mix(fn) -> Result:
     """Check ``fn(q, k_local, v_local, mem_k, mem_v, gate) -> (B, H, T, D)`` against
     :func:`labsrc.kernels.memory.knn_memory_attention_ref` on float64 inputs with GQA and ``Tk >= T``."""
     name = "gated mix of local and memory attention"
-    hint = ("two separate softmaxes, both with the 1/sqrt(D) scale: one over the causal local keys (query i "
-            "sees keys j <= i + Tk - T; query head h reads K/V head h // (H // Hkv)), one over that query's own "
-            "K retrieved rows; then g * memory + (1 - g) * local with g = sigmoid(gate[h]).")
+    hint = ("re-read 'Two softmaxes and a gate, against one softmax'; the message says whether the local part, "
+            "the memory part or their mix is off. The trials use GQA and more keys than queries (Tk >= T).")
     refused = refuse_library(name, fn, (kmem.knn_memory_attention_ref, kmem.knn_memory_attention,
                                         memory.joint_softmax_attention), hint, owner="labsrc.memory",
                              args=_mix_inputs(torch.Generator().manual_seed(43)))
     if refused is not None:
         return refused
     return check_function(name, fn, kmem.knn_memory_attention_ref, _mix_inputs, trials=6, seed=43,
-                          rtol=1e-9, atol=1e-10, hint=hint)
+                          rtol=1e-9, atol=1e-10, hint=hint, explain=_explaining_mix(fn))
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -176,13 +212,12 @@ def check_retrieved_rows_kernel(kernel) -> Result:
         return skipped
     import triton
 
-    hint = ("program t loads q[t] (BLOCK_D lanes, masked d < D) and the (BLOCK_K, BLOCK_D) tile of its rows "
-            "at t*K*D + k*D + d (masked k < K and d < D); scores = sum(q * rows, 1) * scale, -inf where k >= K; "
-            "softmax; out[t] = sum(p[:, None] * values, 0); store with the mask d < D.")
+    hint = ("re-read 'The kernel' and follow the query row named above through your kernel; K and D are not "
+            "powers of two in most trials, so NaN or writes outside point at the masks.")
     seed, sizes = 44, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 1, k + 2, d) for t, k, d in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(T,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of T programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance(torch.float32)
@@ -214,6 +249,8 @@ def check_retrieved_rows_kernel(kernel) -> Result:
             if not torch.allclose(out, want, rtol=rtol, atol=atol):
                 bad = ~torch.isclose(out, want, rtol=rtol, atol=atol)
                 problem = f"{int(bad.sum())} of {bad.numel()} elements differ (first in row {int(bad.nonzero()[0, 0])})."
+                if torch.allclose(out, _retrieved_reference(q, mk, mv, 1.0), rtol=rtol, atol=atol):
+                    problem += " Your outputs are those of scores that were never scaled."
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, K={K}, D={D}): {problem} Hint: {hint}"))
     return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))

@@ -74,13 +74,29 @@ def _timelines(gen) -> tuple[list, float]:
     return ranks, end + randint(gen, 0, 10) / 10
 
 
+def _bubble_slip(got, timelines, wall) -> str:
+    """Recognise a bubble fraction that counts waits as busy, or takes the share of wall instead of P * wall."""
+    if not isinstance(got, (int, float)) or isinstance(got, bool):
+        return ""
+    P = len(timelines)
+    busy = sum(e[2] - e[1] for tl in timelines for e in tl if e[0] in ("draft", "forward", "verify"))
+    waits = sum(e[2] - e[1] for tl in timelines for e in tl if e[0] == "wait")
+    if waits and math.isclose(got, 1 - (busy + waits) / (P * wall), rel_tol=1e-9, abs_tol=1e-12):
+        return " It counts the 'wait' events as busy time."
+    if P > 1 and math.isclose(got, 1 - busy / wall, rel_tol=1e-9, abs_tol=1e-12):
+        return f" It takes the busy time as a share of one rank's wall time; the pipeline has {P} ranks."
+    if not 0 <= got <= 1:
+        return " A fraction lies in [0, 1]."
+    return ""
+
+
 @exercise
 def check_pipeline_bubble(fn) -> Result:
     """Check ``fn(timelines, wall) -> float``: one minus the busy share of the pipeline's ``P * wall``
     rank-seconds, where only ``draft``, ``forward`` and ``verify`` events keep a rank busy."""
     name = "bubble fraction of a timeline"
-    hint = ("add up the lengths (end - start) of the compute events of every rank; 'wait' and 'skip' do not "
-            "count; divide by P * wall and take it from 1.")
+    hint = ("re-read the task of Exercise 1 (which events keep a rank busy, and over what the share is taken) "
+            "and work the failing trial's timelines out by hand.")
     seed, trials = (31, 8) if not hidden() else (31 + HIDDEN_SEED_OFFSET, 16)
     gen = torch.Generator().manual_seed(seed)
     first = _timelines(torch.Generator().manual_seed(seed))
@@ -100,7 +116,8 @@ def check_pipeline_bubble(fn) -> Result:
                                                                                           abs_tol=1e-12):
             kinds = sorted({e[0] for tl in timelines for e in tl})
             return _report(Result(name, FAILED, f"trial {trial + 1} ({len(timelines)} ranks, events {kinds}): "
-                                                f"returned {got!r}, which is wrong. Hint: {hint}"))
+                                                f"returned {got!r}, which is wrong.{_bubble_slip(got, timelines, wall)}"
+                                                f" Hint: {hint}"))
     return _report(Result(name, PASSED, f"right on {trials} random timelines."))
 
 
@@ -121,8 +138,8 @@ def check_pipeline_balance(fn) -> Result:
     (each at least one, summing to ``len(layer_times)``) so that the slowest stage's total time is as small
     as any contiguous split allows."""
     name = "balance layers over stages"
-    hint = ("the pipeline runs at the pace of its slowest stage; try every way to place the P - 1 cuts, or "
-            "build the best split of the first i layers into s stages from the best splits into s - 1.")
+    hint = ("re-read Exercise 2's task: the split must be the best of all contiguous splits, not a good one; "
+            "try your function on a profile with one very heavy layer at either end.")
     seed, trials = (32, 10) if not hidden() else (32 + HIDDEN_SEED_OFFSET, 20)
     refused = refuse_library(name, fn, (pstages.split_layers,), hint, owner="labsrc.pipeline",
                              args=_balance_case(torch.Generator().manual_seed(seed)))
@@ -170,6 +187,19 @@ def _plain_reference(stage_times, draft_time, comm_time, k, alpha):
     return cycle / speculative.expected_tokens_per_step(alpha, k)
 
 
+def _plain_slip(fn, args) -> str:
+    """Separate the time of one cycle from the tokens it emits: at alpha = 0 every cycle emits one token."""
+    stage_times, draft_time, comm_time, k, alpha = args
+    try:
+        at_zero = _number(fn(list(stage_times), draft_time, comm_time, k, 0.0))
+        right = _plain_reference(stage_times, draft_time, comm_time, k, 0.0)
+        if isinstance(at_zero, (int, float)) and math.isclose(at_zero, right, rel_tol=1e-6):
+            return " At alpha = 0 (one token per cycle) it is right: the expected tokens per cycle are off."
+        return " At alpha = 0 (one token per cycle) it is wrong too: the time of one cycle is off."
+    except Exception:  # noqa: BLE001 - an answer that fails at alpha = 0 gets the plain message
+        return ""
+
+
 @exercise
 def check_pipeline_plain_time(fn) -> Result:
     """Check ``fn(stage_times, draft_time, comm_time, k, alpha) -> float``: the expected seconds per token of
@@ -177,9 +207,8 @@ def check_pipeline_plain_time(fn) -> Result:
     (``P - 1`` hops) and the verdict comes back (one more hop; no hops at all when ``P = 1``); each draft is
     accepted with probability ``alpha`` up to the first rejection and the target always adds one token."""
     name = "time per token of the plain schedule"
-    hint = ("a cycle costs k * draft_time + every stage's time + P hops (none when P = 1); the tokens per cycle "
-            "are 1 + the expected accepted prefix: sum over i = 1..k of P(the first i drafts are accepted); "
-            "mind alpha = 1.")
+    hint = ("re-read 'The idea' and the schedule in Exercise 3's task; the message says whether the time of one "
+            "cycle or the tokens it emits is off.")
     seed, trials = (33, 10) if not hidden() else (33 + HIDDEN_SEED_OFFSET, 20)
     refused = refuse_library(name, fn, (speculative.expected_tokens_per_step, speculative.speedup,
                                         sim.expected_committed, sim.simulate, sim.source_time_per_token), hint,
@@ -190,15 +219,19 @@ def check_pipeline_plain_time(fn) -> Result:
     cases = [_plain_case(gen) for _ in range(trials)]
     cases[0] = ([0.02, 0.02], 0.001, 0.0005, 4, 1.0)      # alpha = 1 first: a division by zero shows at once
     for trial, args in enumerate(cases):
-        got, unsolved = _call(fn, *[list(args[0])] + list(args[1:]))
+        where = f"trial {trial + 1} (P = {len(args[0])}, k = {args[3]}, alpha = {args[4]})"
+        try:
+            got, unsolved = _call(fn, *[list(args[0])] + list(args[1:]))
+        except ArithmeticError as err:
+            return _report(Result(name, FAILED, f"{where}: raised {type(err).__name__}. Hint: {hint}"))
         if unsolved is not None:
             unsolved.name = name
             return _report(unsolved)
         got = _number(got)
         want = _plain_reference(*args)
         if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isclose(got, want, rel_tol=1e-6):
-            return _report(Result(name, FAILED, f"trial {trial + 1} (P = {len(args[0])}, k = {args[3]}, alpha = "
-                                                f"{args[4]}): returned {got!r}, which is wrong. Hint: {hint}"))
+            return _report(Result(name, FAILED, f"{where}: returned {got!r}, which is wrong."
+                                                f"{_plain_slip(fn, args)} Hint: {hint}"))
     return _report(Result(name, PASSED, f"right on {trials} configurations, alpha = 0 and 1 included."))
 
 
@@ -247,14 +280,13 @@ def check_pipeline_verify_kernel(kernel) -> Result:
     name = "greedy verification kernel"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("load the (BLOCK_N, BLOCK_V) tile with other=-inf; the argmax is the smallest column where the row "
-            "equals its max; token i + 1 is compared with pred i (load tokens at rows + 1), token 0 with first; "
-            "accepted is the first mismatch.")
+    hint = ("re-read 'The kernel: greedy verification on the last stage' and trace the window named above by "
+            "hand; these logits have many equal maxima.")
     refused = refuse_library(name, kernel, (kverify._greedy_verify_kernel, kverify.greedy_verify,
                                             kverify.greedy_verify_ref), hint, owner="labsrc.kernels.verify")
     if refused is not None:
         return refused
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(B,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of B programs")) is not None:
         return _report(unlaunchable)
     seed, sizes = 34, _KERNEL_SIZES
     if hidden():
@@ -268,7 +300,7 @@ def check_pipeline_verify_kernel(kernel) -> Result:
             cause = err.__cause__ or err.__context__
             if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
                 return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (B, N, V = {size}): the launch raised "
+            return _report(Result(name, FAILED, f"trial {trial + 1} (B={size[0]}, N={size[1]}, V={size[2]}): the launch raised "
                                                 f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
         if problem is None:
             want_p, want_a = kverify.greedy_verify_ref(logits, tokens, first)
@@ -281,5 +313,5 @@ def check_pipeline_verify_kernel(kernel) -> Result:
                 b = int((accepted != want_a).nonzero()[0])
                 problem = f"accepted is wrong for window {b}."
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (B, N, V = {size}): {problem} Hint: {hint}"))
+            return _report(Result(name, FAILED, f"trial {trial + 1} (B={size[0]}, N={size[1]}, V={size[2]}): {problem} Hint: {hint}"))
     return _report(Result(name, PASSED, f"equal to greedy_verify_ref on {len(sizes)} launches, ties included."))

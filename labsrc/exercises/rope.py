@@ -20,6 +20,7 @@ A check refuses an answer that calls the :mod:`labsrc.rope` function the exercis
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import numpy as np
@@ -65,12 +66,22 @@ def _wavelength_reference(i, head_dim, base):
 @exercise
 def check_wavelength(fn) -> Result:
     """Check ``fn(i, head_dim, base) -> float``: how many tokens pair ``i`` needs for one full turn."""
-    hint = "pair i turns by theta_i = base**(-2i/head_dim) radians per token."
+    hint = ("re-read 'Wavelengths, and which pairs complete full turns in training': a wavelength counts tokens, "
+            "those pair i needs for one full turn.")
     refused = _refuse_library("wavelength of pair i", fn, _wavelength_inputs, 21, (rope.wavelengths,), hint)
     if refused is not None:   # a Result is falsy unless passed: test for None
         return refused
     return check_function("wavelength of pair i", as_number(fn), _wavelength_reference,
-                                     _wavelength_inputs, trials=8, seed=21, rtol=1e-5, hint=hint)
+                                     _wavelength_inputs, trials=8, seed=21, rtol=1e-5, hint=hint,
+                                     explain=_explain_wavelength, arg_names=("i", "head_dim", "base"))
+
+
+def _explain_wavelength(got, expected, i, head_dim, base) -> str:
+    if isinstance(got, (int, float)) and expected and math.isclose(got * 2 * math.pi, expected, rel_tol=1e-4):
+        return "It is the right value divided by 2 pi: a wavelength is in tokens, not in turns or radians."
+    if isinstance(got, (int, float)) and expected and math.isclose(got, expected * 2 * math.pi, rel_tol=1e-4):
+        return "It is 2 pi times the right value: check the units of the frequency you divide by."
+    return ""
 
 
 # -------------------------------------------------------------------------------- position interpolation
@@ -98,7 +109,8 @@ def _as_float32(fn):
 def check_position_interpolation(fn) -> Result:
     """Check ``fn(head_dim, base, factor) -> tensor (head_dim // 2,)``: the inverse frequencies that squeeze
     positions ``0 .. factor * L`` into the trained range ``0 .. L``."""
-    hint = "rotating position m/s by theta_i is the same as rotating position m by what?"
+    hint = ("re-read 'Stretching the frequencies': after interpolation, position factor * L must turn every "
+            "pair by the angle that position L turned it by in training.")
     refused = _refuse_library("position interpolation", fn, _pi_inputs, 22, (rope.linear_frequencies,), hint)
     if refused is not None:   # a Result is falsy unless passed: test for None
         return refused
@@ -120,14 +132,23 @@ def _ntk_reference(base, factor, head_dim):
 def check_ntk_base(fn) -> Result:
     """Check ``fn(base, factor, head_dim) -> float``: the base for which the slowest pair is slowed by exactly
     ``factor`` while pair 0 keeps its frequency."""
-    hint = ("write theta_i with the new base b' and require theta'_last = theta_last / s for the last pair, "
-            "i = head_dim/2 - 1; solve for b'.")
+    hint = ("re-read the NTK-aware part of 'Stretching the frequencies' and check your base against the task's "
+            "condition on the slowest pair.")
     refused = _refuse_library("NTK-aware base", fn, _ntk_inputs, 23,
                               (rope.ntk_base, rope.ntk_frequencies, rope.dynamic_frequencies), hint)
     if refused is not None:   # a Result is falsy unless passed: test for None
         return refused
     return check_function("NTK-aware base", as_number(fn), _ntk_reference, _ntk_inputs, trials=8,
-                                     seed=23, rtol=1e-6, hint=hint)
+                                     seed=23, rtol=1e-6, hint=hint, explain=_explain_ntk)
+
+
+def _explain_ntk(got, expected, base, factor, head_dim) -> str:
+    """How much the student's base slows the slowest pair (the task's condition), as a number."""
+    if not isinstance(got, (int, float)) or got <= 0:
+        return "A base is a positive number."
+    slowest = (head_dim - 2) / head_dim
+    slowed = (got / base) ** slowest
+    return f"With your base the slowest pair turns {slowed:.4g} times slower than with base, not {factor:g} times."
 
 
 # ------------------------------------------------------------------------------------------ YaRN unscaled
@@ -193,7 +214,7 @@ def _check_pair_set(name, fn, make_inputs, reference, seed, trials, hint, forbid
             expected = reference(*args)
             if indices != expected:
                 wrong = ((extra, set(indices) - set(expected)), (missing, set(expected) - set(indices)))
-                problem = " and ".join(text for text, pairs in wrong if pairs) + "."
+                problem = " and ".join(f"{text} ({len(pairs)} of them)" for text, pairs in wrong if pairs) + "."
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} with inputs {args}: {problem} Hint: {hint}"))
     return _report(Result(name, PASSED, f"right on {trials} random configurations."))
@@ -204,8 +225,8 @@ def check_yarn_unscaled(fn) -> Result:
     """Check ``fn(head_dim, base, factor, original_max_position, beta_fast, beta_slow)``: the indices of the
     pairs whose frequency YaRN leaves exactly as trained (a list of ints or a boolean mask over the pairs)."""
     name = "pairs YaRN leaves unscaled"
-    hint = ("count how many full turns each pair makes over the original context; YaRN keeps the pairs that "
-            "turn at least beta_fast times.")
+    hint = ("re-read YaRN in 'Stretching the frequencies' and, with the interactive plot of angles, sort the "
+            "pairs of the failing configuration by how far they turn over original_max_position.")
     return _check_pair_set(name, fn, _yarn_inputs, _yarn_reference, 24, 8, hint,
                            (rope.yarn_correction_range, rope.yarn_frequencies),
                            extra="your answer lists pairs that YaRN does scale",
@@ -234,8 +255,8 @@ def check_unseen_pairs(fn) -> Result:
     positions ``< new_length`` include angles no position ``< train_length`` produced (a list of ints or a
     boolean mask over the pairs)."""
     name = "pairs that leave the trained range"
-    hint = ("a pair that completed a full turn in training has seen every angle on the circle; one that did not "
-            "has seen only the arc up to its largest trained angle.")
+    hint = ("re-read 'Wavelengths, and which pairs complete full turns in training' and, for the failing "
+            "configuration, draw the arc of angles one pair covers at train_length and at new_length.")
     return _check_pair_set(name, fn, _unseen_inputs, _unseen_reference, 25, 10, hint, (rope.max_angles,),
                            extra="your answer lists pairs whose angles were all seen in training",
                            missing="it misses pairs that reach new angles")
@@ -282,6 +303,23 @@ def _run_kernel(kernel, x, cos, sin, positions):
     return out, None
 
 
+def _explain_rotation(out, x, cos, sin, positions) -> str:
+    """Recognise a kernel that rotates by the wrong position (the program id) or the wrong way round."""
+    rtol, atol = tolerance(torch.float32)
+    T = x.shape[0]
+    guesses = (("by the angles of position t (the program id), not of positions[t]", cos, sin,
+                torch.arange(T, dtype=positions.dtype)),
+               ("the wrong way round (by minus the angle)", cos, -sin, positions))
+    for said, c, s_, p in guesses:
+        try:
+            alt = rope.apply_rope_ref(x[None, None], x[None, None], c, s_, p)[0][0, 0]
+        except Exception:  # noqa: BLE001 - a guess that does not apply says nothing
+            continue
+        if torch.allclose(out, alt, rtol=rtol, atol=atol):
+            return f" Your kernel rotates every token {said}."
+    return ""
+
+
 @exercise
 def check_rope_kernel(kernel) -> Result:
     """Check a ``@triton.jit`` kernel ``kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, HALF, BLOCK)`` that
@@ -292,12 +330,12 @@ def check_rope_kernel(kernel) -> Result:
     name = "RoPE kernel for one head"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("pair i is (x[i], x[i + HALF]); the first half gets x1*cos - x2*sin and the second x2*cos + x1*sin, "
-            "with cos and sin from row p of the tables; every load and store needs the mask d < HALF.")
+    hint = ("re-read 'The kernel' and compare your output for the token named above with apply_rope_ref on "
+            "that token alone; a message about writes or NaN points at the masks.")
     seed, sizes = 26, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, h + 4) for t, h in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(T,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of T programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance(torch.float32)
@@ -321,7 +359,7 @@ def check_rope_kernel(kernel) -> Result:
                 t, d = (int(i) for i in bad.nonzero()[0])
                 half = "first" if d < size[1] else "second"
                 problem = (f"{int(bad.sum())} of {bad.numel()} elements differ; the first at token {t}, column "
-                           f"{d} (the {half} half).")
+                           f"{d} (the {half} half).{_explain_rotation(out, x, cos, sin, positions)}")
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} (T={size[0]}, D={2 * size[1]}): {problem} "
                                                 f"Hint: {hint}"))

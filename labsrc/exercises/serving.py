@@ -54,12 +54,27 @@ def _slot_inputs(gen):
     return table, start, randint(gen, start + 1, n), bs
 
 
+def _slot_problem(got, want, table, start, end, block_size) -> str:
+    """What is wrong with a slot list: its length, or the first wrong token and where its slot points."""
+    if not isinstance(got, list):
+        return f"expected a list of slots, got {type(got).__name__}."
+    if len(got) != len(want):
+        return f"you return {len(got)} slots for {len(want)} tokens."
+    i = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
+    block = got[i] // block_size
+    where = ("a block this sequence does not own" if block not in table else
+             f"entry {table.index(block)} of the table")
+    return (f"the first wrong slot is token {start + i}'s: {got[i]}, in {where}, at offset "
+            f"{got[i] % block_size}.")
+
+
 @exercise
 def check_slot_mapping(fn) -> Result:
     """Check ``fn(block_table, start, end, block_size) -> list[int]``: where tokens ``start .. end - 1`` go."""
     name = "slot mapping from a block table"
-    hint = "token p lives in block table[p // block_size], at offset p % block_size inside it."
-    refused = refuse_library(name, fn, (_blocks.slot_mapping, _blocks.slot_of), hint, owner="labsrc.serving",
+    hint = "re-read 'Blocks, block tables and slot mappings' and place the token named above by hand."
+    refused = refuse_library(name, fn, (_blocks.slot_mapping, _blocks.slot_of), "compute the slots yourself.",
+                             owner="labsrc.serving",
                              args=_slot_inputs(torch.Generator().manual_seed(91)))
     if refused is not None:
         return refused
@@ -70,9 +85,10 @@ def check_slot_mapping(fn) -> Result:
         if unsolved is not None:
             return _unsolved(name, unsolved)
         got = [int(x) for x in got] if isinstance(got, (list, tuple, torch.Tensor)) else got
-        if got != _blocks.slot_mapping(*args):
+        want = _blocks.slot_mapping(*args)
+        if got != want:
             return _report(Result(name, FAILED, f"trial {trial + 1} (block_size={args[3]}, tokens {args[1]}.."
-                                                f"{args[2] - 1}): wrong slots. Hint: {hint}"))
+                                                f"{args[2] - 1}): {_slot_problem(got, want, *args)} Hint: {hint}"))
     return _report(Result(name, PASSED, f"agrees with the block manager on {trials} random tables."))
 
 
@@ -112,9 +128,8 @@ def check_cow_append(fn) -> Result:
     ``num_tokens`` (0-based) of a sequence a slot. ``ref_count`` and ``free`` are updated in place; ``copy`` is
     the ``(src, dst)`` block pair whose K/V must be copied, or None."""
     name = "append with copy-on-write"
-    hint = ("a full last block (num_tokens % block_size == 0) needs a new block from free; a partly filled last "
-            "block that another table also names (ref_count > 1) must be replaced by a fresh copy before the "
-            "write, and its old count drops by one; otherwise nothing changes. Take free blocks from the front.")
+    hint = ("re-read 'A block manager, one operation at a time'; the case named above (full, shared or private "
+            "last block) is the branch of the append to look at.")
     gen, trials = _trials(92, 12)
     saw_copy = False
     for trial in range(trials):
@@ -133,8 +148,10 @@ def check_cow_append(fn) -> Result:
             case = "full last block" if n % bs == 0 else ("shared last block" if want[1] else "private last block")
             return _report(Result(name, FAILED, f"trial {trial + 1} ({case}): wrong table or copy. Hint: {hint}"))
         if got_ref != want_ref or got_free != want_free:
-            return _report(Result(name, FAILED, f"trial {trial + 1}: the table is right but ref_count or free was "
-                                                f"not updated as the block manager does. Hint: {hint}"))
+            which = " and ".join(w for w, ok in (("ref_count", got_ref == want_ref), ("free", got_free == want_free))
+                                 if not ok)
+            return _report(Result(name, FAILED, f"trial {trial + 1}: the table is right but {which} was not "
+                                                f"updated as the block manager does. Hint: {hint}"))
     assert saw_copy, "the check's cases must include a copy-on-write"
     return _report(Result(name, PASSED, f"agrees with the block manager on {trials} appends."))
 
@@ -161,9 +178,9 @@ def check_admission(fn) -> Result:
     max_num_seqs) -> bool``: may the head of the queue start now? ``hits_owned`` cached blocks of its prefix are
     held by running sequences, ``hits_evictable`` sit in the free pool (counted in ``num_free_blocks``)."""
     name = "admission test"
-    hint = ("it needs ceil(num_tokens / block_size) blocks; a hit on a block someone holds costs nothing, a hit on "
-            "an evictable block still takes it out of the pool; and the batch must have room (num_running < "
-            "max_num_seqs).")
+    hint = ("re-read 'Scheduling one step at a time' and 'Prefix caching', and for the failing queue count the "
+            "blocks the request still has to take out of the free pool, then check every limit the scheduler "
+            "applies.")
     gen, trials = _trials(93, 40)
     for trial in range(trials):
         args = _admission_inputs(gen)
@@ -171,9 +188,10 @@ def check_admission(fn) -> Result:
         if unsolved is not None:
             return _unsolved(name, unsolved)
         if not isinstance(got, (bool, int)) or bool(got) != _admission_reference(*args):
+            verdict = "admit a request that must wait" if got else "refuse a request that fits"
             return _report(Result(name, FAILED, f"trial {trial + 1} (num_tokens={args[0]}, block_size={args[1]}, "
                                                 f"hits {args[2]} held + {args[3]} evictable, {args[4]} free, "
-                                                f"{args[5]} of {args[6]} running): wrong decision. Hint: {hint}"))
+                                                f"{args[5]} of {args[6]} running): you {verdict}. Hint: {hint}"))
     return _report(Result(name, PASSED, f"right on {trials} random queues."))
 
 
@@ -183,8 +201,8 @@ def check_prefix_hash(fn) -> Result:
     """Check ``fn(token_ids, block_size) -> list``: one hash per *full* block such that two prompts get the
     same hash for block ``i`` exactly when their first ``i + 1`` blocks are equal."""
     name = "prefix hash without collisions"
-    hint = ("a block's K/V depends on every token before it, so its hash must too: chain it, "
-            "h_i = hash((h_{i-1}, tokens of block i)); only full blocks get a hash.")
+    hint = ("re-read 'Prefix caching': the message above names the property of the task your hashes break; "
+            "ask what a block's K/V depends on.")
     refused = refuse_library(name, fn, (_blocks.block_hashes,), hint, owner="labsrc.serving",
                              args=([1, 2, 3, 4], 2))
     if refused is not None:
@@ -241,6 +259,16 @@ def _run_gather(kernel, pool, table, n):
     return out[:n], None
 
 
+def _gather_source(row: torch.Tensor, pool: torch.Tensor) -> str:
+    """Where in the pool a wrongly gathered row came from, when it is a whole pool row."""
+    flat = pool.reshape(-1, pool.shape[-1])
+    hits = (flat == row).all(1).nonzero()
+    if hits.numel() == 0:
+        return " (no row of the pool: a partial or mixed read)"
+    index = int(hits[0])
+    return f" (it is the pool's block {index // pool.shape[1]}, offset {index % pool.shape[1]})"
+
+
 @exercise
 def check_gather_kernel(kernel) -> Result:
     """Check a ``@triton.jit`` kernel ``kernel(pool_ptr, table_ptr, out_ptr, PAGE, ROW, BLOCK)`` launched with
@@ -250,9 +278,9 @@ def check_gather_kernel(kernel) -> Result:
     name = "gather through a block table (Triton)"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("block = tl.load(table_ptr + t // PAGE); the row starts at pool_ptr + (block * PAGE + t % PAGE) * ROW "
-            "(widen block to int64 first); load and store tl.arange(0, BLOCK) with the mask < ROW.")
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(n,)](...)")) is not None:
+    hint = ("re-read 'Paged attention in PyTorch' and 'The kernel'; for the row named above, compare the pool "
+            "block and offset your kernel read with those the block table gives.")
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of n programs")) is not None:
         return _report(unlaunchable)
     seed = 95 + (HIDDEN_SEED_OFFSET if hidden() else 0)
     gen = torch.Generator().manual_seed(seed)
@@ -275,7 +303,7 @@ def check_gather_kernel(kernel) -> Result:
                 problem = f"{int(torch.isnan(out).any(1).sum())} row(s) were never written."
             elif not torch.equal(out, expected):
                 bad = (out != expected).any(1).nonzero()[0].item()
-                problem = f"row {bad} (of {n}) holds the wrong token's K."
+                problem = f"row {bad} (of {n}) holds the wrong token's K{_gather_source(out[bad], pool)}."
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} (n={n}, PAGE={page}, ROW={row}): {problem} "
                                                 f"Hint: {hint}"))

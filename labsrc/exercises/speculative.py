@@ -45,16 +45,34 @@ def _residual_reference(p, q):
     return speculative.residual_distribution(p, q)
 
 
+def _explain_residual(got, expected, p, q) -> str:
+    """Which property of a distribution over the draft's misses the answer breaks."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ""
+    g = got.double()
+    if (g < -1e-12).any():
+        return "It has negative entries: it is not a distribution."
+    if not torch.isclose(g.sum(), torch.tensor(1.0, dtype=torch.float64), rtol=1e-6):
+        return f"It sums to {g.sum().item():.6g}, not 1."
+    covered = (q >= p) & (g > 1e-12)
+    if covered.any():
+        return (f"It gives probability to token {int(covered.nonzero()[0])}, where the draft already gives at "
+                f"least as much as the target.")
+    return ""
+
+
 @exercise
 def check_spec_residual(fn) -> Result:
     """``fn(p, q)`` for two float64 distributions ``(V,)`` with ``p != q``: ``max(p - q, 0)`` normalised."""
     name = "residual distribution"
-    hint = "keep only where the target gives more than the draft, then divide by the total of what you kept."
+    hint = ("re-read 'Draft, verify, accept or resample' and 'Why the output is exactly the target's', and check "
+            "your row against the properties the message names.")
     refused = _refuse(name, fn, (speculative.residual_distribution, speculative._residual), hint,
                       _residual_inputs(torch.Generator().manual_seed(3)))
     if refused is not None:
         return refused
-    return check_function(name, fn, _residual_reference, _residual_inputs, trials=6, seed=3, hint=hint)
+    return check_function(name, fn, _residual_reference, _residual_inputs, trials=6, seed=3, hint=hint,
+                          explain=_explain_residual)
 
 
 # ------------------------------------------------------------------------------------------- E[tokens]
@@ -68,13 +86,23 @@ def check_spec_expected_tokens(fn) -> Result:
     """``fn(alpha, k)``: expected tokens one target call emits with window ``k`` and i.i.d. acceptance
     ``alpha`` (accepted drafts plus the token the target adds)."""
     name = "expected tokens per target call"
-    hint = ("draft i is emitted only if drafts 1..i were all accepted (probability alpha^i), and the target "
-            "always adds one token; sum the series.")
+    hint = ("re-read 'How many tokens per target call' and check your function at the two ends of alpha, where "
+            "you can count the tokens of one call without a formula.")
     refused = _refuse(name, fn, (speculative.expected_tokens_per_step, speculative.speedup), hint, (0.6, 4))
     if refused is not None:
         return refused
     return check_function(name, fn, speculative.expected_tokens_per_step, _tokens_inputs, trials=8, seed=4,
-                          rtol=1e-9, hint=hint)
+                          rtol=1e-9, hint=hint, explain=_explaining_tokens(fn))
+
+
+def _explaining_tokens(fn):
+    """``explain`` for the expected tokens: at alpha = 0 a call emits exactly 1 token."""
+    def explain(got, expected, alpha, k) -> str:
+        at_zero = fn(0.0, k)
+        if not (isinstance(at_zero, (int, float)) and abs(at_zero - 1.0) < 1e-9):
+            return f"At alpha = 0 (every draft rejected) your function gives {at_zero!r} tokens per call."
+        return ""
+    return explain
 
 
 # ------------------------------------------------------------------------------------------- tree mask
@@ -87,12 +115,31 @@ def _tree_inputs(gen):
 def check_spec_tree_mask(fn) -> Result:
     """``fn(parents)`` -> ``(N, N)`` bool tensor, ``[i, j]`` true when node ``j`` is node ``i`` or an ancestor."""
     name = "tree attention mask"
-    hint = ("a node sees itself and everything its parent sees (parents come first, so build row i from row "
-            "parents[i]); -1 means the node hangs off the prefix and sees no other tree node.")
+    hint = ("re-read 'The kernel: tree attention', draw the failing trial's tree from its parents list, and "
+            "check the entry named above on the drawing.")
     refused = _refuse(name, fn, (speculative.tree_attention_mask,), hint, ([-1, 0, 0, 1],))
     if refused is not None:
         return refused
-    return check_function(name, fn, speculative.tree_attention_mask, _tree_inputs, trials=8, seed=5, hint=hint)
+    return check_function(name, fn, speculative.tree_attention_mask, _tree_inputs, trials=8, seed=5, hint=hint,
+                          explain=_explain_tree)
+
+
+def _explain_tree(got, expected, parents) -> str:
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ""
+    wrong = (got.bool() != expected).nonzero()
+    if wrong.numel() == 0:
+        return "" if got.dtype == torch.bool else f"Return a bool tensor, not {got.dtype}."
+    i, j = (int(x) for x in wrong[0])
+    if i == j:
+        kind = "itself"
+    elif expected[i, j]:
+        kind = f"an ancestor of node {i}"
+    elif expected[j, i]:
+        kind = f"a descendant of node {i}"
+    else:
+        kind = "on another branch"
+    return f"Entry [{i}, {j}] is wrong: node {j} is {kind}."
 
 
 # ------------------------------------------------------------------------------------------- cache rollback
@@ -107,15 +154,26 @@ def _keep_reference(cached, k, n_accepted):
     return cached + 1 + n_accepted
 
 
+def _explaining_keep(fn):
+    """``explain`` for the rollback: compare the answer when no draft and when every draft is accepted."""
+    def explain(got, expected, cached, k, n_accepted) -> str:
+        said = []
+        for n, what in ((0, "no draft is accepted"), (k, "every draft is accepted")):
+            if fn(cached, k, n) != _keep_reference(cached, k, n):
+                said.append(what)
+        return f"Your count is wrong when {' and when '.join(said)}." if said else ""
+    return explain
+
+
 @exercise
 def check_spec_cache_keep(fn) -> Result:
     """``fn(cached, k, n_accepted)``: target-cache positions to keep after a verification that started from
     ``cached`` positions and fed the newest verified token plus ``k`` drafts."""
     name = "target cache after rollback"
-    hint = ("the verification forward appended 1 + k positions; keep the newest verified token and the accepted "
-            "drafts, drop the rejected drafts (their keys were computed for tokens that were not emitted).")
+    hint = ("re-read 'Generation with two caches' and list, for the failing trial, the positions the "
+            "verification forward appended and the token each one holds the key of.")
     return check_function(name, fn, _keep_reference, _keep_inputs, trials=10, seed=6, rtol=0.0, atol=0.0,
-                          hint=hint)
+                          hint=hint, explain=_explaining_keep(fn))
 
 
 # ------------------------------------------------------------------------------------------- the kernel
@@ -145,12 +203,12 @@ def check_spec_residual_kernel(kernel) -> Result:
     name = "residual-distribution kernel"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("row r starts at r * V; load p and q with the mask offs < V (other=0), r = max(p - q, 0), s = sum(r); "
-            "store r / s where s > 0 and p otherwise, with the same mask.")
+    hint = ("re-read the task of Exercise 5 (row 0 of every trial is a row where draft and target agree) and "
+            "the masks of the chapter's kernels; the rows named above are the ones to follow.")
     seed, cases = 7, _KERNEL_CASES
     if hidden():
         seed, cases = seed + HIDDEN_SEED_OFFSET, cases + tuple((r + 1, v + 3) for r, v in cases)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(R,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of R programs")) is not None:
         return _report(unlaunchable)
     import triton
 
@@ -177,9 +235,12 @@ def check_spec_residual_kernel(kernel) -> Result:
                                                 f"{int(torch.isnan(out).sum())} output element(s) were never "
                                                 f"written (or are NaN: a row with p == q?). Hint: {hint}"))
         if not torch.allclose(out, expected, rtol=rtol, atol=atol):
-            bad = int((~torch.isclose(out, expected, rtol=rtol, atol=atol)).sum())
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): {bad} of {out.numel()} "
-                                                f"elements differ from the residual. Hint: {hint}"))
+            wrong = ~torch.isclose(out, expected, rtol=rtol, atol=atol)
+            rows_bad = wrong.any(1).nonzero().flatten().tolist()
+            said = "only row 0, where p == q" if rows_bad == [0] else f"rows {rows_bad[:5]}"
+            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): {int(wrong.sum())} of "
+                                                f"{out.numel()} elements differ from the residual, in {said}. "
+                                                f"Hint: {hint}"))
     return _report(Result(name, PASSED, f"agrees with the reference on {len(cases)} launches."))
 
 

@@ -60,13 +60,28 @@ def check_zoh_diagonal(fn) -> Result:
     """Check ``fn(a, b, dt) -> (Ab, Bb)``: zero-order hold of ``x' = a x + b u`` for a diagonal ``A`` given
     as its diagonal ``a (N,)`` (float64, negative), ``b (N,)``, a step ``dt``."""
     name = "zero-order hold for a diagonal A"
-    hint = ("hold u constant over the step and solve x' = a x + b u exactly: x(dt) = e^{a dt} x(0) + "
-            "(integral of e^{a s} ds from 0 to dt) b u.")
+    hint = ("re-read 'A continuous state space and its discretisation' and test your pair on a case you can "
+            "solve by hand: one step from x = 0 with u = 1 held, and the limit of a very small dt.")
     refused = _refuse(name, fn, (ssm.discretize,), hint, _zoh_inputs(torch.Generator().manual_seed(71)))
     if refused is not None:
         return refused
     return check_function(name, _tensor_pair(fn), _zoh_reference, _zoh_inputs, trials=6, seed=71,
-                          rtol=1e-9, atol=1e-12, hint=hint)
+                          rtol=1e-9, atol=1e-12, hint=hint, explain=_explain_zoh)
+
+
+def _explain_zoh(got, expected, a, b, dt) -> str:
+    """Which of (Ab, Bb) is wrong, and whether the pair is the forward-Euler step instead of the exact hold."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return "Return the pair (Ab, Bb), each of a's shape."
+    euler = torch.stack([1 + dt * a, dt * b])
+    if torch.allclose(got, euler, rtol=1e-9, atol=1e-12):
+        return "That is the forward-Euler step, a first-order approximation; the task asks for the exact hold."
+    ok = [torch.allclose(got[i], expected[i], rtol=1e-9, atol=1e-12) for i in range(2)]
+    if ok[0] and not ok[1]:
+        return "Ab is right; Bb is wrong."
+    if ok[1] and not ok[0]:
+        return "Bb is right; Ab is wrong."
+    return ""
 
 
 # ------------------------------------------------------------------------------------------- the combine
@@ -88,7 +103,8 @@ def check_scan_combine(fn) -> Result:
     single step ``h -> a h + b`` equal to both. Checked on random triples of steps: composing equals applying
     them one after another, and ``fn(fn(p, q), r) == fn(p, fn(q, r))`` (associativity)."""
     name = "the scan's combine operator"
-    hint = "apply left to h, then right to the result, and collect the terms in h and the rest."
+    hint = ("re-read 'The scan: an associative operator and Blelloch's two sweeps' and compose two scalar "
+            "steps by hand, left first.")
     refused = _refuse(name, fn, (ssm.scan_combine,), hint,
                       _combine_inputs(torch.Generator().manual_seed(72))[:2])
     if refused is not None:
@@ -113,6 +129,8 @@ def check_scan_combine(fn) -> Result:
             three = left[0] * h + left[1]
             if not torch.allclose(applied, q[0] * (p[0] * h + p[1]) + q[1], rtol=1e-9, atol=1e-12):
                 problem = "applying fn(p, q) to h differs from applying p, then q."
+                if torch.allclose(applied, p[0] * (q[0] * h + q[1]) + p[1], rtol=1e-9, atol=1e-12):
+                    problem += " It equals applying q first, then p: the order is reversed."
             elif not (torch.allclose(left[0], right[0], rtol=1e-9, atol=1e-12)
                       and torch.allclose(left[1], right[1], rtol=1e-9, atol=1e-12)):
                 problem = "fn(fn(p, q), r) differs from fn(p, fn(q, r)): the operator is not associative."
@@ -146,20 +164,37 @@ def _chunk_reference(S, x, dt, A, B):
     return final[0, 0]
 
 
+def _explaining_chunk(fn):
+    """``explain`` for the chunk state: with x = 0 only the decay of the starting state remains, so the answer on
+    that input separates the decay of S from the chunk's own writes."""
+    def explain(got, expected, S, x, dt, A, B) -> str:
+        quiet = torch.zeros_like(x)
+        decay_ok = torch.allclose(fn(S, quiet, dt, A, B), _chunk_reference(S, quiet, dt, A, B), rtol=1e-9,
+                                  atol=1e-10)
+        writes_ok = torch.allclose(fn(torch.zeros_like(S), x, dt, A, B),
+                                   _chunk_reference(torch.zeros_like(S), x, dt, A, B), rtol=1e-9, atol=1e-10)
+        if decay_ok and not writes_ok:
+            return "With x = 0 your state is right: the decay of S is right, the chunk's own inputs are not."
+        if writes_ok and not decay_ok:
+            return "From S = 0 your state is right: the chunk's inputs are right, the decay of S is not."
+        return ""
+    return explain
+
+
 @exercise
 def check_ssd_chunk_state(fn) -> Result:
     """Check ``fn(S, x, dt, A, B) -> S_next`` for one head and one chunk: ``S (p, n)`` the state the chunk
     starts from, ``x (Q, p)``, ``dt (Q,)``, ``A`` a negative float, ``B (Q, n)``; returns the state after the
     chunk, computed the chunked way (no loop over the Q steps needed)."""
     name = "one chunk of SSD state passing"
-    hint = ("the old state decays by exp(A * sum(dt)) over the chunk; step s writes dt_s x_s B_s^T, decayed by "
-            "exp(A * (dt_{s+1} + ... + dt_{Q-1})) to the chunk's end.")
+    hint = ("re-read 'Mamba-2's SSD: recurrence, masked attention and chunks' and compare your state with a "
+            "step-by-step loop on a chunk of one and of two steps.")
     refused = _refuse(name, fn, (ssm.ssd_recurrent, ssm.ssd_chunked, ssm.ssd_attention), hint,
                       _chunk_inputs(torch.Generator().manual_seed(73)))
     if refused is not None:
         return refused
     return check_function(name, fn, _chunk_reference, _chunk_inputs, trials=6, seed=73, rtol=1e-9, atol=1e-10,
-                          hint=hint)
+                          hint=hint, explain=_explaining_chunk(fn))
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -185,13 +220,13 @@ def check_scan_kernel(kernel) -> Result:
     name = "a blocked scan kernel"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("inside a block, tl.associative_scan((a, b), 0, combine) gives each position's prefix (A, B); "
-            "the state entering the block enters as h = A * carry + B, and the carry must be the last *valid* "
-            "h (pad the lanes past L with the identity a = 1, b = 0).")
+    hint = ("re-read '`linear_scan`: `tl.associative_scan` and a carry'. Wrong only from a later block on "
+            "points at what passes from one block to the next (on a row whose length BLOCK_L does not divide "
+            "too); writes outside or never made point at the masks.")
     seed, sizes = 74, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, L + 21, B) for r, L, B in sizes)
-    if (unlaunchable := not_a_kernel(name, kernel, "kernel[(rows,)](...)")) is not None:
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of rows programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     for trial, (rows, L, block) in enumerate(sizes):

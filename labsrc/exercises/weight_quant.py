@@ -63,10 +63,28 @@ def check_wq_group_params(fn) -> Result:
     if refused is not None:
         return refused
     return check_function(title, _pair(fn), _group_reference, _group_inputs, trials=10, seed=121, rtol=1e-9,
-                          atol=1e-12,
-                          hint="Symmetric: the largest magnitude maps to the largest positive code. Asymmetric: "
-                               "the range runs from min(w, 0) to max(w, 0) over 2**bits - 1 steps, and the zero "
-                               "point is the integer code that 0 rounds to.")
+                          atol=1e-12, explain=_explain_group,
+                          hint="re-read 'The quantization formula' and quantize then dequantize the failing "
+                               "group with your step and zero point: 0 must come back exactly, and every "
+                               "weight must land within half a step of itself.")
+
+
+def _explain_group(got, expected, group, bits, symmetric) -> str:
+    kind = "symmetric" if symmetric else "asymmetric"
+    if not isinstance(got, torch.Tensor) or got.shape != (2,):
+        return "Return the pair (scale, zero) as two numbers."
+    wrong = [what for i, what in enumerate(("step", "zero point"))
+             if not torch.isclose(got[i], expected[i], rtol=1e-9, atol=1e-12)]
+    if not wrong:
+        return ""
+    extra = ""
+    if "step" in wrong and expected[0] != 0:
+        extra = f"; your step is {(got[0] / expected[0]).item():.4g} times the right one"
+    elif float(got[1]) != round(float(got[1])):
+        extra = "; a zero point is a whole code"
+    sign = "all positive" if bool((group > 0).all()) else "all negative" if bool((group < 0).all()) else "mixed"
+    verb = "are" if len(wrong) == 2 else "is"
+    return f"The {' and the '.join(wrong)} of this {kind}, {bits}-bit case ({sign} weights) {verb} wrong{extra}."
 
 
 # ------------------------------------------------------------------------------------------- MXFP4 block
@@ -94,6 +112,26 @@ def _exp_and_values(fn):
     return wrapped
 
 
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)   # the E2M1 magnitudes, as the chapter lists them
+
+
+def _explain_mxfp4(got, expected, block) -> str:
+    """Whether the shared exponent or an element is wrong, and what is special about that element."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return "Return (shared_exp, values) with 32 values."
+    if got[0] != expected[0]:
+        return f"The shared exponent is off by {int(got[0] - expected[0]):+d}."
+    i = int((got[1:] != expected[1:]).nonzero()[0])
+    scaled = abs(float(block[i])) / 2.0 ** float(expected[0])
+    if scaled > _E2M1[-1]:
+        said = "beyond the largest E2M1 magnitude"
+    elif any(abs(scaled - (a + b) / 2) < 1e-6 for a, b in zip(_E2M1, _E2M1[1:])):
+        said = "exactly halfway between two E2M1 magnitudes"
+    else:
+        said = "between two E2M1 magnitudes, not on a tie"
+    return f"The exponent is right; element {i} is the first wrong one, and scaled it lies {said}."
+
+
 @exercise
 def check_mxfp4_block(fn) -> Result:
     """Check ``fn(block) -> (shared_exp, values)`` for one block of 32 fp32 numbers: the unbiased shared
@@ -104,10 +142,9 @@ def check_mxfp4_block(fn) -> Result:
     if refused is not None:
         return refused
     return check_function(title, _exp_and_values(fn), _block_reference, _block_inputs, trials=10, seed=122,
-                          rtol=0.0, atol=0.0,
-                          hint="The shared exponent is floor(log2(max|x|)) minus the exponent of E2M1's largest "
-                               "value; divide by 2**shared_exp, round each element to the nearest E2M1 "
-                               "magnitude (a tie goes to the one with an even mantissa bit), clip at 6.")
+                          rtol=0.0, atol=0.0, explain=_explain_mxfp4,
+                          hint="re-read 'MXFP4: a 4-bit float with a shared power-of-two scale' for the case "
+                               "the message names (the shared exponent, a tie, a value past the largest code).")
 
 
 # ------------------------------------------------------------------------------------------- GPTQ step
@@ -128,6 +165,25 @@ def _gptq_reference(w, hinv, q0):
     return out
 
 
+def _explain_gptq(got, expected, w, hinv, q0) -> str:
+    """Judge column 0 and the correction of the other columns separately."""
+    if isinstance(got, str):
+        return f"Your function {got}: work on a copy."
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ""
+    if not torch.allclose(got[:, 0], expected[:, 0], rtol=1e-9, atol=1e-12):
+        return "Column 0 should hold q0 afterwards."
+    moved, want = (got[:, 1:] - w[:, 1:]).double(), (expected[:, 1:] - w[:, 1:]).double()
+    if not moved.any():
+        return "Column 0 is right, but the other columns did not move."
+    nonzero = want.abs() > 1e-12
+    if nonzero.any():
+        c = (moved[nonzero] / want[nonzero]).median().item()
+        if torch.allclose(moved, c * want, rtol=1e-6, atol=1e-12):
+            return f"Column 0 is right; the other columns move the right way round but {c:.4g} times as far."
+    return "Column 0 is right; the other columns move, but not along the right correction."
+
+
 @exercise
 def check_gptq_column_update(fn) -> Result:
     """Check ``fn(W, Hinv, q0) -> W_new``: quantize column 0 of ``W (N, K)`` to ``q0`` and move the other
@@ -145,10 +201,9 @@ def check_gptq_column_update(fn) -> Result:
         return got
 
     return check_function(title, guarded, _gptq_reference, _gptq_inputs, trials=8, seed=123, rtol=1e-9,
-                          atol=1e-12,
-                          hint="The error of column 0, divided by the inverse Hessian's diagonal entry, "
-                               "spreads over the other columns along row 0 of the inverse Hessian; work "
-                               "on a copy of W.")
+                          atol=1e-12, explain=_explain_gptq,
+                          hint="re-read 'GPTQ: quantize a column, let the others absorb the error' and test "
+                               "your step on W with two columns, where you can follow it by hand.")
 
 
 # ------------------------------------------------------------------------------------------- AWQ search
@@ -174,8 +229,8 @@ def check_awq_search(fn) -> Result:
     refused = refuse_library(title, fn, (wq.awq_search_scales, wq.apply_awq), _OWN)
     if refused is not None:
         return refused
-    hint = ("Try every alpha of the grid: scale the weight's columns by s, quantize, undo the scaling, and "
-            "keep the s whose layer output on x is closest to the full-precision output.")
+    hint = ("re-read 'AWQ: protect the channels that large activations multiply' and the task's grid and "
+            "normalisation; print the output error your search measures for each alpha on the failing layer.")
     trials, seed = (8, 1124) if hidden() else (4, 124)
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
@@ -193,8 +248,10 @@ def check_awq_search(fn) -> Result:
         best = _awq_error(w, x, wq.awq_search_scales(w, x, bits, g, grid), bits, g)
         got = _awq_error(w, x, s.float(), bits, g)
         if got > best * (1 + 1e-4) + 1e-12:
+            plain = _awq_error(w, x, torch.ones(w.shape[1]), bits, g)
+            worse = " (larger even than with no scaling, alpha = 0)" if got > plain * (1 + 1e-4) else ""
             return _report(Result(title, FAILED, _with_hint(
-                f"trial {trial + 1}: your scales give a larger output error than the grid's best.", hint)))
+                f"trial {trial + 1}: your scales give a larger output error than the grid's best{worse}.", hint)))
     return _report(Result(title, "passed", f"reaches the grid's best error on {trials} random layers."))
 
 
@@ -258,9 +315,8 @@ def check_int4_gemv_kernel(kernel) -> Result:
                                                    wq.dequantize), _OWN)
     if refused is not None:
         return refused
-    hint = ("Byte j holds two columns: mask with 15 for column j, shift right by 4 for column j + HALF; each "
-            "column uses the step and zero point of its group (column // GROUP); mask rows past N and bytes "
-            "past HALF, and sum the products along the columns.")
+    hint = ("re-read 'The kernels' and the planar layout in the task; the message says which rows are wrong, "
+            "and a trial whose GROUP does not divide HALF tests the group lookup.")
     trials, seed = (10, 1125) if hidden() else (5, 125)
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
@@ -280,7 +336,11 @@ def check_int4_gemv_kernel(kernel) -> Result:
                 f"{where}: {int(torch.isnan(got).sum())} output element(s) were never written.", hint)))
         if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
             bad = ~torch.isclose(got, expected, rtol=1e-4, atol=1e-4)
+            rows = bad.nonzero().flatten()
+            full = (qw.shape[0] // GEMV_BLOCK_N) * GEMV_BLOCK_N
+            tail = (" (only rows of the last, partial block of BLOCK_N rows)" if int(rows.min()) >= full
+                    and full < qw.shape[0] else "")
             return _report(Result(GEMV_KERNEL, FAILED, _with_hint(
                 f"{where}: {int(bad.sum())} of {bad.numel()} outputs differ, the first at row "
-                f"{int(bad.nonzero()[0])}.", hint)))
+                f"{int(rows[0])}{tail}.", hint)))
     return _report(Result(GEMV_KERNEL, "passed", f"agrees with the reference on {trials} random odd sizes."))
