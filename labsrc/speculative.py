@@ -650,7 +650,12 @@ def lookup_draft(context, k: int, ngram: int = 3) -> list[int]:
     The most recent occurrence, not the first: text being quoted or edited is usually near the end, and a
     loop in the output repeats its latest turn. (transformers' ``prompt_lookup_num_tokens`` takes the first.)
     """
-    ctx = torch.as_tensor(context).reshape(-1)
+    _check_k(k)
+    _check_k(ngram, "ngram")
+    ctx = torch.as_tensor(context)
+    if ctx.dtype.is_floating_point or ctx.dtype == torch.bool or ctx.dim() != 1:
+        raise ValueError(f"context must be a 1-D sequence of integer token ids, got {ctx.dtype} "
+                         f"of shape {tuple(ctx.shape)}")
     T = ctx.numel()
     for n in range(min(ngram, T - 1), 0, -1):
         # every window of n tokens that ends before the last token, so at least one token follows it

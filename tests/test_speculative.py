@@ -630,6 +630,12 @@ def test_lookup_draft_takes_the_most_recent_match_then_shorter_ngrams():
     assert spec.lookup_draft([7, 8, 9, 1, 5, 9, 7, 8, 9], 2, ngram=3) == [1, 5]
     assert spec.lookup_draft([1, 2, 3], 4, ngram=3) == []          # nothing repeats: no draft
     assert spec.lookup_draft(torch.tensor([4]), 4) == []            # a single token has no earlier context
+    with pytest.raises(ValueError, match="k must be"):
+        spec.lookup_draft([1, 2, 1], 0)
+    with pytest.raises(ValueError, match="ngram must be"):
+        spec.lookup_draft([1, 2, 1], 2, ngram=0)
+    with pytest.raises(ValueError, match="context must be"):
+        spec.lookup_draft(torch.tensor([[1, 2, 1]]), 2)
 
 
 def test_one_hot_draft_residual_is_the_target_without_the_drafted_token():
