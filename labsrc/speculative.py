@@ -14,6 +14,7 @@ token then has exactly the target's distribution (Leviathan et al. 2023, Chen et
 * :func:`speculative_generate`: both models' KV caches, rolled back on rejection; fixed or adaptive window.
 * :func:`tree_attention_mask`, :func:`tree_verify_logits`, :func:`tree_speculative_generate`: greedy tree
   speculation verified in one target forward with the Triton tree-attention kernel.
+* :func:`prompt_lookup_generate`: the draft copied from the context (:func:`lookup_draft`), no draft model.
 * :func:`early_exit_draft`, :func:`train_early_exit_head` (``python -m labsrc.speculative train-early-exit``):
   the target's first half as a draft; :func:`self_speculative_generate`: self-speculation with one shared KV
   cache (the draft's keys, values and hidden states are reused by verification; :func:`run_layers`,
@@ -46,6 +47,7 @@ __all__ = [
     "early_exit_draft", "train_early_exit_head", "alpha_along", "acceptance_by_position", "plain_decode",
     "task_prompts", "draft_opd_generate", "self_speculative_generate", "run_layers", "count_layer_tokens",
     "cache_nbytes", "alpha_with_draft_cache", "KVProjection", "fit_kv_projection", "cache_features",
+    "lookup_draft", "prompt_lookup_generate",
 ]
 
 _PROB_TOL = 1e-3
@@ -637,10 +639,90 @@ def self_speculative_generate(target, input_ids: torch.Tensor, max_new_tokens: i
                       temperature, top_p, generator, window, stats, stop_at_eos)
 
 
+def lookup_draft(context, k: int, ngram: int = 3) -> list[int]:
+    """Prompt lookup's draft: up to ``k`` tokens that followed the most recent earlier occurrence of the
+    context's last n-gram.
+
+    ``context`` is a 1-D sequence of token ids (the prompt and the output so far). The last ``ngram`` tokens
+    are searched for earlier in ``context``; at the most recent occurrence that has at least one token after
+    it, the (up to ``k``) tokens that followed are the draft. Without a match the n-gram is shortened, down to
+    a single token; with no match at all the draft is empty (the caller then takes a plain target step).
+    The most recent occurrence, not the first: text being quoted or edited is usually near the end, and a
+    loop in the output repeats its latest turn. (transformers' ``prompt_lookup_num_tokens`` takes the first.)
+    """
+    _check_k(k)
+    _check_k(ngram, "ngram")
+    ctx = torch.as_tensor(context)
+    if ctx.dtype.is_floating_point or ctx.dtype == torch.bool or ctx.dim() != 1:
+        raise ValueError(f"context must be a 1-D sequence of integer token ids, got {ctx.dtype} "
+                         f"of shape {tuple(ctx.shape)}")
+    T = ctx.numel()
+    for n in range(min(ngram, T - 1), 0, -1):
+        # every window of n tokens that ends before the last token, so at least one token follows it
+        windows = ctx[: T - 1].unfold(0, n, 1)
+        hits = (windows == ctx[T - n:]).all(-1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return ctx[start: start + k].tolist()
+    return []
+
+
+class _PromptLookup:
+    """Prompt lookup (Saxena 2023): no draft model; the draft is copied from the context by
+    :func:`lookup_draft`. Only the target keeps a cache."""
+
+    def __init__(self, target, ngram: int):
+        self.target, self.ngram = target, ngram
+        self.tcache = _new_cache(target)
+
+    def prefill(self, ids):
+        _forward(self.target, ids, self.tcache)
+
+    def propose(self, seq, kk: int) -> list[int]:
+        return lookup_draft(seq[0], kk, self.ngram) if kk else []
+
+    def target_length(self) -> int:
+        return self.tcache.get_seq_length()
+
+    def score(self, feed) -> torch.Tensor:
+        return _forward(self.target, feed, self.tcache)
+
+    def rollback(self, length: int) -> None:
+        _rollback(self.tcache, length)
+
+    def cache_bytes(self) -> tuple[int, int]:
+        return cache_nbytes(self.tcache), 0
+
+
+def prompt_lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int, k: int = 8, ngram: int = 3,
+                           do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
+                           generator: torch.Generator | None = None, stop_at_eos: bool = True,
+                           stats: SpecStats | None = None) -> tuple[torch.Tensor, SpecStats]:
+    """Speculative decoding whose draft costs (almost) nothing: prompt lookup.
+
+    Each cycle drafts up to ``k`` tokens by :func:`lookup_draft`: the context's last ``ngram`` tokens (then
+    fewer, down to one) are found at their most recent earlier occurrence in the prompt or the output so
+    far, and what followed is proposed. The target verifies them in one call, with the same loop, verification
+    and cache rollback as :func:`speculative_generate`; when nothing matches, the cycle is a plain target
+    step (no draft, one token). A deterministic draft is a one-hot ``q``, so with ``do_sample=True`` a
+    drafted token ``x`` is accepted with probability ``p(x)`` and a rejection samples from ``p`` with ``x``
+    removed: the output has the target's distribution exactly. ``do_sample=False`` gives the target's greedy
+    output token for token. Returns ``(ids (1, T + n), stats)``; ``stats.draft_calls`` stays 0 (no model
+    drafts) and ``stats.steps[i].draft_seconds`` is the lookup's time.
+    """
+    input_ids = _check_generate_args(input_ids, max_new_tokens, k, "fixed", do_sample, temperature, top_p)
+    _check_k(ngram, "ngram")
+    return _speculate(_PromptLookup(target, ngram), target, input_ids, max_new_tokens, k, do_sample,
+                      temperature, top_p, generator, "fixed", stats, stop_at_eos)
+
+
 def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperature, top_p, generator, window,
                stats, stop_at_eos) -> tuple[torch.Tensor, SpecStats]:
-    """The draft-verify loop shared by :func:`speculative_generate` and :func:`self_speculative_generate`;
-    ``engine`` owns the caches (``prefill``, ``draft_next``, ``score``, ``rollback``, ``cache_bytes``)."""
+    """The draft-verify loop shared by :func:`speculative_generate`, :func:`self_speculative_generate` and
+    :func:`prompt_lookup_generate`; ``engine`` owns the caches (``prefill``, ``draft_next``, ``score``,
+    ``rollback``, ``cache_bytes``). An engine with a ``propose(seq, kk)`` method drafts deterministically
+    instead of calling ``draft_next``: it returns up to ``kk`` tokens (possibly none), each verified as a draft
+    with a one-hot ``q``."""
     stats = SpecStats() if stats is None else stats
     device = next(target.parameters()).device
     seq = input_ids.to(device)
@@ -659,23 +741,30 @@ def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperat
     while produced < max_new_tokens:
         rule_k = adaptive_window(alpha_hat) if window == "adaptive" else k
         kk = min(rule_k, max_new_tokens - produced - 1)   # never draft past the budget: the target adds one
-        # ---- draft kk tokens, one draft call each
+        # ---- draft up to kk tokens: one draft call each, or a deterministic proposal (no model call)
         t0 = time.perf_counter()
         drafted, qs = [], []
-        pending = seq[:, engine.draft_length():]
-        for _ in range(kk):
-            q = dist(engine.draft_next(pending))
-            tok = (torch.multinomial(q, 1, generator=generator) if do_sample else q.argmax(-1, keepdim=True))
-            drafted.append(int(tok))
-            qs.append(q)
-            pending = tok.view(1, 1).to(device)
-        stats.draft_calls += kk
+        if hasattr(engine, "propose"):
+            # a deterministic draft is a one-hot q: min(1, p/q) accepts x with probability p(x), and the
+            # residual max(p - q, 0) is p with x removed, renormalised; the verification below is unchanged
+            drafted = engine.propose(seq, kk)
+            qs = [torch.nn.functional.one_hot(torch.tensor(t, device=device), target.config.vocab_size).float()
+                  for t in drafted]
+        else:
+            pending = seq[:, engine.draft_length():]
+            for _ in range(kk):
+                q = dist(engine.draft_next(pending))
+                tok = (torch.multinomial(q, 1, generator=generator) if do_sample else q.argmax(-1, keepdim=True))
+                drafted.append(int(tok))
+                qs.append(q)
+                pending = tok.view(1, 1).to(device)
+            stats.draft_calls += kk
         t_draft = time.perf_counter() - t0
         # ---- one target call scores the last token and all drafts
         t0 = time.perf_counter()
         x = torch.tensor(drafted, dtype=torch.long, device=device)
         feed = torch.cat([seq[:, engine.target_length():], x[None]], dim=1)
-        logits = engine.score(feed)[-(kk + 1):]
+        logits = engine.score(feed)[-(len(drafted) + 1):]
         stats.target_calls += 1
         p = dist(logits)
         q_all = torch.stack(qs) if qs else p.new_zeros((0, p.shape[-1]))
@@ -694,10 +783,10 @@ def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperat
         produced += len(emitted)
         # ---- roll the caches back to the accepted prefix: everything but the newest token is cached
         engine.rollback(seq.shape[1] - 1)
-        acc_mask = tuple(j < n_acc for j in range(kk))
-        if kk:
-            alpha_hat = 0.9 * alpha_hat + 0.1 * (n_acc / kk)
-        stats.steps.append(StepStats(k=kk, drafted=kk, accepted=n_acc, emitted=len(emitted),
+        acc_mask = tuple(j < n_acc for j in range(len(drafted)))
+        if drafted:
+            alpha_hat = 0.9 * alpha_hat + 0.1 * (n_acc / len(drafted))
+        stats.steps.append(StepStats(k=kk, drafted=len(drafted), accepted=n_acc, emitted=len(emitted),
                                      draft_seconds=t_draft, target_seconds=t_target, accepted_mask=acc_mask,
                                      cut=kk < rule_k))
         if emitted and emitted[-1] in eos:
@@ -1062,7 +1151,9 @@ def plain_decode(model, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[t
 
 def task_prompts(tokenizer, task: str, n: int, length: int, seed: int = 0) -> list[torch.Tensor]:
     """``n`` prompts of about ``length`` tokens for ``task``: ``"prose"`` (validation text), ``"passkey"`` (the
-    text up to the pass key's answer) or ``"copy"`` (a word list, prose, then the request to copy it)."""
+    text up to the pass key's answer), ``"copy"`` (a word list, prose, then the request to copy it) or
+    ``"passage"`` (a quoted prose passage, more prose, then the request to repeat the passage: the answer
+    quotes the context, prompt lookup's best case)."""
     import random
 
     from labsrc import tasks
@@ -1080,8 +1171,11 @@ def task_prompts(tokenizer, task: str, n: int, length: int, seed: int = 0) -> li
         elif task == "copy":
             sample = tasks.copy_sample(tokenizer, length, rng)
             out.append(torch.tensor(sample.prompt_ids))
+        elif task == "passage":
+            sample = tasks.passage_sample(tokenizer, length, rng.random(), rng)
+            out.append(torch.tensor(sample.prompt_ids))
         else:
-            raise ValueError(f"task must be 'prose', 'passkey' or 'copy', got {task!r}")
+            raise ValueError(f"task must be 'prose', 'passkey', 'copy' or 'passage', got {task!r}")
     return out
 
 

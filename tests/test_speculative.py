@@ -617,3 +617,119 @@ def test_sampling_at_a_tiny_temperature_is_greedy(lab_pair):
         out, _ = spec.speculative_generate(target, draft, ids, 10, k=3, do_sample=True, temperature=t,
                                            generator=torch.Generator().manual_seed(0))
         assert torch.equal(out, ref), t
+
+
+# ----------------------------------------------------------------------------- prompt lookup
+def test_lookup_draft_takes_the_most_recent_match_then_shorter_ngrams():
+    # "1 2" occurs at 0 and at 4: the most recent earlier one (4) wins, and what followed it is proposed
+    assert spec.lookup_draft([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 3, ngram=2) == [5, 6, 1]
+    assert spec.lookup_draft([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 8, ngram=2) == [5, 6, 1, 2]   # up to the end
+    # no earlier "9 2": the 1-gram "2" matches instead
+    assert spec.lookup_draft([1, 2, 3, 4, 9, 2], 2, ngram=2) == [3, 4]
+    # the 3-gram matches and beats the more recent 1-gram match
+    assert spec.lookup_draft([7, 8, 9, 1, 5, 9, 7, 8, 9], 2, ngram=3) == [1, 5]
+    assert spec.lookup_draft([1, 2, 3], 4, ngram=3) == []          # nothing repeats: no draft
+    assert spec.lookup_draft(torch.tensor([4]), 4) == []            # a single token has no earlier context
+    with pytest.raises(ValueError, match="k must be"):
+        spec.lookup_draft([1, 2, 1], 0)
+    with pytest.raises(ValueError, match="ngram must be"):
+        spec.lookup_draft([1, 2, 1], 2, ngram=0)
+    with pytest.raises(ValueError, match="context must be"):
+        spec.lookup_draft(torch.tensor([[1, 2, 1]]), 2)
+
+
+def test_one_hot_draft_residual_is_the_target_without_the_drafted_token():
+    p = torch.tensor([0.1, 0.5, 0.3, 0.1])
+    q = torch.nn.functional.one_hot(torch.tensor(1), 4).float()
+    assert torch.allclose(spec.residual_distribution(p, q), torch.tensor([0.2, 0.0, 0.6, 0.2]))
+    # accepted with probability p(x): 0.5 here, over seeded draws
+    g, n = torch.Generator().manual_seed(11), 4000
+    out, acc = spec.verify_batch(torch.ones(n, 1, dtype=torch.long), q.expand(n, 1, 4), p.expand(n, 2, 4),
+                                 generator=g)
+    assert abs(acc.float().mean() - 0.5) < 4 * math.sqrt(0.25 / n)
+    # and the first emitted token has the target's distribution
+    assert spec.chi_square_test(torch.bincount(out[:, 0], minlength=4), p)[2] > 1e-3
+
+
+def _pl_prompts(vocab):
+    """Prompts for prompt lookup: two that repeat a span (drafts exist from the first cycle) and two whose
+    tokens are all distinct (the first cycle finds no match and is a plain target step)."""
+    g = torch.Generator().manual_seed(12)
+    span = torch.randperm(vocab, generator=g)[:7] + 0
+    rep = [torch.cat([span, span[:3]]), torch.cat([span[:5], span[2:], span[:2]])]
+    plain = [torch.randperm(vocab, generator=g)[:n] for n in (3, 9)]
+    return [(p[None], True) for p in rep] + [(p[None], False) for p in plain]
+
+
+def test_prompt_lookup_is_greedy_identical_to_generate_and_to_transformers_prompt_lookup():
+    target = _tiny_llama_d16(13, vocab=32, layers=2)
+    accepted = 0
+    for ids, repeats in _pl_prompts(32):
+        ref = target.generate(ids, max_new_tokens=16, do_sample=False)
+        hf = target.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4,
+                             max_matching_ngram_size=2)
+        for k, ngram in ((2, 1), (8, 3)):
+            out, stats = spec.prompt_lookup_generate(target, ids, 16, k=k, ngram=ngram)
+            assert torch.equal(out, ref) and torch.equal(hf, ref), (ids, k)
+            assert stats.new_tokens == 16 and stats.draft_calls == 0
+            assert stats.target_calls == len(stats.steps) <= 16
+            assert all(s.accepted <= s.drafted <= s.k for s in stats.steps)
+            assert (stats.steps[0].drafted > 0) == repeats       # no repeat in the prompt: a plain step
+            accepted += stats.accepted
+    assert accepted > 0                                            # drafts were accepted, not only tried
+
+
+def test_prompt_lookup_sampled_output_has_target_joint_distribution():
+    V = 4
+    target = _tiny_llama_d16(14, vocab=V, layers=1)
+    prompt = torch.tensor([[1, 2, 3, 1, 2]])   # "1 2" repeats: the first cycle drafts [3, 1]
+    with torch.no_grad():
+        p1 = spec.warp_logits(target(prompt).logits[0, -1], 0.8)
+        two = torch.cat([prompt.expand(V, 5), torch.arange(V)[:, None]], 1)
+        p2 = spec.warp_logits(target(two).logits[:, -1], 0.8)
+        three = torch.cat([two.repeat_interleave(V, 0), torch.arange(V).repeat(V)[:, None]], 1)
+        p3 = spec.warp_logits(target(three).logits[:, -1], 0.8)
+    joint = (p1[:, None, None] * p2.view(V, V)[:, :, None] * p3.view(V, V, V)).flatten()
+    g = torch.Generator().manual_seed(15)
+    counts, n, acc, rej = torch.zeros(V ** 3), 1000, 0, 0
+    for _ in range(n):
+        out, st = spec.prompt_lookup_generate(target, prompt, 3, k=2, ngram=2, do_sample=True,
+                                              temperature=0.8, generator=g, stop_at_eos=False)
+        a, b, c = out[0, 5:].tolist()
+        counts[(a * V + b) * V + c] += 1
+        acc += st.accepted
+        rej += st.drafted - st.accepted
+    assert acc > 50 and rej > 50                   # both branches of the rule were exercised
+    assert spec.chi_square_test(counts, joint)[2] > 1e-3
+
+
+def test_prompt_lookup_errors():
+    target = _tiny_llama_d16(13, vocab=32, layers=1)
+    ids = torch.tensor([[5, 6, 5]])
+    with pytest.raises(ValueError, match="k must be"):
+        spec.prompt_lookup_generate(target, ids, 4, k=0)
+    with pytest.raises(ValueError, match="ngram must be"):
+        spec.prompt_lookup_generate(target, ids, 4, ngram=0)
+    with pytest.raises(TypeError, match="ngram must be"):
+        spec.prompt_lookup_generate(target, ids, 4, ngram=2.0)
+    with pytest.raises(TypeError, match="input_ids"):
+        spec.prompt_lookup_generate(target, ids.float(), 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        spec.prompt_lookup_generate(target, ids, -1)
+    with pytest.raises(ValueError, match="temperature"):
+        spec.prompt_lookup_generate(target, ids, 4, do_sample=True, temperature=-1.0)
+
+
+def test_prompt_lookup_on_lab_target_quoting_and_prose(lab_pair):
+    from labsrc.models import load
+    target, _ = lab_pair
+    _, tok = load("lab-target")
+    for task in ("passage", "prose"):
+        for ids in spec.task_prompts(tok, task, 2, 96, seed=16):
+            ids = ids[None]
+            ref = target.generate(ids, max_new_tokens=24, do_sample=False)
+            hf = target.generate(ids, max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=8,
+                                 max_matching_ngram_size=3)
+            out, stats = spec.prompt_lookup_generate(target, ids, 24, k=8, ngram=3)
+            assert torch.equal(out, ref) and torch.equal(hf, ref), task
+            assert stats.target_calls <= 24
