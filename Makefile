@@ -66,13 +66,14 @@ test: setup
 test-unit: setup
 	$(PYTEST) -q -n 2 tests
 
-# Instructor notebooks: exercises must pass (LAB_EXERCISES=strict makes a failed check raise). Two notebooks
-# run side by side, each on one torch thread (labsrc.runtime's CPU default).
+# Instructor notebooks: exercises must pass (LAB_EXERCISES=build makes a failed check raise, as strict does when
+# grading, but lets a kernel check that cannot run here say "skipped": the book builds on a Mac, which has no
+# Triton). Two notebooks run side by side, each on one torch thread (labsrc.runtime's CPU default).
 execute: $(EXECUTED)
 $(EXECUTED): $(CHAPTERS) $(LABSRC) $(VENV)/.ready
 	rm -rf _executed/chapters _build/claims _build/ledger.jsonl && mkdir -p _executed/chapters
 	cp $(CHAPTERS) _executed/chapters/
-	LAB_EXERCISES=strict $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=900 _executed/chapters/*.ipynb
+	LAB_EXERCISES=build $(PYTEST) -q -n 2 -p no:cacheprovider --nbmake --overwrite --nbmake-timeout=900 _executed/chapters/*.ipynb
 	touch $@
 
 # Release notebooks: the real `nbgrader generate_assignment`, in a temporary course it lays out
