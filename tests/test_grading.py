@@ -203,6 +203,38 @@ def test_autograde_round_trip(tmp_path, capsys):
     assert csv_rows[0].startswith("student,01:gqa_bytes") and csv_rows[-1].startswith("(max),")
 
 
+@pytest.mark.slow
+@pytest.mark.notebook
+def test_autograde_without_triton_awards_no_kernel_points_and_says_so(tmp_path, monkeypatch):
+    """Graded on a machine without Triton (simulated in nbgrader's kernels by tests/no_triton_site), the kernel
+    exercise scores 0 even for the instructor's own solution, an unsolved notebook scores 0 in all, and the table
+    names the exercise as not graded on this machine; the other exercises are graded as on Linux."""
+    name = ROUND_TRIP_CHAPTER.name
+    instructor = exercise_notebook(ROUND_TRIP_CHAPTER)
+    source_dir = tmp_path / "source"
+    write(instructor, source_dir / name)
+    student.build(source_dir, tmp_path / "release")
+    release = json.loads((tmp_path / "release" / name).read_text())
+    points = {nbgrader(c)["grade_id"]: nbgrader(c)["points"] for c in release["cells"] if nbgrader(c).get("grade")}
+    kernel = "check_kv_store_kernel"
+    assert kernel in points
+    subs = tmp_path / "submissions"
+    write(release, subs / "unsolved" / name)
+    write(instructor, subs / "instructor" / name)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "no_triton_site"))
+    course = tmp_path / "course"
+    table = grade.grade(subs, source_dir, course)
+    assert table.total("unsolved") == 0
+    assert table.scores["instructor"][(name, kernel)] == 0
+    assert table.total("instructor") == sum(points.values()) - points[kernel]
+    assert table.ungraded == {(name, kernel)}
+    assert "not graded on this machine" in table.to_markdown() and "01:kv_store_kernel" in table.ungraded_note()
+    graded = json.loads((course / "autograded" / "instructor" / "lab" / name).read_text())
+    cell = next(c for c in graded["cells"] if nbgrader(c).get("grade_id") == kernel)
+    shown = json.dumps(cell["outputs"])
+    assert "skipped" in shown and "on Linux" in shown, "the grader sees why the kernel earned nothing"
+
+
 def test_score_table_formats():
     table = grade.ScoreTable([("01_a.ipynb", "check_x", 1.0), ("02_b.ipynb", "check_y", 2.5)],
                              {"bo": {("01_a.ipynb", "check_x"): 1.0, ("02_b.ipynb", "check_y"): 0.0},
@@ -210,6 +242,10 @@ def test_score_table_formats():
     assert table.to_csv().splitlines() == ["student,01:x,02:y,total", "al,0,2.5,2.5", "bo,1,0,1", "(max),1,2.5,3.5"]
     md = table.to_markdown().splitlines()
     assert md[0] == "| student | 01:x | 02:y | total |" and md[2] == "| al | 0 | 2.5 | 2.5 |"
+    assert "not graded" not in table.to_markdown()
+    table.ungraded = {("02_b.ipynb", "check_y")}
+    assert table.to_markdown().splitlines()[-1] == table.ungraded_note()
+    assert table.ungraded_note().startswith("not graded on this machine") and table.ungraded_note().endswith(": 02:y")
 
 
 def test_grade_refuses_unknown_notebooks_and_empty_folders(tmp_path):
