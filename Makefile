@@ -146,5 +146,6 @@ grade: setup
 	$(if $(SUBMISSIONS),,$(error give the submissions folder: make grade SUBMISSIONS=path))
 	$(PY) -m labsrc.exercises.grade $(SUBMISSIONS) --csv _build/grades.csv $(if $(COURSE),--course $(COURSE))
 
+# Build outputs only: students' notebooks in _build/lab/ and the grades in _build/grades.csv stay (tools/clean.py).
 clean:
-	rm -rf _build _executed
+	$(PYTHON) tools/clean.py

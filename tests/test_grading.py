@@ -233,6 +233,56 @@ def test_autograde_without_triton_awards_no_kernel_points_and_says_so(tmp_path, 
     cell = next(c for c in graded["cells"] if nbgrader(c).get("grade_id") == kernel)
     shown = json.dumps(cell["outputs"])
     assert "skipped" in shown and "on Linux" in shown, "the grader sees why the kernel earned nothing"
+    # the feedback nbgrader writes from this course shows results, not the hidden cases
+    student.nbgrader(course, "generate_feedback", student.ASSIGNMENT, "--force", env={"PYTHONPATH": str(ROOT)})
+    html = (course / "feedback" / "instructor" / "lab" / f"{ROUND_TRIP_CHAPTER.stem}.html").read_text()
+    assert "hidden=True" not in html and "HIDDEN TESTS" not in html
+    assert "check_kv_store_kernel" in html and "on Linux" in html
+
+
+def test_course_keeps_an_existing_nbgrader_config(tmp_path, capsys):
+    """`make grade COURSE=...` on an instructor's own course leaves its nbgrader_config.py as it was, and names
+    the lab's settings it lacks; a new course gets the lab's config."""
+    fresh = student.course(tmp_path / "new", [ROUND_TRIP_CHAPTER])
+    assert (fresh / "nbgrader_config.py").read_text() == student.CONFIG
+    own = tmp_path / "own"
+    own.mkdir()
+    mine = 'c = get_config()\nc.CourseDirectory.course_id = "my-class"\nc.Execute.timeout = 600\n'
+    (own / "nbgrader_config.py").write_text(mine)
+    student.course(own, [ROUND_TRIP_CHAPTER])
+    assert (own / "nbgrader_config.py").read_text() == mine
+    warning = capsys.readouterr().err
+    assert "kept your" in warning and "c.OverwriteCells.add_missing_cells" in warning
+    assert "c.Execute.timeout" not in warning and "course_id" not in warning
+    (own / "nbgrader_config.py").write_text(student.CONFIG + "# my own line\n")
+    student.course(own, [ROUND_TRIP_CHAPTER])
+    assert (own / "nbgrader_config.py").read_text().endswith("# my own line\n") and not capsys.readouterr().err
+
+
+def test_feedback_hides_the_hidden_tests_but_keeps_the_results():
+    """The preprocessor the lab's config gives `nbgrader generate_feedback`: a test cell loses its hidden section,
+    and a failed check's traceback (which quotes the hidden call) is cut to its message; printed results stay."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    cell = new_code_cell("ex.check_gqa_bytes(gqa_kv_bytes)\n### BEGIN HIDDEN TESTS\n"
+                         "ex.check_gqa_bytes(gqa_kv_bytes, hidden=True)\n### END HIDDEN TESTS")
+    cell.metadata["nbgrader"] = {"grade": True, "solution": False, "locked": True, "points": 1,
+                                 "grade_id": "check_gqa_bytes", "schema_version": 3}
+    cell.outputs = [new_output("stream", name="stdout", text="❌ gqa (hidden cases): failed. 3 is too small.\n"),
+                    new_output("error", ename="ExerciseFailed", evalue="gqa (hidden cases): failed",
+                               traceback=["----> 3 ex.check_gqa_bytes(gqa_kv_bytes, hidden=True)", "ExerciseFailed"])]
+    plain = new_code_cell("x = 1")
+    plain.outputs = [new_output("error", ename="NameError", evalue="y", traceback=["----> 1 y"])]
+    nb = new_notebook(cells=[cell, plain])
+    assert "labsrc.exercises.student.HideHiddenTests" in student.CONFIG
+    out, _ = student.HideHiddenTests().preprocess(nbformat.from_dict(nb), {})
+    text = json.dumps(out.cells[0])
+    assert "hidden=True" not in text and "HIDDEN TESTS" not in text
+    assert out.cells[0].source.strip() == "ex.check_gqa_bytes(gqa_kv_bytes)"
+    assert out.cells[0].outputs[1].traceback == ["ExerciseFailed: gqa (hidden cases): failed"]
+    assert "failed. 3 is too small" in out.cells[0].outputs[0].text, "the result stays"
+    assert out.cells[1].outputs[0].traceback == ["----> 1 y"], "a student's own cell keeps its traceback"
 
 
 def test_score_table_formats():
