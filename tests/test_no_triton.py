@@ -1,4 +1,6 @@
-"""Without Triton (macOS, Windows), the lab runs: every kernel wrapper validates and calls its reference."""
+"""Without Triton (macOS, Windows), the lab runs: every kernel wrapper validates and calls its reference, every
+chapter's imports and exercise checks work (kernel exercises say "skipped" and award nothing when grading), and
+the chapters whose comparisons need Triton (7, and 8 with its fla-core oracle) run to the end, saying "skipped"."""
 from __future__ import annotations
 
 import os
