@@ -301,6 +301,8 @@ def test_score_table_formats():
 def test_grade_refuses_unknown_notebooks_and_empty_folders(tmp_path):
     with pytest.raises(ValueError, match="no student folders"):
         grade.grade(tmp_path)
+    with pytest.raises(ValueError, match="submissions: .* is not a folder"):
+        grade.grade(tmp_path / "missing")
     write({"cells": []}, tmp_path / "ada" / "99_nope.ipynb")
     with pytest.raises(ValueError, match="99_nope"):
         grade.grade(tmp_path)
