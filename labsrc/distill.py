@@ -22,7 +22,10 @@ teacher) and writes ``labsrc/data/distill_results.json``::
 
     python -m labsrc.distill experiment --steps 120 --sweep-steps 60 --save-dir /tmp/students
     python -m labsrc.distill drafts --students /tmp/students --prompts 8   # each as chapter 10's draft
-    python -m labsrc.distill ship --method kd --steps 120 --T 2.0          # checkpoints/lab-draft-distilled
+    python -m labsrc.distill ship --method kd --steps 120 --T 2.0   # checkpoints/lab-draft-distilled
+
+``ship`` writes over the shipped student only with ``--overwrite``; without it, beside it, in
+``lab-draft-distilled-retrained-<n>``, as retraining a model does.
 
 Every run is deterministic from its seed, so the methods and the sweep may also run as separate processes
 (``experiment(..., methods=...)``) and give the same figures.
@@ -313,7 +316,8 @@ def _hidden_dims(model):
 
 def distill_run(method: str, steps: int = 400, T: float = 2.0, alpha: float = 0.5, teacher=None, tokenizer=None,
                 seed: int = 0, log_path: Path | None = None, on_policy_frac: float = 0.5, beta: float = 0.5,
-                gen_prompt: int = 64, gen_new: int = 64, verbose: bool = False, steps_cap_s: float | None = None):
+                gen_prompt: int = 64, gen_new: int = 64, verbose: bool = False, steps_cap_s: float | None = None,
+                progress: bool = False):
     """Train a student of ``lab-draft``'s shape for ``steps`` steps; return ``(student, log, info)``.
 
     ``method``: ``"scratch"`` (the training objective of :mod:`labsrc.models.train`, no teacher), ``"kd"``
@@ -323,8 +327,11 @@ def distill_run(method: str, steps: int = 400, T: float = 2.0, alpha: float = 0.
     :func:`generalized_jsd` on the generated tokens; otherwise the data batch with the same divergence) and
     ``"distilbert"`` (:func:`distilbert_loss` with a learned projection 128 -> 320). Every method sees the
     same data batches (one seeded stream) and the answer-token weighting of the lab's training objective
-    is kept for the hard term. Deterministic from ``seed``.
+    is kept for the hard term. Deterministic from ``seed``. ``progress`` shows a bar over the steps (the
+    command line's runs; the chapter's short live run stays quiet).
     """
+    from tqdm.auto import tqdm
+
     from transformers import LlamaForCausalLM
 
     from labsrc.data import load_tokenizer
@@ -353,6 +360,7 @@ def distill_run(method: str, steps: int = 400, T: float = 2.0, alpha: float = 0.
     log, t0, tokens = [], time.time(), 0
     fh = open(log_path, "w", newline="") if log_path else None
     writer = None
+    bar = tqdm(total=cfg.max_steps, desc=f"distilling ({method}, T={T})", unit="step", disable=not progress)
     for step in range(cfg.max_steps):
         if steps_cap_s is not None and time.time() - t0 > steps_cap_s:
             break
@@ -401,8 +409,11 @@ def distill_run(method: str, steps: int = 400, T: float = 2.0, alpha: float = 0.
                 writer.writeheader()
             writer.writerow(row)
             fh.flush()
+        bar.set_postfix(loss=f"{row['loss']:.3f}")
+        bar.update()
         if verbose and (step + 1) % 50 == 0:
-            print(f"{method} T={T} step {step + 1}: loss {row['loss']:.3f} ({row['elapsed_s']:.0f} s)", flush=True)
+            bar.write(f"{method} T={T} step {step + 1}: loss {row['loss']:.3f} ({row['elapsed_s']:.0f} s)")
+    bar.close()
     if fh:
         fh.close()
     student.eval()
@@ -530,7 +541,8 @@ def experiment(steps: int, sweep_steps: int, temps=(1.0, 2.0, 4.0, 8.0), out: Pa
                "teacher": evaluate_student(teacher, teacher, tokenizer)}
     t_all = time.time()
     for m in methods:
-        student, log, info = distill_run(m, steps, teacher=teacher, tokenizer=tokenizer, verbose=verbose)
+        student, log, info = distill_run(m, steps, teacher=teacher, tokenizer=tokenizer, verbose=verbose,
+                                         progress=verbose)
         info["final_loss"] = log[-1]["loss"]
         results["methods"][m] = {**info, **evaluate_student(student, teacher, tokenizer)}
         results["methods"][m].pop("train_config")
@@ -539,7 +551,7 @@ def experiment(steps: int, sweep_steps: int, temps=(1.0, 2.0, 4.0, 8.0), out: Pa
         out.write_text(json.dumps(results, indent=1))
     for T in temps:
         student, log, info = distill_run("kd", sweep_steps, T=T, teacher=teacher, tokenizer=tokenizer,
-                                         verbose=verbose)
+                                         verbose=verbose, progress=verbose)
         res = {**info, **evaluate_student(student, teacher, tokenizer)}
         res.pop("train_config")
         results["sweep"][str(T)] = res
@@ -549,16 +561,25 @@ def experiment(steps: int, sweep_steps: int, temps=(1.0, 2.0, 4.0, 8.0), out: Pa
     return results
 
 
-def ship(method: str, steps: int, T: float = 2.0, out: Path | None = None) -> dict:
+def ship(method: str, steps: int, T: float = 2.0, out: Path | None = None, overwrite: bool = False) -> dict:
     """Train ``method`` for ``steps`` steps and write the checkpoint (fp16), tokenizer, ``train_log.csv`` and
-    ``eval_card.json`` (the lab's eval card plus the distillation figures) to ``out``."""
+    ``eval_card.json`` (the lab's eval card plus the distillation figures) to ``out`` (by default
+    ``checkpoints/lab-draft-distilled``).
+
+    As in training (:func:`labsrc.models.train.fresh_folder`), a folder that already holds a checkpoint is not
+    written over unless ``overwrite``: the run goes to the first free ``<out>-retrained-<n>`` beside it, since
+    chapters 10 and 13 read their numbers from the shipped student. The folder is chosen before training."""
     from labsrc.data import load_tokenizer
     from labsrc.models import CHECKPOINTS, load
 
     out = Path(out or CHECKPOINTS / "lab-draft-distilled")
+    if not overwrite:
+        out = _train_module().fresh_folder(out)
+    print(f"writing the distilled student to {out}", flush=True)
     tokenizer = load_tokenizer()
     teacher, _ = load("lab-target")
-    student, log, info = distill_run(method, steps, T=T, teacher=teacher, tokenizer=tokenizer, verbose=True)
+    student, log, info = distill_run(method, steps, T=T, teacher=teacher, tokenizer=tokenizer, verbose=True,
+                                     progress=True)
     return save_student(student, log, info, out, teacher, tokenizer)
 
 
@@ -609,7 +630,11 @@ def main(argv=None):
     s.add_argument("--method", choices=METHODS[1:], default="kd")
     s.add_argument("--steps", type=int, default=120)
     s.add_argument("--T", type=float, default=2.0)
-    s.add_argument("--out", type=Path, default=None)
+    s.add_argument("--out", type=Path, default=None,
+                   help="default: checkpoints/lab-draft-distilled; if it already holds a checkpoint, the run writes "
+                        "to <out>-retrained-<n> unless --overwrite is given")
+    s.add_argument("--overwrite", action="store_true",
+                   help="write into --out (or checkpoints/lab-draft-distilled) even if it holds a checkpoint")
     args = parser.parse_args(argv)
     if args.cmd == "experiment":
         experiment(args.steps, args.sweep_steps, methods=tuple(args.methods.split(",")), out=args.out,
@@ -617,7 +642,7 @@ def main(argv=None):
     elif args.cmd == "drafts":
         add_draft_figures(args.students, args.out, n_prompts=args.prompts)
     else:
-        card = ship(args.method, args.steps, args.T, args.out)
+        card = ship(args.method, args.steps, args.T, args.out, overwrite=args.overwrite)
         print(json.dumps({k: card[k] for k in ("validation_perplexity", "train_minutes", "distillation")},
                          indent=1))
 

@@ -411,10 +411,13 @@ def routing_and_predictions(model, ids: torch.Tensor):
 
 
 def expert_prefetch(steps: int = 300, batch: int = 8, seq_len: int = 128, eval_windows: int = 16,
-                    seed: int = 0, log: list | None = None) -> dict:
+                    seed: int = 0, log: list | None = None, progress: bool = False) -> dict:
     """Train :func:`tiny_moe` briefly on the lab corpus, then measure on validation windows how often the
     next layer's router, applied to the current hidden state, names the experts the layer will use, against
-    prefetching the layer's most frequent experts (counted on training windows). JSON-able."""
+    prefetching the layer's most frequent experts (counted on training windows). JSON-able. ``progress`` shows a
+    bar over the training steps (the command line; the chapter's page stays quiet)."""
+    from tqdm.auto import tqdm
+
     from labsrc.claims import wilson
     from labsrc.models import load
     from labsrc import weight_quant as wq
@@ -425,7 +428,7 @@ def expert_prefetch(steps: int = 300, batch: int = 8, seq_len: int = 128, eval_w
     train_ids = wq.calibration_ids(tok, steps * batch, seq_len, split="train", seed=seed)
     t0 = time.perf_counter()
     model.train()
-    for step in range(steps):
+    for step in tqdm(range(steps), desc="MoE training", unit="step", disable=not progress):
         ids = train_ids[step * batch:(step + 1) * batch]
         loss = model(ids, labels=ids).loss
         opt.zero_grad(set_to_none=True)
@@ -556,7 +559,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     if args.moe:
         log: list = []
-        result = expert_prefetch(steps=args.moe_steps, log=log)
+        result = expert_prefetch(steps=args.moe_steps, log=log, progress=True)
         result["train"]["torch"] = torch.__version__
         MOE_OUT.write_text(json.dumps(result, indent=1))
         for row in result["layers"]:
@@ -569,8 +572,9 @@ def main(argv=None) -> int:
     command = recall.command_line("labsrc.frontier", p, args, omit_defaults=("out", "moe_steps"))
     header = recall.stored_header(command, [m for ms in grid.values() for m in ms], args.task, task, args)
     out = args.out or (PASSKEY_OUT if args.task == "passkey" else DEFAULT_OUT)
-    recall.sweep(grid, data, args.widths, args.seeds, args.steps, args.batch, args.max_seconds, extra=_extra,
-                 header=header, out=out)
+    with recall.progress_echo(len(args.widths) * len(args.seeds) * len(grid)) as echo:
+        recall.sweep(grid, data, args.widths, args.seeds, args.steps, args.batch, args.max_seconds, extra=_extra,
+                     header=header, out=out, echo=echo)
     return 0
 
 

@@ -437,10 +437,13 @@ def state_bytes(kind: str, *, n_heads: int, head_dim: int, value_dim: int | None
     raise ValueError(f"kind must be 'softmax' or 'linear', got {kind!r}")
 
 
-def fla_naive():
+def fla_naive(*, missing_ok: bool = False):
     """flash-linear-attention's own PyTorch references (code we did not write), imported quietly:
     ``(naive_recurrent_gated_delta_rule, naive_chunk_gated_delta_rule)``. Note their argument orders differ:
     the recurrent one takes ``(q, k, v, beta, g, ...)``, the chunked one ``(q, k, v, g, beta, chunk_size, ...)``.
+
+    fla-core imports Triton, which has Linux wheels only: on macOS and Windows the import fails. With
+    ``missing_ok=True`` this returns ``None`` then, so that a chapter can skip the comparison and say so.
 
     Importing ``fla`` on a machine without a GPU warns that Triton "is not supported on current platform, roll
     back to CPU" (true and expected here: only the naive references are used, which are plain PyTorch), that
@@ -456,5 +459,11 @@ def fla_naive():
         warnings.filterwarnings("ignore", message="Flash Attention is not installed", category=ImportWarning)
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
                                 category=DeprecationWarning)
-        from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule, naive_recurrent_gated_delta_rule
+        try:
+            from fla.ops.gated_delta_rule.naive import (naive_chunk_gated_delta_rule,
+                                                        naive_recurrent_gated_delta_rule)
+        except ImportError:
+            if missing_ok:
+                return None
+            raise
     return naive_recurrent_gated_delta_rule, naive_chunk_gated_delta_rule

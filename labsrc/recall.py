@@ -39,6 +39,7 @@ two initialisations and, with one seed each, two draws from a wide spread.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
 import inspect
@@ -58,8 +59,8 @@ import torch.nn.functional as F
 from labsrc import linear_attention as la
 
 __all__ = ["MIXERS", "register_mixer", "BLOCKS", "register_block", "RecallModel", "MQARData", "PassKeyData",
-           "PassKeySample", "RecallConfig", "train", "evaluate", "run", "sweep", "across_seeds", "code_version",
-           "add_task_args", "make_data", "command_line", "main", "DEFAULT_OUT"]
+           "PassKeySample", "RecallConfig", "train", "evaluate", "run", "sweep", "progress_echo", "across_seeds",
+           "code_version", "add_task_args", "make_data", "command_line", "main", "DEFAULT_OUT"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "recall_mqar.json"
 MIXERS: dict[str, Callable[..., nn.Module]] = {}
@@ -492,6 +493,20 @@ def sweep(grid: dict, data, widths: Sequence[int], seeds: Sequence[int], steps: 
     return result
 
 
+@contextlib.contextmanager
+def progress_echo(total: int):
+    """An ``echo`` for :func:`sweep` on the command line: it prints each run's line above a progress bar of
+    ``total`` runs and advances the bar. (A bar inside :func:`sweep` would change the source
+    :func:`code_version` fingerprints, and so stale every stored grid.)"""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, desc="runs", unit="run") as bar:
+        def echo(*parts, **_):
+            bar.write(" ".join(map(str, parts)))
+            bar.update()
+        yield echo
+
+
 def across_seeds(runs: list[dict], key: str = "accuracy") -> dict:
     """``{(model, width): Estimate}``: each variant's mean ``key`` over its seeds with a Student-t 95% interval
     (:meth:`labsrc.claims.Estimate.mean`; ``n`` is the number of seeds). Two variants are ranked only where
@@ -578,8 +593,9 @@ def main(argv=None) -> int:
     grid = {name: GRID[name] for name in args.models}
     header = stored_header(command_line("labsrc.recall", p, args), [m for ms in grid.values() for m in ms],
                            "mqar", task, args)
-    sweep(grid, data, args.widths, args.seeds, args.steps, args.batch, args.max_seconds, header=header,
-          out=args.out)
+    with progress_echo(len(args.widths) * len(args.seeds) * len(grid)) as echo:
+        sweep(grid, data, args.widths, args.seeds, args.steps, args.batch, args.max_seconds, header=header,
+              out=args.out, echo=echo)
     return 0
 
 

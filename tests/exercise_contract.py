@@ -58,3 +58,27 @@ def test_hidden_cases_pass_right_and_raise_on_wrong_and_stub_in_any_mode(exercis
     with pytest.raises(ExerciseFailed, match="not solved yet"):
         check(stub, hidden=True)
     assert "hidden cases" in capsys.readouterr().out, "the hidden check still prints its message"
+
+
+def assert_kernel_check_skips_without_triton(check, answer, monkeypatch, capsys):
+    """Without Triton a kernel check tells a student it was skipped, and awards nothing when grading: it raises,
+    saying to grade on Linux, in strict mode and in the hidden cases (a plain ``nbgrader autograde``). Only the
+    book build (``LAB_EXERCISES=build``, executing the instructor notebooks) lets the skip pass through.
+
+    Not a test itself (no ``test_`` prefix): each kernel chapter's test module calls it with its kernel check."""
+    from labsrc import runtime
+    from labsrc.exercises import core
+
+    monkeypatch.setattr(runtime, "HAS_TRITON", False)
+    monkeypatch.delenv("LAB_EXERCISES", raising=False)
+    result = check(answer)
+    assert result.status == core.SKIPPED and not result.passed and "Triton" in result.message
+    assert "skipped" in capsys.readouterr().out, "the student sees that the kernel was skipped"
+    for mode, hidden in (("", True), ("strict", False), ("strict", True)):
+        monkeypatch.setenv("LAB_EXERCISES", mode)
+        with pytest.raises(ExerciseFailed, match=f"{core.NOT_GRADED}.*on Linux"):
+            check(answer, hidden=hidden)
+        assert "skipped" in capsys.readouterr().out, "the skip is printed before it raises"
+    monkeypatch.setenv("LAB_EXERCISES", "build")
+    for hidden in (False, True):
+        assert check(answer, hidden=hidden).status == core.SKIPPED

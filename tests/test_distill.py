@@ -319,3 +319,42 @@ def test_draft_figures_measures_a_student_as_chapter_10s_draft():
     assert 0 <= d["accepted"] <= d["drafted"] and d["alpha"] == d["accepted"] / d["drafted"]
     assert d["new_tokens"] == 8 and 1 <= d["tokens_per_call"] <= 4 and d["c"] > 0
     assert d["predicted_speedup"] == pytest.approx(d["tokens_per_call"] / (3 * d["c"] + 1))
+
+
+def test_ship_does_not_overwrite_a_shipped_student_without_overwrite(tmp_path, monkeypatch):
+    """`python -m labsrc.distill ship` writes beside an existing checkpoint (``<out>-retrained-<n>``), as
+    training does, and into it only with --overwrite; the folder is chosen before any training."""
+    from pathlib import Path
+
+    import labsrc.data
+    import labsrc.models
+
+    written = []
+    monkeypatch.setattr(labsrc.models, "CHECKPOINTS", tmp_path)
+    monkeypatch.setattr(labsrc.models, "load", lambda name, **kw: (f"model {name}", None))
+    monkeypatch.setattr(labsrc.data, "load_tokenizer", lambda: "tokenizer")
+    monkeypatch.setattr(distill, "distill_run", lambda method, steps, **kw: (
+        "student", [{"loss": 1.0}], {"method": method, "steps": steps, "T": kw["T"]}))
+
+    def save_student(student, log, info, out, teacher, tokenizer):
+        written.append(Path(out))
+        return {"validation_perplexity": 1.0, "train_minutes": 0.0, "distillation": {}}
+
+    monkeypatch.setattr(distill, "save_student", save_student)
+    shipped = tmp_path / "lab-draft-distilled"
+    shipped.mkdir()
+    (shipped / "model.safetensors").write_text("the shipped weights")
+    distill.main(["ship", "--steps", "3"])
+    assert written[-1] == tmp_path / "lab-draft-distilled-retrained-1"
+    (written[-1]).mkdir()
+    (written[-1] / "model.safetensors").write_text("a first retrain")
+    distill.main(["ship", "--steps", "3"])
+    assert written[-1] == tmp_path / "lab-draft-distilled-retrained-2"
+    own = tmp_path / "mine"
+    own.mkdir()
+    (own / "x").write_text("x")
+    distill.main(["ship", "--steps", "3", "--out", str(own)])
+    assert written[-1] == tmp_path / "mine-retrained-1"
+    distill.main(["ship", "--steps", "3", "--overwrite"])
+    assert written[-1] == shipped
+    assert (shipped / "model.safetensors").read_text() == "the shipped weights", "only save_student writes"

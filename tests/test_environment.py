@@ -88,3 +88,25 @@ def test_changing_torch_spec_reinstalls_torch(tmp_path):
     assert "--force-reinstall --no-deps torch==2.13.0" in first and "install -q -e .[dev,book]" in first
     assert setup("torch==2.13.0") == "", "the same spec again installs nothing"
     assert "--force-reinstall --no-deps torch" in setup("torch"), "a new spec reinstalls torch"
+
+
+def test_set_up_pages_describe_this_environment():
+    """book/how_to_run.md and the README say what set-up needs: the conda channels environment.yml really uses
+    (not the pytorch/nvidia channels of old), python3-venv on Debian and Ubuntu, and how to get the CPU torch on
+    Linux through the Makefile's TORCH_SPEC, with a torch inside pyproject.toml's range."""
+    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    how_to = (ROOT / "book" / "how_to_run.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for channel in env["channels"]:
+        assert f"`{channel}`" in how_to, f"how_to_run.md does not name the {channel} channel"
+    assert "`nvidia`" not in how_to and "from the `pytorch`" not in how_to, "channels environment.yml does not use"
+    assert "TORCH_SPEC" in (ROOT / "Makefile").read_text()
+    lower, upper = re.match(r">=([\d.]+),<([\d.]+)", _spec(DEPS, "torch")).groups()
+    for page in (how_to, readme):
+        assert "python3-venv" in page
+        m = re.search(r"PIP_EXTRA_INDEX_URL=https://download\.pytorch\.org/whl/cpu\s*\\?\s*make book "
+                      r"TORCH_SPEC=torch==([\d.]+)\+cpu", page)
+        assert m, "the CPU build of torch on Linux, through TORCH_SPEC"
+        version = tuple(int(x) for x in m.group(1).split("."))
+        assert tuple(int(x) for x in lower.split(".")) <= version < tuple(int(x) for x in upper.split("."))
+        assert "three times" in page, "make test takes about three times make book"

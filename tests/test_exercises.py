@@ -67,6 +67,30 @@ def test_strict_mode_raises_on_anything_but_passed(monkeypatch):
         ex.check_value("a", unsolved, 1)
 
 
+def test_build_mode_is_strict_for_every_check(monkeypatch):
+    """The book build (LAB_EXERCISES=build) checks the instructor's solutions as strictly as grading does."""
+    monkeypatch.setenv("LAB_EXERCISES", "build")
+    assert ex.strict() and ex.check_value("a", lambda: 1, 1).passed
+    for answer in (lambda: 2, unsolved):
+        with pytest.raises(ex.ExerciseFailed):
+            ex.check_value("a", answer, 1)
+
+
+def test_every_kernel_check_reports_a_missing_triton_through_the_shared_rule():
+    """A kernel check that tested Triton on its own could let a skip pass when grading: each chapter module that
+    mentions Triton reports its absence through core.triton_missing (or skipped_without_triton),
+    whose contract tests/exercise_contract.py checks for every kernel exercise."""
+    from labsrc.exercises import core
+
+    folder = Path(core.__file__).parent
+    kernel_modules = [p for p in sorted(folder.glob("*.py")) if p.name != "core.py" and "triton" in p.read_text()]
+    assert len(kernel_modules) >= 13, [p.name for p in kernel_modules]
+    for path in kernel_modules:
+        text = path.read_text()
+        assert "triton_missing(" in text or "skipped_without_triton(" in text, path.name
+        assert "NOT_SOLVED, \"skipped" not in text and "Skipped(" not in text, f"{path.name} skips on its own"
+
+
 SOLVED_CELL = """def kv_bytes(layers, tokens):
     \"\"\"Bytes of K and V.\"\"\"
     ### BEGIN SOLUTION

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from exercise_contract import (  # noqa: F401 (collected here, run over this module's CASES)
+    assert_kernel_check_skips_without_triton,
     lenient, test_hidden_cases_pass_right_and_raise_on_wrong_and_stub_in_any_mode, test_right_answer_passes,
     test_strict_mode_passes_right_and_raises_on_wrong_and_stub, test_stub_is_not_solved_yet,
     test_wrong_answer_fails_with_hint)
@@ -120,12 +121,8 @@ if runtime.HAS_TRITON:   # without Triton the kernel check only says it is skipp
               (ex.check_kd_kl_kernel, kernel_right, kernel_padding_counted)]
 
 
-def test_kernel_check_says_skipped_without_triton(lenient, monkeypatch, capsys):
-    monkeypatch.setattr(ex.runtime, "HAS_TRITON", False)
-    monkeypatch.setenv("LAB_EXERCISES", "strict")
-    result = ex.check_kd_kl_kernel(kernel_right)       # does not raise, even in strict mode
-    assert not result.passed and "skipped" in result.message and "Triton" in result.message
-    assert "skipped" in capsys.readouterr().out
+def test_kernel_check_says_skipped_without_triton(monkeypatch, capsys):
+    assert_kernel_check_skips_without_triton(ex.check_kd_kl_kernel, kernel_right, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("check,answer,called", [

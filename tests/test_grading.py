@@ -203,6 +203,88 @@ def test_autograde_round_trip(tmp_path, capsys):
     assert csv_rows[0].startswith("student,01:gqa_bytes") and csv_rows[-1].startswith("(max),")
 
 
+@pytest.mark.slow
+@pytest.mark.notebook
+def test_autograde_without_triton_awards_no_kernel_points_and_says_so(tmp_path, monkeypatch):
+    """Graded on a machine without Triton (simulated in nbgrader's kernels by tests/no_triton_site), the kernel
+    exercise scores 0 even for the instructor's own solution, an unsolved notebook scores 0 in all, and the table
+    names the exercise as not graded on this machine; the other exercises are graded as on Linux."""
+    name = ROUND_TRIP_CHAPTER.name
+    instructor = exercise_notebook(ROUND_TRIP_CHAPTER)
+    source_dir = tmp_path / "source"
+    write(instructor, source_dir / name)
+    student.build(source_dir, tmp_path / "release")
+    release = json.loads((tmp_path / "release" / name).read_text())
+    points = {nbgrader(c)["grade_id"]: nbgrader(c)["points"] for c in release["cells"] if nbgrader(c).get("grade")}
+    kernel = "check_kv_store_kernel"
+    assert kernel in points
+    subs = tmp_path / "submissions"
+    write(release, subs / "unsolved" / name)
+    write(instructor, subs / "instructor" / name)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "no_triton_site"))
+    course = tmp_path / "course"
+    table = grade.grade(subs, source_dir, course)
+    assert table.total("unsolved") == 0
+    assert table.scores["instructor"][(name, kernel)] == 0
+    assert table.total("instructor") == sum(points.values()) - points[kernel]
+    assert table.ungraded == {(name, kernel)}
+    assert "not graded on this machine" in table.to_markdown() and "01:kv_store_kernel" in table.ungraded_note()
+    graded = json.loads((course / "autograded" / "instructor" / "lab" / name).read_text())
+    cell = next(c for c in graded["cells"] if nbgrader(c).get("grade_id") == kernel)
+    shown = json.dumps(cell["outputs"])
+    assert "skipped" in shown and "on Linux" in shown, "the grader sees why the kernel earned nothing"
+    # the feedback nbgrader writes from this course shows results, not the hidden cases
+    student.nbgrader(course, "generate_feedback", student.ASSIGNMENT, "--force", env={"PYTHONPATH": str(ROOT)})
+    html = (course / "feedback" / "instructor" / "lab" / f"{ROUND_TRIP_CHAPTER.stem}.html").read_text()
+    assert "hidden=True" not in html and "HIDDEN TESTS" not in html
+    assert "check_kv_store_kernel" in html and "on Linux" in html
+
+
+def test_course_keeps_an_existing_nbgrader_config(tmp_path, capsys):
+    """`make grade COURSE=...` on an instructor's own course leaves its nbgrader_config.py as it was, and names
+    the lab's settings it lacks; a new course gets the lab's config."""
+    fresh = student.course(tmp_path / "new", [ROUND_TRIP_CHAPTER])
+    assert (fresh / "nbgrader_config.py").read_text() == student.CONFIG
+    own = tmp_path / "own"
+    own.mkdir()
+    mine = 'c = get_config()\nc.CourseDirectory.course_id = "my-class"\nc.Execute.timeout = 600\n'
+    (own / "nbgrader_config.py").write_text(mine)
+    student.course(own, [ROUND_TRIP_CHAPTER])
+    assert (own / "nbgrader_config.py").read_text() == mine
+    warning = capsys.readouterr().err
+    assert "kept your" in warning and "c.OverwriteCells.add_missing_cells" in warning
+    assert "c.Execute.timeout" not in warning and "course_id" not in warning
+    (own / "nbgrader_config.py").write_text(student.CONFIG + "# my own line\n")
+    student.course(own, [ROUND_TRIP_CHAPTER])
+    assert (own / "nbgrader_config.py").read_text().endswith("# my own line\n") and not capsys.readouterr().err
+
+
+def test_feedback_hides_the_hidden_tests_but_keeps_the_results():
+    """The preprocessor the lab's config gives `nbgrader generate_feedback`: a test cell loses its hidden section,
+    and a failed check's traceback (which quotes the hidden call) is cut to its message; printed results stay."""
+    import nbformat
+    from nbformat.v4 import new_code_cell, new_notebook, new_output
+
+    cell = new_code_cell("ex.check_gqa_bytes(gqa_kv_bytes)\n### BEGIN HIDDEN TESTS\n"
+                         "ex.check_gqa_bytes(gqa_kv_bytes, hidden=True)\n### END HIDDEN TESTS")
+    cell.metadata["nbgrader"] = {"grade": True, "solution": False, "locked": True, "points": 1,
+                                 "grade_id": "check_gqa_bytes", "schema_version": 3}
+    cell.outputs = [new_output("stream", name="stdout", text="❌ gqa (hidden cases): failed. 3 is too small.\n"),
+                    new_output("error", ename="ExerciseFailed", evalue="gqa (hidden cases): failed",
+                               traceback=["----> 3 ex.check_gqa_bytes(gqa_kv_bytes, hidden=True)", "ExerciseFailed"])]
+    plain = new_code_cell("x = 1")
+    plain.outputs = [new_output("error", ename="NameError", evalue="y", traceback=["----> 1 y"])]
+    nb = new_notebook(cells=[cell, plain])
+    assert "labsrc.exercises.student.HideHiddenTests" in student.CONFIG
+    out, _ = student.HideHiddenTests().preprocess(nbformat.from_dict(nb), {})
+    text = json.dumps(out.cells[0])
+    assert "hidden=True" not in text and "HIDDEN TESTS" not in text
+    assert out.cells[0].source.strip() == "ex.check_gqa_bytes(gqa_kv_bytes)"
+    assert out.cells[0].outputs[1].traceback == ["ExerciseFailed: gqa (hidden cases): failed"]
+    assert "failed. 3 is too small" in out.cells[0].outputs[0].text, "the result stays"
+    assert out.cells[1].outputs[0].traceback == ["----> 1 y"], "a student's own cell keeps its traceback"
+
+
 def test_score_table_formats():
     table = grade.ScoreTable([("01_a.ipynb", "check_x", 1.0), ("02_b.ipynb", "check_y", 2.5)],
                              {"bo": {("01_a.ipynb", "check_x"): 1.0, ("02_b.ipynb", "check_y"): 0.0},
@@ -210,11 +292,17 @@ def test_score_table_formats():
     assert table.to_csv().splitlines() == ["student,01:x,02:y,total", "al,0,2.5,2.5", "bo,1,0,1", "(max),1,2.5,3.5"]
     md = table.to_markdown().splitlines()
     assert md[0] == "| student | 01:x | 02:y | total |" and md[2] == "| al | 0 | 2.5 | 2.5 |"
+    assert "not graded" not in table.to_markdown()
+    table.ungraded = {("02_b.ipynb", "check_y")}
+    assert table.to_markdown().splitlines()[-1] == table.ungraded_note()
+    assert table.ungraded_note().startswith("not graded on this machine") and table.ungraded_note().endswith(": 02:y")
 
 
 def test_grade_refuses_unknown_notebooks_and_empty_folders(tmp_path):
     with pytest.raises(ValueError, match="no student folders"):
         grade.grade(tmp_path)
+    with pytest.raises(ValueError, match="submissions: .* is not a folder"):
+        grade.grade(tmp_path / "missing")
     write({"cells": []}, tmp_path / "ada" / "99_nope.ipynb")
     with pytest.raises(ValueError, match="99_nope"):
         grade.grade(tmp_path)

@@ -389,3 +389,35 @@ def test_eval_card_probes_are_recomputed_on_a_prefix(task):
     assert got == pytest.approx(per[:20], abs=1e-4)
     lo, hi = card["ci95"]
     assert lo <= card["accuracy"] <= hi
+
+
+def test_eval_card_progress_bar_counts_every_stage(monkeypatch):
+    """The eval card's progress bar (train.evaluate) advances once per measured stage and ends full, at both
+    trained contexts (512, and another, which adds the perplexity at 512); the measurements are faked here."""
+    bars = []
+
+    class Bar:
+        def __init__(self, total, disable=False, **kw):
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def set_postfix_str(self, text):
+            pass
+
+        def update(self, k=1):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    grid = torch.ones(len(training.PASSKEY_FRACTIONS), len(training.PASSKEY_DEPTHS))
+    monkeypatch.setattr(training, "tqdm", Bar)
+    monkeypatch.setattr(training.tasks, "perplexity_by_position", lambda *a, **k: {
+        "overall": 1.0, "n_windows": 1, "positions": [], "perplexity": []})
+    monkeypatch.setattr(training.tasks, "passkey_grid", lambda *a, **k: grid)
+    monkeypatch.setattr(training.tasks, "variable_tracking_accuracy", lambda *a, **k: 1.0)
+    monkeypatch.setattr(training, "probe", lambda *a, **k: {"accuracy": 1.0})
+    for ctx in (512, 768):
+        card = training.evaluate(None, None, context_len=ctx)
+        assert bars[-1].closed and bars[-1].n == bars[-1].total, (ctx, bars[-1].n, bars[-1].total)
+        assert ("validation_perplexity_512" in card) == (ctx != 512)

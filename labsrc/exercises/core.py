@@ -24,6 +24,14 @@ case set (another seed, twice the trials, plus any extra cases the chapter modul
 release notebooks and puts them back when it autogrades, so even a plain ``nbgrader autograde`` (without
 ``LAB_EXERCISES=strict``) gives an unsolved or wrong exercise no points, while a student running the release
 notebook sees the friendly message and the notebook runs on.
+
+A kernel exercise cannot run where Triton is not installed (macOS, Windows). Its check then prints that it was
+skipped; a student carries on. But a skipped check has judged nothing, so it must not earn points: with
+``LAB_EXERCISES=strict`` and in the hidden cases it raises, with a message saying to grade on Linux, and
+``python -m labsrc.exercises.grade`` lists those exercises as not graded on that machine. Executing the
+instructor notebooks to build the book sets ``LAB_EXERCISES=build`` instead: strict in every other way (a failed
+or unsolved check raises, hidden cases included), but a kernel that cannot run here is reported as skipped, so
+the book builds on a Mac too.
 """
 from __future__ import annotations
 
@@ -39,7 +47,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-PASSED, FAILED, NOT_SOLVED = "passed", "failed", "not solved yet"
+PASSED, FAILED, NOT_SOLVED, SKIPPED = "passed", "failed", "not solved yet", "skipped"
 
 # Tolerances follow the dtype: about 1e-5 relative for fp32, 1e-3 for fp16, 1e-2 for bf16.
 _TOLERANCES = {
@@ -97,14 +105,25 @@ class Result:
         repr would repeat it), and nbgrader would read a test cell's displayed value as a partial-credit score."""
 
     def __str__(self) -> str:
-        mark = {PASSED: "✅", FAILED: "❌", NOT_SOLVED: "⏳"}[self.status]
+        mark = {PASSED: "✅", FAILED: "❌", NOT_SOLVED: "⏳", SKIPPED: "⏭"}[self.status]
         text = f"{mark} {self.name}: {self.status}"
         return f"{text}. {self.message}" if self.message else text
 
 
+def _mode() -> str:
+    return os.environ.get("LAB_EXERCISES", "").strip().lower()
+
+
 def strict() -> bool:
-    """True when ``LAB_EXERCISES=strict``: checks raise instead of printing a failure."""
-    return os.environ.get("LAB_EXERCISES", "").strip().lower() == "strict"
+    """True when ``LAB_EXERCISES`` is ``strict`` (grading) or ``build`` (the book build executing the instructor
+    notebooks): checks raise instead of printing a failure."""
+    return _mode() in ("strict", "build")
+
+
+def building() -> bool:
+    """True when ``LAB_EXERCISES=build``: the instructor notebooks are executed for the book, so a kernel check
+    that cannot run on this machine reports "skipped" instead of raising (nothing is graded)."""
+    return _mode() == "build"
 
 
 # Set while a check runs with ``hidden=True`` (see :func:`exercise`).
@@ -149,17 +168,32 @@ def _report(result: Result) -> Result:
 
 TRITON_MISSING = ("Triton is not installed on this machine (it has Linux wheels only), so the kernel cannot run; "
                   "the other exercises do not need it.")
+NOT_GRADED = "not graded on this machine"
+"""The words every skipped kernel check raises with when grading: :mod:`labsrc.exercises.grade` looks for them."""
+GRADE_ON_LINUX = (f"{NOT_GRADED}: a skipped kernel check earns no points. Grade this notebook on Linux, where "
+                  "Triton installs and its interpreter runs the kernel on a CPU.")
+
+
+def triton_missing(name: str) -> Result:
+    """Report the kernel exercise ``name`` as skipped, Triton being missing here: printed and returned while a
+    student works, but raised as :class:`ExerciseFailed` (saying to grade on Linux) with ``LAB_EXERCISES=strict``
+    and in the hidden cases, since a check that ran nothing must not award the exercise's points. Only the book
+    build (``LAB_EXERCISES=build``) lets it pass through there."""
+    result = Result(f"{name} (hidden cases)" if hidden() else name, SKIPPED, TRITON_MISSING)
+    print(result)
+    if (strict() or hidden()) and not building():
+        raise ExerciseFailed(f"{result.name}: {GRADE_ON_LINUX}")
+    return result
 
 
 def skipped_without_triton(name: str) -> Result | None:
-    """``None`` where Triton can launch kernels; elsewhere print that the kernel exercise ``name`` is skipped and
-    return its result: not solved, and not failed, since no answer could run on this machine."""
+    """``None`` where Triton can launch kernels; elsewhere the result of :func:`triton_missing` (which raises when
+    grading)."""
     from labsrc import runtime
 
     if runtime.HAS_TRITON:
         return None
-    print(f"⏭ {name}: skipped. {TRITON_MISSING}")
-    return Result(name, NOT_SOLVED, f"skipped: {TRITON_MISSING}")
+    return triton_missing(name)
 
 
 def not_a_kernel(name: str, kernel: Any, launch: str) -> Result | None:

@@ -18,6 +18,9 @@ check raises too) and import the ``labsrc`` this module belongs to. Usage::
 
 ``--course`` keeps the course directory (gradebook, autograded notebooks) for ``nbgrader generate_feedback``;
 without it a temporary one is used and removed. A chapter a student did not hand in scores 0.
+
+On a machine without Triton (macOS, Windows) the kernel exercises cannot run: their checks raise, so they score
+0, and the command lists them after the table as not graded on this machine. Grade on Linux for those points.
 """
 from __future__ import annotations
 
@@ -27,10 +30,12 @@ import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from labsrc.exercises.core import NOT_GRADED
 from labsrc.exercises.student import ASSIGNMENT, course, nbgrader, release
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +48,18 @@ class ScoreTable:
 
     exercises: list[tuple[str, str, float]]
     scores: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
+    # (notebook, grade_id) of the exercises whose checks could not run on the grading machine (a kernel exercise
+    # without Triton): they scored 0 for every student, whatever the answer.
+    ungraded: set[tuple[str, str]] = field(default_factory=set)
+
+    def ungraded_note(self) -> str:
+        """A line naming the exercises that could not be graded here, or "" when every one was."""
+        if not self.ungraded:
+            return ""
+        names = [column for column, (notebook, grade_id, _) in zip(self.columns(), self.exercises)
+                 if (notebook, grade_id) in self.ungraded]
+        return (f"{NOT_GRADED} (Triton is missing, so these kernel exercises scored 0; grade on Linux): "
+                + ", ".join(names))
 
     def total(self, student: str) -> float:
         return sum(self.scores[student].values())
@@ -73,6 +90,8 @@ class ScoreTable:
         rows = [[str(x) for x in row] for row in self.rows()]
         lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
         lines += ["| " + " | ".join(row) + " |" for row in rows[1:]]
+        if self.ungraded:
+            lines += ["", self.ungraded_note()]
         return "\n".join(lines) + "\n"
 
 
@@ -90,6 +109,8 @@ def exercises_of(notebook: Path) -> list[tuple[str, float]]:
 def grade(submissions: Path, source: Path = ROOT / "chapters", course_dir: Path | None = None) -> ScoreTable:
     """Autograde every ``submissions/<student>/*.ipynb`` against the instructor notebooks in ``source``."""
     submissions, source = Path(submissions), Path(source)
+    if not submissions.is_dir():
+        raise ValueError(f"submissions: {submissions} is not a folder (one subfolder of notebooks per student)")
     students = sorted(p for p in submissions.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not students:
         raise ValueError(f"no student folders in {submissions}")
@@ -115,7 +136,25 @@ def grade(submissions: Path, source: Path = ROOT / "chapters", course_dir: Path 
                # the chapters record claims and ledger rows: keep a student's numbers out of the lab's own
                "LAB_CLAIMS_DIR": str(root / "claims"), "LAB_LEDGER": str(root / "ledger.jsonl")}
         nbgrader(root, "autograde", ASSIGNMENT, "--force", env=env)
-        return _read_gradebook(root, source, handed_in, [s.name for s in students])
+        table = _read_gradebook(root, source, handed_in, [s.name for s in students])
+        table.ungraded = not_graded_here(root, handed_in, [s.name for s in students])
+        return table
+
+
+def not_graded_here(root: Path, notebooks: list[str], students: list[str]) -> set[tuple[str, str]]:
+    """``(notebook, grade_id)`` of every test cell whose output, in any student's autograded notebook, says its
+    check could not run on this machine (:data:`labsrc.exercises.core.NOT_GRADED`: a kernel without Triton)."""
+    found = set()
+    for student in students:
+        for name in notebooks:
+            path = Path(root) / "autograded" / student / ASSIGNMENT / name
+            if not path.exists():
+                continue
+            for cell in json.loads(path.read_text())["cells"]:
+                meta = cell.get("metadata", {}).get("nbgrader", {})
+                if meta.get("grade") and NOT_GRADED in json.dumps(cell.get("outputs", [])):
+                    found.add((name, meta["grade_id"]))
+    return found
 
 
 def _read_gradebook(root: Path, source: Path, notebooks: list[str], students: list[str]) -> ScoreTable:
@@ -144,11 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--course", type=Path, help="keep the nbgrader course here (for generate_feedback)")
     parser.add_argument("--source", type=Path, default=ROOT / "chapters", help="the instructor notebooks")
     args = parser.parse_args(argv)
+    from labsrc import runtime
+
+    if not runtime.HAS_TRITON:
+        print("warning: Triton is not installed here, so the kernel exercises cannot run and will score 0; "
+              "grade on Linux to award them. The table will name them.", file=sys.stderr)
     table = grade(args.submissions, args.source, args.course)
     if args.csv:
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         args.csv.write_text(table.to_csv())
     print(table.to_markdown(), end="")
+    if table.ungraded:
+        print(f"warning: {table.ungraded_note()}", file=sys.stderr)
     return 0
 
 

@@ -12,7 +12,8 @@ import torch
 
 from labsrc import kvmath
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number,
-                                   check_function, check_value, exercise, hidden, randint, refuse_library)
+                                   check_function, check_value, exercise, hidden, randint, refuse_library,
+                                   triton_missing)
 from labsrc.kernels._triton import HAS_TRITON
 
 
@@ -123,13 +124,6 @@ KV_STORE_BLOCK = 32
 divisor of them, so a kernel without a mask (or with the wrong one) is caught."""
 
 
-class Skipped(Result):
-    """A check that could not run here (no Triton): it says so and neither passes nor fails."""
-
-    def __str__(self) -> str:
-        return f"⏭️ {self.name}: skipped. {self.message}"
-
-
 def _is_kernel(obj) -> bool:
     """A Triton kernel (``@triton.jit``, compiled or interpreted) is launched as ``kernel[grid](...)``."""
     return callable(getattr(obj, "__getitem__", None)) and hasattr(obj, "fn")
@@ -198,10 +192,7 @@ def check_kv_store_kernel(kernel) -> Result:
             "that BLOCK does not divide: 'differ' points at the source or destination addresses of a row, "
             "'changed at slots' at a write past the end of a row or into the wrong row.")
     if not HAS_TRITON:
-        result = Skipped(name, NOT_SOLVED, "Triton is not installed on this machine (it has Linux wheels only), "
-                                           "so the kernel cannot run; the rest of the chapter does not need it.")
-        print(result)
-        return result
+        return triton_missing(name)
     if not _is_kernel(kernel):
         try:
             kernel()

@@ -20,7 +20,7 @@ import torch
 
 from labsrc import kvquant, runtime
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, _with_hint, as_number, check_function,
-                                   exercise, hidden, randint, refuse_library)
+                                   exercise, hidden, randint, refuse_library, triton_missing)
 
 
 # ------------------------------------------------------------------------------------------- own work only
@@ -204,10 +204,7 @@ def check_unpack_kernel(kernel) -> Result:
     from labsrc.kernels import kvquant as kk
 
     if not runtime.HAS_TRITON:
-        message = (f"⏭ {UNPACK_KERNEL}: skipped, Triton is unavailable on this machine (it ships Linux wheels "
-                   "only), so the kernel cannot be launched here; run this notebook on Linux to check it.")
-        print(message)
-        return Result(UNPACK_KERNEL, NOT_SOLVED, "skipped: Triton is unavailable")
+        return triton_missing(UNPACK_KERNEL)
     from triton.runtime.jit import KernelInterface
 
     if not isinstance(kernel, KernelInterface):

@@ -21,6 +21,7 @@ and the notebook runs to the end. Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -45,21 +46,76 @@ c.OverwriteCells.add_missing_cells = True
 # on a shared machine, an autograde of chapter 1 sat idle after its cells had run, nbgrader and kernel both
 # waiting) is interrupted, recorded as an error, and grading goes on with the next cell.
 c.Execute.timeout = 300
+# Feedback shows each test cell's result, not the hidden cases: their code is cut from the test cells and a failed
+# check's traceback (which quotes that code) is reduced to its message.
+c.GenerateFeedback.preprocessors = [
+    "nbgrader.preprocessors.GetGrades",
+    "labsrc.exercises.student.HideHiddenTests",
+    "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
+]
 '''
+
+
+@functools.lru_cache(maxsize=None)
+def _hide_hidden_tests_class():
+    """Build :class:`HideHiddenTests` on first use: nbgrader is imported only where feedback is made."""
+    from nbgrader.preprocessors import ClearHiddenTests
+    from nbgrader.utils import is_grade
+
+    class HideHiddenTests(ClearHiddenTests):
+        """nbgrader's ``ClearHiddenTests`` (the code between ``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN
+        TESTS`` goes) for the feedback of autograded notebooks, which also shortens an error in a test cell to
+        ``Name: message``: its traceback quotes the hidden lines. The printed results stay."""
+
+        def preprocess_cell(self, cell, resources, index):
+            cell, resources = super().preprocess_cell(cell, resources, index)
+            if cell.cell_type == "code" and is_grade(cell):
+                for output in cell.get("outputs", []):
+                    if output.get("output_type") == "error":
+                        output["traceback"] = [f"{output.get('ename', 'Error')}: {output.get('evalue', '')}"]
+            return cell, resources
+
+    return HideHiddenTests
+
+
+def __getattr__(name: str):
+    # nbgrader loads the preprocessor by its dotted name from the course's nbgrader_config.py
+    if name == "HideHiddenTests":
+        return _hide_hidden_tests_class()
+    raise AttributeError(name)
 
 
 def course(root: Path, notebooks: list[Path], assignment: str = ASSIGNMENT) -> Path:
     """Lay out an nbgrader course in ``root``: its ``nbgrader_config.py`` and ``source/<assignment>/`` holding
-    ``notebooks`` (the instructor versions). Returns ``root``."""
+    ``notebooks`` (the instructor versions). Returns ``root``.
+
+    An ``nbgrader_config.py`` already in ``root`` (an instructor's own course) is kept as it is, never
+    overwritten; the lab's settings it lacks are named in a warning (copy them from :data:`CONFIG`)."""
     if not notebooks:
         raise ValueError("no notebooks to put in the course")
     root = Path(root)
     source = root / "source" / assignment
     source.mkdir(parents=True, exist_ok=True)
-    (root / "nbgrader_config.py").write_text(CONFIG)
+    config = root / "nbgrader_config.py"
+    if not config.exists():
+        config.write_text(CONFIG)
+    else:
+        missing = missing_settings(config.read_text())
+        if missing:
+            print(f"warning: kept your {config}; it lacks the lab's settings {', '.join(missing)} "
+                  "(see labsrc/exercises/student.py, CONFIG)", file=sys.stderr)
     for path in notebooks:
         shutil.copy2(path, source / Path(path).name)
     return root
+
+
+def missing_settings(config: str) -> list[str]:
+    """The names of the settings of :data:`CONFIG` (``c.Section.name``) that the config text ``config`` does not
+    set."""
+    import re
+
+    wanted = re.findall(r"^(c\.\w+\.\w+) =", CONFIG, flags=re.M)
+    return [name for name in wanted if not re.search(rf"^\s*{re.escape(name)}\s*=", config, flags=re.M)]
 
 
 def nbgrader(root: Path, *args: str, env: dict | None = None) -> str:

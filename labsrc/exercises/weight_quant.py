@@ -19,7 +19,7 @@ import torch
 from labsrc import runtime
 from labsrc import weight_quant as wq
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, _with_hint, check_function, exercise,
-                                   hidden, randint, refuse_library)
+                                   hidden, randint, refuse_library, triton_missing)
 
 _OWN = "write it yourself from the definition in the text."
 
@@ -303,9 +303,7 @@ def check_int4_gemv_kernel(kernel) -> Result:
     from labsrc.kernels import weight_quant as kw
 
     if not runtime.HAS_TRITON:
-        print(f"⏭ {GEMV_KERNEL}: skipped, Triton is unavailable on this machine (it ships Linux wheels only), "
-              "so the kernel cannot be launched here; run this notebook on Linux to check it.")
-        return Result(GEMV_KERNEL, NOT_SOLVED, "skipped: Triton is unavailable")
+        return triton_missing(GEMV_KERNEL)
     from triton.runtime.jit import KernelInterface
 
     if not isinstance(kernel, KernelInterface):

@@ -624,22 +624,30 @@ def probe(model, tokenizer, task: str, context_len: int, n: int = PROBE_N, seed:
 
 
 def evaluate(model, tokenizer, context_len: int | None = None, n: int = PROBE_N, grid_n: int = 20,
-             seed: int = 0) -> dict:
+             seed: int = 0, progress: bool = True) -> dict:
     """The eval card's figures for ``model``: validation perplexity, the headline probes at
     :data:`PROBE_FRACTION` of the trained context (``context_len``, by default the model's own) with ``n``
-    samples each, and pass-key grids over length and depth (``grid_n`` a cell)."""
+    samples each, and pass-key grids over length and depth (``grid_n`` a cell). ``progress`` shows a bar over
+    the card's stages (it takes minutes on a CPU)."""
     torch.set_num_threads(1)
     ctx = context_len or trained_context(model)
     at = int(PROBE_FRACTION * ctx)
-    ppl = tasks.perplexity_by_position(model, tokenizer, ctx, bucket=64)
+    bar = tqdm(total=7 + len(PROBE_SETTINGS) + (ctx != 512), desc="eval card", unit="stage", disable=not progress)
+
+    def done(stage, value):
+        bar.set_postfix_str(stage)
+        bar.update()
+        return value
+
+    ppl = done("perplexity", tasks.perplexity_by_position(model, tokenizer, ctx, bucket=64))
     lengths = [int(f * ctx) for f in PASSKEY_FRACTIONS]
     beyond_lengths = [int(f * ctx) for f in PASSKEY_BEYOND]
-    grid = tasks.passkey_grid(model, tokenizer, lengths, PASSKEY_DEPTHS, n=grid_n, seed=seed)
-    beyond = tasks.passkey_grid(model, tokenizer, beyond_lengths, PASSKEY_DEPTHS, n=max(4, grid_n // 2),
-                                seed=seed, batch_size=4)
-    decoys = tasks.passkey_grid(model, tokenizer, lengths, PASSKEY_DEPTHS, n=grid_n, seed=seed,
-                                n_decoys=PASSKEY_DECOYS)
-    probes = {t: probe(model, tokenizer, t, at, n, seed) for t in ("passkey", *PROBE_SETTINGS)}
+    grid = done("pass-key grid", tasks.passkey_grid(model, tokenizer, lengths, PASSKEY_DEPTHS, n=grid_n, seed=seed))
+    beyond = done("beyond the context", tasks.passkey_grid(model, tokenizer, beyond_lengths, PASSKEY_DEPTHS,
+                                                            n=max(4, grid_n // 2), seed=seed, batch_size=4))
+    decoys = done("decoys", tasks.passkey_grid(model, tokenizer, lengths, PASSKEY_DEPTHS, n=grid_n, seed=seed,
+                                               n_decoys=PASSKEY_DECOYS))
+    probes = {t: done(t, probe(model, tokenizer, t, at, n, seed)) for t in ("passkey", *PROBE_SETTINGS)}
     card = {
         "validation_perplexity": ppl["overall"],
         "validation_windows": ppl["n_windows"],
@@ -660,11 +668,14 @@ def evaluate(model, tokenizer, context_len: int | None = None, n: int = PROBE_N,
         "passage_copy_accuracy": probes["passage"]["accuracy"],
         "variable_tracking_accuracy": {
             str(h): (probes["variable_tracking"]["accuracy"] if h == 2 else
-                     tasks.variable_tracking_accuracy(model, tokenizer, at, n=n, n_hops=h, seed=seed))
+                     done(f"{h}-hop tracking",
+                          tasks.variable_tracking_accuracy(model, tokenizer, at, n=n, n_hops=h, seed=seed)))
             for h in (0, 1, 2)},
     }
     if ctx != 512:  # the first lab-target's context: prose perplexity compared at equal length
-        card["validation_perplexity_512"] = tasks.perplexity_by_position(model, tokenizer, 512, bucket=64)["overall"]
+        card["validation_perplexity_512"] = done("perplexity at 512", tasks.perplexity_by_position(
+            model, tokenizer, 512, bucket=64))["overall"]
+    bar.close()
     return card
 
 

@@ -50,12 +50,21 @@ async def _one(client, url, model, item, start_at, t0):
     return dict(sent=sent, times=times)
 
 
-async def _run(url, model, trace, arrivals):
+async def _counted(coro, bar):
+    result = await coro
+    bar.update()
+    return result
+
+
+async def _run(url, model, trace, arrivals, progress=False):
     import httpx
+    from tqdm.auto import tqdm
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(_one(client, url, model, it, at, t0) for it, at in zip(trace, arrivals)))
+        with tqdm(total=len(trace), desc="requests", unit="req", disable=not progress) as bar:
+            results = await asyncio.gather(*(_counted(_one(client, url, model, it, at, t0), bar)
+                                             for it, at in zip(trace, arrivals)))
         wall = time.perf_counter() - t0
     return results, wall
 
@@ -74,12 +83,13 @@ def _run_sync(coro):
 
 
 def run(url: str, model: str = "lab-target", n: int = 16, rate: float = math.inf, prompt_range=(8, 64),
-        output_range=(8, 32), seed: int = 0) -> dict:
-    """Replay ``n`` requests against the server at ``url``; return the summary (see the module docstring)."""
+        output_range=(8, 32), seed: int = 0, progress: bool = False) -> dict:
+    """Replay ``n`` requests against the server at ``url``; return the summary (see the module docstring).
+    ``progress`` shows a bar of the requests finished (the command line; a chapter's page stays quiet)."""
     trace = poisson_trace(n, 0.0, prompt_range, output_range, seed=seed)
     rng = np.random.default_rng(seed + 1)
     arrivals = np.zeros(n) if math.isinf(rate) else np.cumsum(rng.exponential(1 / rate, size=n))
-    results, wall = _run_sync(_run(url.rstrip("/"), model, trace, arrivals))
+    results, wall = _run_sync(_run(url.rstrip("/"), model, trace, arrivals, progress))
     ttft = [r["times"][0] - r["sent"] for r in results]
     tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in results if len(r["times"]) > 1]
     e2e = [r["times"][-1] - r["sent"] for r in results]
@@ -140,17 +150,20 @@ def _continuous_batching(model, trace, page_size, num_blocks, max_batch_tokens, 
 
 def compare(model_name: str = "lab-target", n: int = 24, prompt_range=(8, 96), output_range=(4, 32),
             reps: int = 5, seed: int = 0, block_size: int = 16, num_blocks: int = 256,
-            max_num_batched_tokens: int = 2048, max_num_seqs: int = 32, device: str = "cpu") -> dict:
+            max_num_batched_tokens: int = 2048, max_num_seqs: int = 32, device: str = "cpu",
+            progress: bool = False) -> dict:
     """Time the engine (PyTorch path) against one left-padded batched ``model.generate`` and transformers'
     continuous batching on ``n`` greedy requests (EOS ignored), ``reps`` interleaved repetitions each.
 
     Every system's output is checked: the engine's must equal ``model.generate`` run on each prompt alone
     (a mismatch raises). Throughput counts the tokens the requests asked for (a padded batch computes more,
     to the longest request, and that is its cost). On ``device="cuda"`` the engine runs the Triton kernels.
-    Returns the tokens/s of every run and the per-repetition ratios of the engine to each baseline."""
+    Returns the tokens/s of every run and the per-repetition ratios of the engine to each baseline.
+    ``progress`` shows a bar over the timed runs (the command line; a chapter's page stays quiet)."""
     import statistics
 
     import torch
+    from tqdm.auto import tqdm
 
     if isinstance(reps, bool) or not isinstance(reps, int) or reps < 2:
         raise ValueError(f"reps must be an int >= 2 (the ratio's interval needs two pairs), got {reps!r}")
@@ -186,6 +199,7 @@ def compare(model_name: str = "lab-target", n: int = 24, prompt_range=(8, 96), o
     same = {k: sum(o == w for o, w in zip(v, want)) for k, v in outputs.items()}
     tps = {k: [] for k in systems}
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    bar = tqdm(total=reps * len(systems), desc="timed runs", unit="run", disable=not progress)
     with torch.inference_mode():
         for _ in range(reps):
             for k, f in systems.items():
@@ -194,6 +208,8 @@ def compare(model_name: str = "lab-target", n: int = 24, prompt_range=(8, 96), o
                 f()
                 sync()
                 tps[k].append(tokens / (time.perf_counter() - t0))
+                bar.update()
+    bar.close()
     ratios = {k: claims.Estimate.mean([e / b for e, b in zip(tps["engine"], tps[k])])
               for k in systems if k != "engine"}
     return dict(requests=n, prompt_range=tuple(prompt_range), output_range=tuple(output_range), tokens=tokens,
@@ -241,10 +257,10 @@ def main(argv=None) -> dict:
     prompt = tuple(args.prompt_len or ((8, 96) if args.compare else (8, 64)))
     output = tuple(args.output_len or ((4, 32) if args.compare else (8, 32)))
     if args.compare:
-        result = compare(args.model, n, prompt, output, args.reps, args.seed, device=args.device)
+        result = compare(args.model, n, prompt, output, args.reps, args.seed, device=args.device, progress=True)
         print(format_compare(result))
         return result
-    summary = run(args.url, args.model, n, args.rate, prompt, output, args.seed)
+    summary = run(args.url, args.model, n, args.rate, prompt, output, args.seed, progress=True)
     print(format_report(summary))
     return summary
 
