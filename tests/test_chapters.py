@@ -97,3 +97,18 @@ def test_shown_code_fits_the_text_column(path):
     long_lines = [line for line in shown_code_lines(path) if len(line) > LONG_LINE_LIMIT]
     stale = [sub for sub in allowed if not any(sub in line for line in long_lines)]
     assert not stale, f"{path.name}: allow-listed long lines no longer present: {stale}"
+
+
+# No output computed from a solution reaches the book: the book renders the executed instructor notebook with
+# the solutions stubbed, so a cell that reads a name a solution defined shows the solution's result under the
+# student's stub. Such cells carry `remove-output` (tools/solution_outputs.py writes the tag).
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_cells_computed_from_a_solution_hide_their_output(path):
+    import sys
+    sys.path.insert(0, str(path.parents[1] / "tools"))
+    import solution_outputs
+
+    missing = solution_outputs.untagged(json.loads(path.read_text()))
+    assert not missing, (f"{path.name}: cells {[i for i, _ in missing]} read names a solution defined "
+                         f"({sorted(set().union(*(n for _, n in missing)))}) and would show the solution's "
+                         "result in the book: run python tools/solution_outputs.py")

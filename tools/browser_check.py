@@ -20,9 +20,11 @@ host is refused (the book must work offline) and counts as a failure. Each page 
 * on chapter 1, the figures in the code-cell outputs loaded (``naturalWidth > 0``), are more than a few KB
   and are not blank (more than a handful of distinct colours);
 * what a reader should never see: text from a solution or a hidden test (the book renders the release
-  version), an executed cell's stderr (library warnings are silenced at their source), a printed Python
-  dict, ``namespace(...)``, dataclass or object repr where prose, a figure or a table belongs, or a Markdown
-  table from ``display(Markdown(...))`` left as a paragraph of pipes;
+  version), an output under a code cell that reads a name a (stubbed) solution cell defines, directly or
+  through a name computed from one (``tools/solution_outputs.py``: it would show the instructor's result),
+  an executed cell's stderr (library warnings are silenced at their source), a printed Python dict,
+  ``namespace(...)``, dataclass or object repr where prose, a figure or a table belongs, or a Markdown table
+  from ``display(Markdown(...))`` left as a paragraph of pipes;
 * on each kernel chapter, the Triton kernel's own source, rendered from ``labsrc`` (``labsrc.show``): a
   highlighted block holding ``@triton.jit``;
 
@@ -42,6 +44,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 import browser_setup
+import solution_outputs
 
 ROOT = browser_setup.ROOT
 HTML = Path(os.environ.get("BOOK_HTML", ROOT / "_build" / "html")).resolve()
@@ -275,6 +278,14 @@ REPRS_JS = r"""
 }
 """
 
+# Every code cell whose input the page shows, in page order: the code, and whether it has a non-empty output.
+CODE_CELLS_JS = """
+() => Array.from(document.querySelectorAll('.cell')).filter(c => c.querySelector('.cell_input')).map(c => {
+  const out = c.querySelector('.cell_output');
+  return [c.querySelector('.cell_input').textContent, !!(out && (out.textContent.trim() || out.querySelector('img')))];
+})
+"""
+
 KERNEL_SOURCE_JS = """
 () => Array.from(document.querySelectorAll('.cell_output .highlight, .cell_output pre'))
         .some(el => el.innerText.includes('@triton.jit'))
@@ -329,6 +340,8 @@ def test_page(page, base_url, page_path):
                      for marker in FORBIDDEN_TEXT if marker in text]
     for bad in page.evaluate(REPRS_JS):
         problems.append(f"{bad['kind']} (cell starting {bad['cell']!r})")
+    if page_path.startswith("chapters/"):
+        problems += solution_outputs.page_problems([tuple(c) for c in page.evaluate(CODE_CELLS_JS)])
     if page_path in KERNEL_PAGES and not page.evaluate(KERNEL_SOURCE_JS):
         problems.append("a kernel chapter that shows no Triton kernel source (labsrc.show.show_source)")
 
