@@ -112,3 +112,13 @@ def test_cells_computed_from_a_solution_hide_their_output(path):
     assert not missing, (f"{path.name}: cells {[i for i, _ in missing]} read names a solution defined "
                          f"({sorted(set().union(*(n for _, n in missing)))}) and would show the solution's "
                          "result in the book: run python tools/solution_outputs.py")
+
+
+# Bookkeeping stays off the page (conventions.md, "On the rendered page"): a cell that records a claims-ledger row
+# is tagged remove-input (its one-line verdict output stays), or hide-input where it also draws a figure.
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_claims_bookkeeping_is_hidden(path):
+    shown = [i for i, (kind, src, cell) in enumerate(cells(path))
+             if kind == "code" and "claims.record(" in src
+             and not {"remove-input", "remove-cell", "hide-input"} & set(cell["metadata"].get("tags", []))]
+    assert not shown, f"{path.name}: cells {shown} show claims.record bookkeeping; tag them remove-input"
