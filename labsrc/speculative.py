@@ -533,11 +533,16 @@ class _SharedBody:
 
     @torch.no_grad()
     def score(self, feed) -> torch.Tensor:
-        # feed = the positions the upper layers have not seen: the newest token and the drafts
-        done = 0 if self.hidden is None else self.hidden.shape[1]   # of those, the lower half ran
-        assert self.target_length() + done == self.draft_length(), "lower layers out of step"
+        # feed = the positions the upper layers have not seen: the newest token and the
+        # drafts
+        # of those, the lower half ran
+        done = 0 if self.hidden is None else self.hidden.shape[1]
+        assert (
+            self.target_length() + done == self.draft_length()
+        ), "lower layers out of step"
         parts = [] if self.hidden is None else [self.hidden]
-        if feed.shape[1] > done:      # the last drafted token was sampled, never fed: run it
+        if feed.shape[1] > done:
+            # the last drafted token was sampled, never fed: run it
             parts.append(self._lower(feed[:, done:]))
         self.hidden = None
         h = torch.cat(parts, dim=1)   # layer-`layer` states of every pending position
@@ -637,8 +642,10 @@ def self_speculative_generate(target, input_ids: torch.Tensor, max_new_tokens: i
                       temperature, top_p, generator, window, stats, stop_at_eos)
 
 
-def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperature, top_p, generator, window,
-               stats, stop_at_eos) -> tuple[torch.Tensor, SpecStats]:
+def _speculate(
+    engine, target, input_ids, max_new_tokens, k, do_sample, temperature, top_p,
+    generator, window, stats, stop_at_eos,
+) -> tuple[torch.Tensor, SpecStats]:
     """The draft-verify loop shared by :func:`speculative_generate` and :func:`self_speculative_generate`;
     ``engine`` owns the caches (``prefill``, ``draft_next``, ``score``, ``rollback``, ``cache_bytes``)."""
     stats = SpecStats() if stats is None else stats
@@ -652,20 +659,26 @@ def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperat
         return sampling_probs(logits, temperature if do_sample else 0.0, top_p)
 
     t0 = time.perf_counter()
-    if seq.shape[1] > 1:   # prefill everything but the last token; the last is fed with the first window
+    if seq.shape[1] > 1:
+        # prefill everything but the last token; the last is fed with the first window
         engine.prefill(seq[:, :-1])
     stats.prefill_seconds += time.perf_counter() - t0
     produced = 0
     while produced < max_new_tokens:
         rule_k = adaptive_window(alpha_hat) if window == "adaptive" else k
-        kk = min(rule_k, max_new_tokens - produced - 1)   # never draft past the budget: the target adds one
+        # never draft past the budget: the target adds one
+        kk = min(rule_k, max_new_tokens - produced - 1)
         # ---- draft kk tokens, one draft call each
         t0 = time.perf_counter()
         drafted, qs = [], []
         pending = seq[:, engine.draft_length():]
         for _ in range(kk):
             q = dist(engine.draft_next(pending))
-            tok = (torch.multinomial(q, 1, generator=generator) if do_sample else q.argmax(-1, keepdim=True))
+            tok = (
+                torch.multinomial(q, 1, generator=generator)
+                if do_sample
+                else q.argmax(-1, keepdim=True)
+            )
             drafted.append(int(tok))
             qs.append(q)
             pending = tok.view(1, 1).to(device)
@@ -681,7 +694,8 @@ def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperat
         q_all = torch.stack(qs) if qs else p.new_zeros((0, p.shape[-1]))
         out, n_acc = verify(x, q_all, p, generator=generator, greedy=not do_sample)
         t_target = time.perf_counter() - t0
-        t_bytes, d_bytes = engine.cache_bytes()     # the peak: the drafts are still cached
+        # the peak: the drafts are still cached
+        t_bytes, d_bytes = engine.cache_bytes()
         stats.target_cache_bytes = max(stats.target_cache_bytes, t_bytes)
         stats.draft_cache_bytes = max(stats.draft_cache_bytes, d_bytes)
         emitted = out.tolist()
@@ -690,16 +704,28 @@ def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperat
             if t in eos:
                 emitted = emitted[: j + 1]
                 break
-        seq = torch.cat([seq, torch.tensor([emitted], dtype=torch.long, device=device)], dim=1)
+        seq = torch.cat(
+            [seq, torch.tensor([emitted], dtype=torch.long, device=device)], dim=1
+        )
         produced += len(emitted)
-        # ---- roll the caches back to the accepted prefix: everything but the newest token is cached
+        # ---- roll the caches back to the accepted prefix: everything but the newest
+        # token is cached
         engine.rollback(seq.shape[1] - 1)
         acc_mask = tuple(j < n_acc for j in range(kk))
         if kk:
             alpha_hat = 0.9 * alpha_hat + 0.1 * (n_acc / kk)
-        stats.steps.append(StepStats(k=kk, drafted=kk, accepted=n_acc, emitted=len(emitted),
-                                     draft_seconds=t_draft, target_seconds=t_target, accepted_mask=acc_mask,
-                                     cut=kk < rule_k))
+        stats.steps.append(
+            StepStats(
+                k=kk,
+                drafted=kk,
+                accepted=n_acc,
+                emitted=len(emitted),
+                draft_seconds=t_draft,
+                target_seconds=t_target,
+                accepted_mask=acc_mask,
+                cut=kk < rule_k,
+            )
+        )
         if emitted and emitted[-1] in eos:
             break
     stats.new_tokens += min(produced, max_new_tokens)

@@ -122,3 +122,37 @@ def test_claims_bookkeeping_is_hidden(path):
              if kind == "code" and "claims.record(" in src
              and not {"remove-input", "remove-cell", "hide-input"} & set(cell["metadata"].get("tags", []))]
     assert not shown, f"{path.name}: cells {shown} show claims.record bookkeeping; tag them remove-input"
+
+
+def shown_package_sources(path):
+    """(where, source) of every ``show_source(...)`` call of a chapter: the chapter's imports are run to resolve
+    the shown object, and the call's ``start``/``end`` markers (literals) are applied as the page applies them."""
+    import ast
+
+    from labsrc.show import source_of
+
+    namespace: dict = {}
+    for kind, src, _ in cells(path):
+        if kind != "code":
+            continue
+        tree = ast.parse("\n".join("" if ln.lstrip().startswith(("%", "!")) else ln for ln in src.split("\n")))
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                exec(compile(ast.Module(body=[node], type_ignores=[]), path.name, "exec"), namespace)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "show_source":
+                obj = eval(compile(ast.Expression(node.args[0]), path.name, "eval"), namespace)
+                markers = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                source, where = source_of(obj, **markers)
+                yield where, source
+
+
+# The package source a chapter renders (labsrc.show.show_source) must fit the same column as its own code: a
+# longer line is clipped on the page (a trailing comment lost, most often). The fix is in labsrc: comments
+# above the line, wrapped statements.
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_shown_package_source_fits_the_text_column(path):
+    too_long = [(where, line) for where, source in shown_package_sources(path) for line in source.splitlines()
+                if len(line) > LONG_LINE_LIMIT]
+    assert not too_long, (f"{path.name} shows {len(too_long)} package source lines over {LONG_LINE_LIMIT} "
+                          f"characters, e.g. {too_long[0][0]}: {too_long[0][1].strip()!r}")
