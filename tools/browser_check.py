@@ -25,6 +25,8 @@ host is refused (the book must work offline) and counts as a failure. Each page 
   an executed cell's stderr (library warnings are silenced at their source), a printed Python dict,
   ``namespace(...)``, dataclass or object repr where prose, a figure or a table belongs, or a Markdown table
   from ``display(Markdown(...))`` left as a paragraph of pipes;
+* no code block and no table wider than the text column (a scroll bar or a clipped line): a ``pre`` whose
+  ``scrollWidth`` exceeds its ``clientWidth``, a table wider than its scrolling container or the article;
 * on each kernel chapter, the Triton kernel's own source, rendered from ``labsrc`` (``labsrc.show``): a
   highlighted block holding ``@triton.jit``;
 
@@ -286,6 +288,33 @@ CODE_CELLS_JS = """
 })
 """
 
+# Code blocks and tables wider than the text column: a reader meets a scroll bar or a clipped line. A <pre> that
+# scrolls, or a table whose scrolling container (or the article) is narrower than the table.
+OVERFLOW_JS = """
+() => {
+  const article = document.querySelector('article') || document.querySelector('main') || document.body;
+  const right = article.getBoundingClientRect().right;
+  const out = [];
+  const label = el => el.innerText.trim().split("\\n")[0].slice(0, 80);
+  for (const pre of article.querySelectorAll('pre')) {
+    if (pre.scrollWidth > pre.clientWidth + 1) {
+      const widest = pre.innerText.split("\\n").reduce((a, b) => (b.length > a.length ? b : a), '');
+      out.push(`a code block ${pre.scrollWidth - pre.clientWidth}px wider than the column, `
+               + `its longest line ${widest.length} characters: '${widest.trim().slice(0, 80)}'`);
+    }
+  }
+  for (const table of article.querySelectorAll('table')) {
+    const box = table.closest('.pst-scrollable-table-container, .table-wrapper') || table.parentElement;
+    const over = Math.max(box.scrollWidth - box.clientWidth, table.getBoundingClientRect().right - right);
+    if (over > 1) {
+      out.push(`a table ${Math.round(over)}px wider than the column (${table.rows[0] ? table.rows[0].cells.length : 0} `
+               + `columns): ${label(table)}`);
+    }
+  }
+  return out;
+}
+"""
+
 KERNEL_SOURCE_JS = """
 () => Array.from(document.querySelectorAll('.cell_output .highlight, .cell_output pre'))
         .some(el => el.innerText.includes('@triton.jit'))
@@ -340,6 +369,7 @@ def test_page(page, base_url, page_path):
                      for marker in FORBIDDEN_TEXT if marker in text]
     for bad in page.evaluate(REPRS_JS):
         problems.append(f"{bad['kind']} (cell starting {bad['cell']!r})")
+    problems += page.evaluate(OVERFLOW_JS)
     if page_path.startswith("chapters/"):
         problems += solution_outputs.page_problems([tuple(c) for c in page.evaluate(CODE_CELLS_JS)])
     if page_path in KERNEL_PAGES and not page.evaluate(KERNEL_SOURCE_JS):
