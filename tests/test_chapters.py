@@ -156,3 +156,21 @@ def test_shown_package_source_fits_the_text_column(path):
                 if len(line) > LONG_LINE_LIMIT]
     assert not too_long, (f"{path.name} shows {len(too_long)} package source lines over {LONG_LINE_LIMIT} "
                           f"characters, e.g. {too_long[0][0]}: {too_long[0][1].strip()!r}")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_code_in_the_prose_fits_the_text_column(path):
+    """Code fenced in a markdown cell (an exercise's launch line, a buggy function to debug) is shown in the
+    same column."""
+    too_long = []
+    for kind, src, _ in cells(path):
+        if kind != "markdown":
+            continue
+        fence = None
+        for line in src.split("\n"):
+            marker = re.match(r"\s*(```+|~~~+)", line)
+            if marker and (fence is None or marker.group(1).startswith(fence)):
+                fence = None if fence else marker.group(1)
+            elif fence and len(line) > LONG_LINE_LIMIT:
+                too_long.append(line)
+    assert not too_long, f"{path.name}: fenced code lines over {LONG_LINE_LIMIT} characters: {too_long}"
