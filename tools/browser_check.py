@@ -280,11 +280,13 @@ REPRS_JS = r"""
 }
 """
 
-# Every code cell whose input the page shows, in page order: the code, and whether it has a non-empty output.
+# Every code cell whose input the page shows, in page order: the code (the <pre> alone: the input area also holds
+# the copy button's text), and whether the cell has a non-empty output.
 CODE_CELLS_JS = """
-() => Array.from(document.querySelectorAll('.cell')).filter(c => c.querySelector('.cell_input')).map(c => {
+() => Array.from(document.querySelectorAll('.cell')).filter(c => c.querySelector('.cell_input pre')).map(c => {
   const out = c.querySelector('.cell_output');
-  return [c.querySelector('.cell_input').textContent, !!(out && (out.textContent.trim() || out.querySelector('img')))];
+  return [c.querySelector('.cell_input pre').textContent,
+          !!(out && (out.textContent.trim() || out.querySelector('img')))];
 })
 """
 
@@ -298,7 +300,7 @@ OVERFLOW_JS = """
   const label = el => el.innerText.trim().split("\\n")[0].slice(0, 80);
   for (const pre of article.querySelectorAll('pre')) {
     if (pre.scrollWidth > pre.clientWidth + 1) {
-      const widest = pre.innerText.split("\\n").reduce((a, b) => (b.length > a.length ? b : a), '');
+      const widest = pre.textContent.split("\\n").reduce((a, b) => (b.length > a.length ? b : a), '');
       out.push(`a code block ${pre.scrollWidth - pre.clientWidth}px wider than the column, `
                + `its longest line ${widest.length} characters: '${widest.trim().slice(0, 80)}'`);
     }

@@ -209,7 +209,7 @@ def markdown_table(rows: list[dict]) -> str:
     lines = []
     for arch in sorted({arch for arch, _ in groups}):
         lines += ["" if not lines else "\n", f"**sm_{arch}**\n",
-                  "| kernel | configs | registers | spill bytes | shared KiB | mma |",
+                  "| kernel | configs | registers | spills | shared KiB | mma |",
                   "|---|---|---|---|---|---|"]
         flagged = []
         for (a, kernel), group in sorted(groups.items()):
