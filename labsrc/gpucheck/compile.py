@@ -196,7 +196,10 @@ def markdown_table(rows: list[dict]) -> str:
     """
     groups: dict[tuple, list] = {}
     for row in rows:
-        groups.setdefault((row["arch"], row["kernel"].removeprefix("labsrc.kernels.")), []).append(row)
+        # "attention._flash_attention" for labsrc.kernels.attention._flash_attention_kernel: the longest names
+        # set the table's width.
+        name = row["kernel"].removeprefix("labsrc.kernels.").removesuffix("_kernel")
+        groups.setdefault((row["arch"], name), []).append(row)
 
     def span(values, scale=1):
         values = [v / scale for v in values if v is not None]
