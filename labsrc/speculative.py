@@ -535,11 +535,16 @@ class _SharedBody:
 
     @torch.no_grad()
     def score(self, feed) -> torch.Tensor:
-        # feed = the positions the upper layers have not seen: the newest token and the drafts
-        done = 0 if self.hidden is None else self.hidden.shape[1]   # of those, the lower half ran
-        assert self.target_length() + done == self.draft_length(), "lower layers out of step"
+        # feed = the positions the upper layers have not seen: the newest token and the
+        # drafts
+        # of those, the lower half ran
+        done = 0 if self.hidden is None else self.hidden.shape[1]
+        assert (
+            self.target_length() + done == self.draft_length()
+        ), "lower layers out of step"
         parts = [] if self.hidden is None else [self.hidden]
-        if feed.shape[1] > done:      # the last drafted token was sampled, never fed: run it
+        if feed.shape[1] > done:
+            # the last drafted token was sampled, never fed: run it
             parts.append(self._lower(feed[:, done:]))
         self.hidden = None
         h = torch.cat(parts, dim=1)   # layer-`layer` states of every pending position
@@ -716,13 +721,16 @@ def prompt_lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int,
                       temperature, top_p, generator, "fixed", stats, stop_at_eos)
 
 
-def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperature, top_p, generator, window,
-               stats, stop_at_eos) -> tuple[torch.Tensor, SpecStats]:
-    """The draft-verify loop shared by :func:`speculative_generate`, :func:`self_speculative_generate` and
-    :func:`prompt_lookup_generate`; ``engine`` owns the caches (``prefill``, ``draft_next``, ``score``,
-    ``rollback``, ``cache_bytes``). An engine with a ``propose(seq, kk)`` method drafts deterministically
-    instead of calling ``draft_next``: it returns up to ``kk`` tokens (possibly none), each verified as a draft
-    with a one-hot ``q``."""
+def _speculate(
+    engine, target, input_ids, max_new_tokens, k, do_sample, temperature, top_p,
+    generator, window, stats, stop_at_eos,
+) -> tuple[torch.Tensor, SpecStats]:
+    """The draft-verify loop shared by :func:`speculative_generate`,
+    :func:`self_speculative_generate` and :func:`prompt_lookup_generate`; ``engine`` owns
+    the caches (``prefill``, ``draft_next``, ``score``, ``rollback``, ``cache_bytes``).
+    An engine with a ``propose(seq, kk)`` method drafts deterministically instead of
+    calling ``draft_next``: it returns up to ``kk`` tokens (possibly none), each verified
+    as a draft with a one-hot ``q``."""
     stats = SpecStats() if stats is None else stats
     device = next(target.parameters()).device
     seq = input_ids.to(device)
@@ -734,27 +742,36 @@ def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperat
         return sampling_probs(logits, temperature if do_sample else 0.0, top_p)
 
     t0 = time.perf_counter()
-    if seq.shape[1] > 1:   # prefill everything but the last token; the last is fed with the first window
+    if seq.shape[1] > 1:
+        # prefill everything but the last token; the last is fed with the first window
         engine.prefill(seq[:, :-1])
     stats.prefill_seconds += time.perf_counter() - t0
     produced = 0
     while produced < max_new_tokens:
         rule_k = adaptive_window(alpha_hat) if window == "adaptive" else k
-        kk = min(rule_k, max_new_tokens - produced - 1)   # never draft past the budget: the target adds one
-        # ---- draft up to kk tokens: one draft call each, or a deterministic proposal (no model call)
+        # never draft past the budget: the target adds one
+        kk = min(rule_k, max_new_tokens - produced - 1)
+        # ---- draft up to kk tokens: one draft call each, or a deterministic proposal
+        # (no model call)
         t0 = time.perf_counter()
         drafted, qs = [], []
         if hasattr(engine, "propose"):
-            # a deterministic draft is a one-hot q: min(1, p/q) accepts x with probability p(x), and the
-            # residual max(p - q, 0) is p with x removed, renormalised; the verification below is unchanged
+            # a deterministic draft is a one-hot q: min(1, p/q) accepts x with probability
+            # p(x), and the residual max(p - q, 0) is p with x removed, renormalised; the
+            # verification below is unchanged
             drafted = engine.propose(seq, kk)
-            qs = [torch.nn.functional.one_hot(torch.tensor(t, device=device), target.config.vocab_size).float()
+            vocab = target.config.vocab_size
+            qs = [torch.nn.functional.one_hot(torch.tensor(t, device=device), vocab).float()
                   for t in drafted]
         else:
             pending = seq[:, engine.draft_length():]
             for _ in range(kk):
                 q = dist(engine.draft_next(pending))
-                tok = (torch.multinomial(q, 1, generator=generator) if do_sample else q.argmax(-1, keepdim=True))
+                tok = (
+                    torch.multinomial(q, 1, generator=generator)
+                    if do_sample
+                    else q.argmax(-1, keepdim=True)
+                )
                 drafted.append(int(tok))
                 qs.append(q)
                 pending = tok.view(1, 1).to(device)
@@ -770,7 +787,8 @@ def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperat
         q_all = torch.stack(qs) if qs else p.new_zeros((0, p.shape[-1]))
         out, n_acc = verify(x, q_all, p, generator=generator, greedy=not do_sample)
         t_target = time.perf_counter() - t0
-        t_bytes, d_bytes = engine.cache_bytes()     # the peak: the drafts are still cached
+        # the peak: the drafts are still cached
+        t_bytes, d_bytes = engine.cache_bytes()
         stats.target_cache_bytes = max(stats.target_cache_bytes, t_bytes)
         stats.draft_cache_bytes = max(stats.draft_cache_bytes, d_bytes)
         emitted = out.tolist()
@@ -779,16 +797,28 @@ def _speculate(engine, target, input_ids, max_new_tokens, k, do_sample, temperat
             if t in eos:
                 emitted = emitted[: j + 1]
                 break
-        seq = torch.cat([seq, torch.tensor([emitted], dtype=torch.long, device=device)], dim=1)
+        seq = torch.cat(
+            [seq, torch.tensor([emitted], dtype=torch.long, device=device)], dim=1
+        )
         produced += len(emitted)
-        # ---- roll the caches back to the accepted prefix: everything but the newest token is cached
+        # ---- roll the caches back to the accepted prefix: everything but the newest
+        # token is cached
         engine.rollback(seq.shape[1] - 1)
         acc_mask = tuple(j < n_acc for j in range(len(drafted)))
         if drafted:
             alpha_hat = 0.9 * alpha_hat + 0.1 * (n_acc / len(drafted))
-        stats.steps.append(StepStats(k=kk, drafted=len(drafted), accepted=n_acc, emitted=len(emitted),
-                                     draft_seconds=t_draft, target_seconds=t_target, accepted_mask=acc_mask,
-                                     cut=kk < rule_k))
+        stats.steps.append(
+            StepStats(
+                k=kk,
+                drafted=len(drafted),
+                accepted=n_acc,
+                emitted=len(emitted),
+                draft_seconds=t_draft,
+                target_seconds=t_target,
+                accepted_mask=acc_mask,
+                cut=kk < rule_k,
+            )
+        )
         if emitted and emitted[-1] in eos:
             break
     stats.new_tokens += min(produced, max_new_tokens)

@@ -198,9 +198,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return unpack_codes(packed, 4)
 
 
-def _params(wg: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step (fp32 holding the fp16-rounded value) and integer zero point (fp32) of each row of groups
-    ``wg (..., g)``."""
+def _params(
+    wg: torch.Tensor, bits: int, symmetric: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step (fp32 holding the fp16-rounded value) and integer zero point (fp32) of each
+    row of groups ``wg (..., g)``."""
     wg = wg.float()
     if symmetric:
         s = wg.abs().amax(-1) / (2 ** (bits - 1) - 1)
@@ -209,10 +211,13 @@ def _params(wg: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor,
         lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
         s = (hi - lo) / (2 ** bits - 1)
     if bool((s > FP16_MAX).any()):
-        raise ValueError(f"a group's step {float(s.max()):g} exceeds fp16's range ({FP16_MAX:g}): the weight "
-                         f"is too large to quantize with fp16 steps")
+        raise ValueError(
+            f"a group's step {float(s.max()):g} exceeds fp16's range ({FP16_MAX:g}): "
+            f"the weight is too large to quantize with fp16 steps"
+        )
     s = _fp16_up(s)
-    s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero group (or one below fp16's smallest step)
+    # an all-zero group (or one below fp16's smallest step)
+    s = torch.where(s == 0, torch.ones_like(s), s)
     if not symmetric:
         z = torch.round(-lo / s).clamp(0, 2 ** bits - 1)
     return s, z
@@ -226,8 +231,11 @@ def _fp16_up(s: torch.Tensor) -> torch.Tensor:
     return torch.where(h.float() < s, up, h).float()
 
 
-def _codes(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
-    """``clamp(round(w / s) + z, 0, 2**bits - 1)`` (``s, z`` broadcast to ``w``), as fp32."""
+def _codes(
+    w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int,
+) -> torch.Tensor:
+    """``clamp(round(w / s) + z, 0, 2**bits - 1)`` (``s, z`` broadcast to ``w``), as
+    fp32."""
     return torch.clamp(torch.round(w.float() / s) + z, 0, 2 ** bits - 1)
 
 
@@ -322,16 +330,18 @@ def int8_matmul_outlier(x: torch.Tensor, w: torch.Tensor, threshold: float = 6.0
     if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or math.isnan(threshold) \
             or threshold < 0:
         raise ValueError(f"threshold must be a non-negative number, got {threshold!r}")
-    cols = outlier_columns(x2, threshold) if x2.shape[0] else torch.empty(0, dtype=torch.long)
+    cols = (outlier_columns(x2, threshold) if x2.shape[0]
+            else torch.empty(0, dtype=torch.long))
     keep = torch.ones(w.shape[1], dtype=torch.bool)
     keep[cols] = False
     y = x2[:, cols] @ w.float()[:, cols].T
     if bool(keep.any()):
         xq, sx = absmax_int8(x2[:, keep], dim=1)
         wq, sw = absmax_int8(w.float()[:, keep], dim=1)
-        # The integer product, exact: every partial sum is an integer of magnitude at most K * 127^2, which
-        # fp32 holds exactly below 2^24 (K < 1040) and fp64 below 2^53; a float GEMM is far faster on a CPU
-        # than an int32 one and gives the same integers an INT8 tensor core accumulates in int32.
+        # The integer product, exact: every partial sum is an integer of magnitude at
+        # most K * 127^2, which fp32 holds exactly below 2^24 (K < 1040) and fp64 below
+        # 2^53; a float GEMM is far faster on a CPU than an int32 one and gives the same
+        # integers an INT8 tensor core accumulates in int32.
         exact = torch.float32 if xq.shape[1] * 127 ** 2 < 2 ** 24 else torch.float64
         acc = (xq.to(exact) @ wq.to(exact).T).float()
         y = y + acc * sx * sw.T
@@ -351,9 +361,11 @@ def hessian(x: torch.Tensor) -> torch.Tensor:
     return (2 * x.T @ x / x.shape[0]).float()
 
 
-def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int | None = 128,
-                  block_size: int = 128, damp: float = 0.01, act_order: bool = False,
-                  symmetric: bool = True) -> QuantizedWeight:
+def gptq_quantize(
+    w: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int | None = 128,
+    block_size: int = 128, damp: float = 0.01, act_order: bool = False,
+    symmetric: bool = True,
+) -> QuantizedWeight:
     """GPTQ (Frantar et al., 2023): quantize ``w (N, K)`` column by column, spreading each column's error over
     the columns not yet quantized so that ``||W X - W_hat X||^2`` stays small.
 
@@ -376,7 +388,9 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     if not isinstance(H, torch.Tensor) or not H.is_floating_point():
         raise TypeError(f"H must be a floating torch.Tensor, got {type(H).__name__}")
     if tuple(H.shape) != (k, k):
-        raise ValueError(f"H must be ({k}, {k}) for a weight with K = {k} columns, got {tuple(H.shape)}")
+        raise ValueError(
+            f"H must be ({k}, {k}) for a weight with K = {k} columns, got {tuple(H.shape)}"
+        )
     if not bool(torch.isfinite(H).all()):
         raise ValueError("H holds NaN or inf")
     g = _check_group_size(group_size, k)
@@ -394,8 +408,11 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
     perm = torch.arange(k)
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-        for j in range(groups):  # static groups: steps from the original (dead-zeroed) weight
-            scales[:, j], zeros[:, j] = _params(W[:, j * g:(j + 1) * g], bits, symmetric)
+        for j in range(groups):
+            # static groups: steps from the original (dead-zeroed) weight
+            scales[:, j], zeros[:, j] = _params(
+                W[:, j * g : (j + 1) * g], bits, symmetric
+            )
         W, H = W[:, perm], H[perm][:, perm]
     H += damp * torch.mean(torch.diag(H)) * torch.eye(k, dtype=H.dtype)
     L = torch.linalg.cholesky(H)
@@ -410,7 +427,9 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
             col = int(perm[i1 + i])
             grp = col // g
             if not act_order and (i1 + i) % g == 0:
-                scales[:, grp], zeros[:, grp] = _params(W[:, i1 + i:i1 + i + g], bits, symmetric)
+                scales[:, grp], zeros[:, grp] = _params(
+                    W[:, i1 + i : i1 + i + g], bits, symmetric
+                )
             s, z = scales[:, grp].double(), zeros[:, grp].double()
             wc = W1[:, i]
             q = (torch.clamp(torch.round(wc / s) + z, 0, 2 ** bits - 1))
@@ -425,8 +444,10 @@ def gptq_quantize(w: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: i
 
 
 # ----------------------------------------------------------------------------------------------- AWQ
-def awq_search_scales(w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int | None = 128,
-                      grid: int = 20, symmetric: bool = True) -> torch.Tensor:
+def awq_search_scales(
+    w: torch.Tensor, x: torch.Tensor, bits: int = 4, group_size: int | None = 128,
+    grid: int = 20, symmetric: bool = True,
+) -> torch.Tensor:
     """AWQ (Lin et al., 2024): one positive scale per input channel, ``s = mean|x|^alpha`` (normalised so that
     ``max(s) * min(s) = 1``), with ``alpha`` in ``{0, 1/grid, ..., (grid-1)/grid}`` chosen to minimise the
     output error ``||x W^T - (x diag(s)^-1) Q(W diag(s))^T||^2`` on the calibration activations ``x (..., K)``.
@@ -477,16 +498,20 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
     v = v.float()
     a = v.abs()
     code = torch.zeros(v.shape, dtype=torch.int32, device=v.device)
-    for t in (0.25, 1.25, 2.5, 5.0):    # midpoints whose tie rounds down to an even code
+    for t in (0.25, 1.25, 2.5, 5.0):
+        # midpoints whose tie rounds down to an even code
         code += (a > t).int()
     for t in (0.75, 1.75, 3.5):         # midpoints whose tie rounds up to an even code
         code += (a >= t).int()
     nan = torch.isnan(v)
     if bool(nan.any()):
-        # torchao's _f32_to_floatx_unpacked for E2M1 on |v|'s bits: add the exponent rebias, the rounding
-        # constant and the odd-mantissa bit, shift to the 1-bit mantissa, keep the low byte
+        # torchao's _f32_to_floatx_unpacked for E2M1 on |v|'s bits: add the exponent
+        # rebias, the rounding constant and the odd-mantissa bit, shift to the 1-bit
+        # mantissa, keep the low byte
         bits = v.view(torch.int32) & 0x7FFFFFFF
-        rounded = (bits + ((1 - 127) << 23) + ((1 << 21) - 1) + ((bits >> 22) & 1)) >> 22
+        rounded = (
+            bits + ((1 - 127) << 23) + ((1 << 21) - 1) + ((bits >> 22) & 1)
+        ) >> 22
         code = torch.where(nan, rounded & 0xFF, code)
     return (code | (torch.signbit(v).int() << 3)).to(torch.uint8)
 
@@ -499,7 +524,9 @@ def _unpack_even_low(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
 
 
-def mxfp4_quantize(x: torch.Tensor, block_size: int = MX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_quantize(
+    x: torch.Tensor, block_size: int = MX_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4: ``x (..., K)`` (fp32, fp16 or bf16; ``K`` a multiple of ``block_size``) to
     ``(codes uint8 (..., K/2), scales uint8 (..., K/block_size))``: E2M1 codes two per byte (even element in
     the low nibble) and biased E8M0 exponents. The OCP rule with torchao's edges (module docstring)."""
@@ -509,13 +536,18 @@ def mxfp4_quantize(x: torch.Tensor, block_size: int = MX_BLOCK) -> tuple[torch.T
         raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     block_size = _check_int(block_size, "block_size")
     if block_size % 2:
-        raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
+        raise ValueError(
+            f"block_size must be even (two codes per byte), got {block_size}"
+        )
     if x.dim() < 1 or x.shape[-1] % block_size:
-        raise ValueError(f"x's last dimension must be a multiple of block_size={block_size}, got shape "
-                         f"{tuple(x.shape)}")
+        raise ValueError(
+            f"x's last dimension must be a multiple of block_size={block_size}, got shape "
+            f"{tuple(x.shape)}"
+        )
     xb = x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
     amax = xb.abs().amax(-1, keepdim=True)
-    # floor(log2(amax)) from the fp32 exponent field (a subnormal or zero amax reads as -127)
+    # floor(log2(amax)) from the fp32 exponent field (a subnormal or zero amax reads as
+    # -127)
     exp = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
     e = torch.clamp(exp - _E2M1_EMAX, -127, 128) + 127
     e = torch.where(torch.isnan(amax), torch.full_like(e, 255), e)

@@ -182,7 +182,11 @@ def test_config_renders_offline_and_executes_nothing():
     assert config["bibtex_bibfiles"] == ["book/references.bib"]
     sphinx = config["sphinx"]["config"]
     assert not sphinx["mathjax_path"].startswith(("http:", "https:", "//")), "MathJax must be served locally"
-    assert sphinx["html_static_path"] == ["_mathjax_static"]
+    assert sphinx["html_static_path"] == ["_mathjax_static", "book/_static"]
+    # Static files are the local MathJax and the lab's stylesheet: nothing that runs (jupyter-book would add
+    # every .js found there as a script on every page).
+    assert [p.name for p in (BOOK / "_static").iterdir()] == ["lab.css"]
+    assert sphinx["html_css_files"] == ["lab.css"]
     assert not sphinx.get("suppress_warnings"), "warnings are kept visible"
     assert "sphinx_thebe" not in sphinx["extensions"]
     for ext in ("amsmath", "dollarmath", "colon_fence"):
@@ -193,3 +197,18 @@ def test_repository_url_is_written_in_one_place():
     assert (ROOT / "_config.yml").read_text().count(REPO_URL) == 1
     for page in sorted(BOOK.glob("*.md")):
         assert REPO_URL not in page.read_text(), f"{page.name} repeats the repository URL; link via _config.yml"
+
+
+def test_code_blocks_of_the_book_pages_fit_the_text_column():
+    """A fenced code block of a book page is shown in the same column as the chapters' code (88 characters at
+    the size book/_static/lab.css sets); a longer line scrolls or is clipped."""
+    too_long = []
+    for page in sorted(BOOK.glob("*.md")):
+        fence = None
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            marker = re.match(r"\s*(```+|~~~+)", line)
+            if marker and (fence is None or marker.group(1).startswith(fence)):
+                fence = None if fence else marker.group(1)
+            elif fence and len(line) > 88:
+                too_long.append(f"{page.name}:{number} ({len(line)} characters)")
+    assert not too_long, f"code lines wider than the text column: {too_long}"

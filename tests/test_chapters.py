@@ -98,3 +98,80 @@ def test_shown_code_fits_the_text_column(path):
     long_lines = [line for line in shown_code_lines(path) if len(line) > LONG_LINE_LIMIT]
     stale = [sub for sub in allowed if not any(sub in line for line in long_lines)]
     assert not stale, f"{path.name}: allow-listed long lines no longer present: {stale}"
+
+
+# No output computed from a solution reaches the book: the book renders the executed instructor notebook with
+# the solutions stubbed, so a cell that reads a name a solution defined shows the solution's result under the
+# student's stub. Such cells carry `remove-output` (tools/solution_outputs.py writes the tag).
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_cells_computed_from_a_solution_hide_their_output(path):
+    import sys
+    sys.path.insert(0, str(path.parents[1] / "tools"))
+    import solution_outputs
+
+    missing = solution_outputs.untagged(json.loads(path.read_text()))
+    assert not missing, (f"{path.name}: cells {[i for i, _ in missing]} read names a solution defined "
+                         f"({sorted(set().union(*(n for _, n in missing)))}) and would show the solution's "
+                         "result in the book: run python tools/solution_outputs.py")
+
+
+# Bookkeeping stays off the page (conventions.md, "On the rendered page"): a cell that records a claims-ledger row
+# is tagged remove-input (its one-line verdict output stays), or hide-input where it also draws a figure.
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_claims_bookkeeping_is_hidden(path):
+    shown = [i for i, (kind, src, cell) in enumerate(cells(path))
+             if kind == "code" and "claims.record(" in src
+             and not {"remove-input", "remove-cell", "hide-input"} & set(cell["metadata"].get("tags", []))]
+    assert not shown, f"{path.name}: cells {shown} show claims.record bookkeeping; tag them remove-input"
+
+
+def shown_package_sources(path):
+    """(where, source) of every ``show_source(...)`` call of a chapter: the chapter's imports are run to resolve
+    the shown object, and the call's ``start``/``end`` markers (literals) are applied as the page applies them."""
+    import ast
+
+    from labsrc.show import source_of
+
+    namespace: dict = {}
+    for kind, src, _ in cells(path):
+        if kind != "code":
+            continue
+        tree = ast.parse("\n".join("" if ln.lstrip().startswith(("%", "!")) else ln for ln in src.split("\n")))
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                exec(compile(ast.Module(body=[node], type_ignores=[]), path.name, "exec"), namespace)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "show_source":
+                obj = eval(compile(ast.Expression(node.args[0]), path.name, "eval"), namespace)
+                markers = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+                source, where = source_of(obj, **markers)
+                yield where, source
+
+
+# The package source a chapter renders (labsrc.show.show_source) must fit the same column as its own code: a
+# longer line is clipped on the page (a trailing comment lost, most often). The fix is in labsrc: comments
+# above the line, wrapped statements.
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_shown_package_source_fits_the_text_column(path):
+    too_long = [(where, line) for where, source in shown_package_sources(path) for line in source.splitlines()
+                if len(line) > LONG_LINE_LIMIT]
+    assert not too_long, (f"{path.name} shows {len(too_long)} package source lines over {LONG_LINE_LIMIT} "
+                          f"characters, e.g. {too_long[0][0]}: {too_long[0][1].strip()!r}")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_code_in_the_prose_fits_the_text_column(path):
+    """Code fenced in a markdown cell (an exercise's launch line, a buggy function to debug) is shown in the
+    same column."""
+    too_long = []
+    for kind, src, _ in cells(path):
+        if kind != "markdown":
+            continue
+        fence = None
+        for line in src.split("\n"):
+            marker = re.match(r"\s*(```+|~~~+)", line)
+            if marker and (fence is None or marker.group(1).startswith(fence)):
+                fence = None if fence else marker.group(1)
+            elif fence and len(line) > LONG_LINE_LIMIT:
+                too_long.append(line)
+    assert not too_long, f"{path.name}: fenced code lines over {LONG_LINE_LIMIT} characters: {too_long}"

@@ -15,7 +15,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # MathJax for the offline book, the notebook runner.
 NOT_IMPORTED = {"ipykernel", "jupyterlab", "jupyter-book", "django-static-mathjax", "nbmake", "pytest-xdist",
                 "pytest-playwright"}
-LOCAL = {"labsrc", "browser_setup", "colab_cells", "exercise_contract", "no_triton"}
+LOCAL = {"labsrc", "browser_setup", "colab_cells", "exercise_contract", "no_triton", "solution_outputs"}
 
 
 def _name(requirement: str) -> str:

@@ -61,12 +61,18 @@ def test_ptxas_log_parsing_and_row_problems():
     assert gc.problems(dict(compiled=False, error="boom"), uses_dot=False) == ["did not compile: boom"]
 
 
-def test_compile_table_renders_one_line_per_kernel_and_arch():
+def test_compile_table_renders_a_table_per_arch_and_a_line_per_kernel():
     rows = [dict(kernel="labsrc.kernels.m.k", arch=a, compiled=True, registers=r, spills=0, shared_bytes=s,
                  mma=True, problems=[]) for a, r, s in ((80, 96, 1024), (80, 128, 2048), (90, 168, 4096))]
     table = gc.markdown_table(rows)
-    assert "| `m.k` | sm_80 | 2 | 96-128 | 0 | 1.0-2.0 | yes |  |" in table
-    assert "| `m.k` | sm_90 | 1 | 168 | 0 | 4.0 | yes |  |" in table
+    sm80, sm90 = table.split("**sm_90**")
+    assert sm80.startswith("**sm_80**") and "| `m.k` | 2 | 96-128 | 0 | 1.0-2.0 | yes |" in sm80
+    assert "| `m.k` | 1 | 168 | 0 | 4.0 | yes |" in sm90 and sm90.rstrip().endswith("problem (spills, shared "
+                                                                               "memory over the limit, `tl.dot` "
+                                                                               "without tensor cores): none.")
+    rows[0]["problems"] = ["spills 8 bytes"]
+    assert "problem (spills, shared memory over the limit, `tl.dot` without tensor cores): `m.k` (1 of 2)." \
+        in gc.markdown_table(rows).split("**sm_90**")[0]
 
 
 # Kernels with at least one configuration that still spills registers on sm_80 or sm_90 (issue 32, open):

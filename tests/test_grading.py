@@ -335,10 +335,37 @@ def test_staged_chapter_is_the_release_version_with_outputs(path):
             continue
         if nbgrader(after).get("grade"):
             assert after["outputs"] == [], "a test cell's output reported on the solution"
+        elif nbgrader(after).get("solution"):
+            assert after["outputs"] == [], "a solution cell's output is the solution's"
+        elif "remove-output" in after["metadata"].get("tags", []):
+            assert after["outputs"] == [], "a cell computed from a solution kept its output"
         else:
             assert after["outputs"] == [marker]
         if not nbgrader(after):
             assert source(after) == source(before)
+
+
+def test_staged_chapter_drops_outputs_computed_from_a_solution_even_untagged():
+    """A cell that reads a name a solution defined (directly or through a name computed from one) loses its
+    output in the book, tag or not; a cell that rebinds the name from scratch keeps its own."""
+    def code(src, grade_id=None):
+        meta = {"nbgrader": {"solution": True, "grade": False, "grade_id": grade_id, "locked": False,
+                             "schema_version": 3}} if grade_id else {}
+        return {"cell_type": "code", "execution_count": 1, "metadata": meta, "source": src,
+                "outputs": [{"output_type": "stream", "name": "stdout", "text": "executed\n"}]}
+
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        code("import math\nbase = 3", None),
+        code("def answer(x):\n    ### BEGIN SOLUTION\n    return 42 * x\n    ### END SOLUTION\nprint(answer(1))",
+             "solution_answer"),
+        code("got = answer(2)\nprint(got)"),          # reads the solution
+        code("print(got + base)"),                     # reads a name computed from it
+        code("got = math.sqrt(base)\nprint(got)"),    # rebinds got from scratch
+        code("print(got)"),
+    ]}
+    staged = stage_book().release_view(nb)
+    kept = [bool(c["outputs"]) for c in staged["cells"]]
+    assert kept == [True, False, False, False, True, True]
 
 
 def test_staged_book_if_built_has_no_solutions():

@@ -1,4 +1,5 @@
 """release/chapters/ holds exactly what nbgrader writes from chapters/: the notebooks the launch buttons open."""
+import json
 from pathlib import Path
 
 import yaml
@@ -17,6 +18,9 @@ def test_release_notebooks_are_current(tmp_path):
     for name in fresh:
         text = (ROOT / "release" / "chapters" / name).read_text()
         assert "### BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+        # No output at all, so none computed from a solution (the book's view of it: tests/test_grading.py).
+        cells = json.loads(text)["cells"]
+        assert not [c for c in cells if c["cell_type"] == "code" and c.get("outputs")], f"{name} has outputs"
 
 
 def test_the_launch_buttons_open_the_release_notebooks():

@@ -20,9 +20,13 @@ host is refused (the book must work offline) and counts as a failure. Each page 
 * on chapter 1, the figures in the code-cell outputs loaded (``naturalWidth > 0``), are more than a few KB
   and are not blank (more than a handful of distinct colours);
 * what a reader should never see: text from a solution or a hidden test (the book renders the release
-  version), an executed cell's stderr (library warnings are silenced at their source), a printed Python
-  dict, ``namespace(...)``, dataclass or object repr where prose, a figure or a table belongs, or a Markdown
-  table from ``display(Markdown(...))`` left as a paragraph of pipes;
+  version), an output under a code cell that reads a name a (stubbed) solution cell defines, directly or
+  through a name computed from one (``tools/solution_outputs.py``: it would show the instructor's result),
+  an executed cell's stderr (library warnings are silenced at their source), a printed Python dict,
+  ``namespace(...)``, dataclass or object repr where prose, a figure or a table belongs, or a Markdown table
+  from ``display(Markdown(...))`` left as a paragraph of pipes;
+* no code block and no table wider than the text column (a scroll bar or a clipped line): a ``pre`` whose
+  ``scrollWidth`` exceeds its ``clientWidth``, a table wider than its scrolling container or the article;
 * on each kernel chapter, the Triton kernel's own source, rendered from ``labsrc`` (``labsrc.show``): a
   highlighted block holding ``@triton.jit``;
 
@@ -42,6 +46,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 import browser_setup
+import solution_outputs
 
 ROOT = browser_setup.ROOT
 HTML = Path(os.environ.get("BOOK_HTML", ROOT / "_build" / "html")).resolve()
@@ -275,6 +280,43 @@ REPRS_JS = r"""
 }
 """
 
+# Every code cell whose input the page shows, in page order: the code (the <pre> alone: the input area also holds
+# the copy button's text), and whether the cell has a non-empty output.
+CODE_CELLS_JS = """
+() => Array.from(document.querySelectorAll('.cell')).filter(c => c.querySelector('.cell_input pre')).map(c => {
+  const out = c.querySelector('.cell_output');
+  return [c.querySelector('.cell_input pre').textContent,
+          !!(out && (out.textContent.trim() || out.querySelector('img')))];
+})
+"""
+
+# Code blocks and tables wider than the text column: a reader meets a scroll bar or a clipped line. A <pre> that
+# scrolls, or a table whose scrolling container (or the article) is narrower than the table.
+OVERFLOW_JS = """
+() => {
+  const article = document.querySelector('article') || document.querySelector('main') || document.body;
+  const right = article.getBoundingClientRect().right;
+  const out = [];
+  const label = el => el.innerText.trim().split("\\n")[0].slice(0, 80);
+  for (const pre of article.querySelectorAll('pre')) {
+    if (pre.scrollWidth > pre.clientWidth + 1) {
+      const widest = pre.textContent.split("\\n").reduce((a, b) => (b.length > a.length ? b : a), '');
+      out.push(`a code block ${pre.scrollWidth - pre.clientWidth}px wider than the column, `
+               + `its longest line ${widest.length} characters: '${widest.trim().slice(0, 80)}'`);
+    }
+  }
+  for (const table of article.querySelectorAll('table')) {
+    const box = table.closest('.pst-scrollable-table-container, .table-wrapper') || table.parentElement;
+    const over = Math.max(box.scrollWidth - box.clientWidth, table.getBoundingClientRect().right - right);
+    if (over > 1) {
+      out.push(`a table ${Math.round(over)}px wider than the column (${table.rows[0] ? table.rows[0].cells.length : 0} `
+               + `columns): ${label(table)}`);
+    }
+  }
+  return out;
+}
+"""
+
 KERNEL_SOURCE_JS = """
 () => Array.from(document.querySelectorAll('.cell_output .highlight, .cell_output pre'))
         .some(el => el.innerText.includes('@triton.jit'))
@@ -329,6 +371,9 @@ def test_page(page, base_url, page_path):
                      for marker in FORBIDDEN_TEXT if marker in text]
     for bad in page.evaluate(REPRS_JS):
         problems.append(f"{bad['kind']} (cell starting {bad['cell']!r})")
+    problems += page.evaluate(OVERFLOW_JS)
+    if page_path.startswith("chapters/"):
+        problems += solution_outputs.page_problems([tuple(c) for c in page.evaluate(CODE_CELLS_JS)])
     if page_path in KERNEL_PAGES and not page.evaluate(KERNEL_SOURCE_JS):
         problems.append("a kernel chapter that shows no Triton kernel source (labsrc.show.show_source)")
 

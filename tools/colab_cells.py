@@ -4,11 +4,11 @@
 
 A chapter opened from the book's Colab launch button runs on a fresh Colab machine where ``labsrc`` is not
 installed, so its set-up cell would fail at ``import labsrc``. The first code cell of each chapter therefore
-installs this repository with pip when (and only when) it runs on Colab; anywhere else it does nothing. The
-repository URL and branch are read from ``_config.yml`` (``repository.url``/``branch``), the one place they
-live: after changing them, run this script again. The cell is tagged ``remove-cell``, so the book does not
-show it. The script is idempotent (``--check`` exits 1 naming the notebooks that would change) and keeps each
-notebook's JSON format.
+installs this repository with pip, with the ``chapters`` extra (the libraries the chapters check against), when
+(and only when) it runs on Colab; anywhere else it does nothing. The repository URL and branch are read from
+``_config.yml`` (``repository.url``/``branch``), the one place they live: after changing them, run this script
+again. The cell is tagged ``remove-cell``, so the book does not show it. The script is idempotent (``--check``
+exits 1 naming the notebooks that would change) and keeps each notebook's JSON format.
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "# On Google Colab, install the lab first"
+# The optional dependencies the chapters import (pyproject.toml): fla-core (chapter 8), torchao (chapter 12),
+# trl (chapter 13), openai (chapter 9); a fresh Colab runtime is not guaranteed to have them.
+EXTRAS = "chapters"
 
 
 def cell_source(url: str, branch: str) -> str:
@@ -31,7 +34,8 @@ import subprocess
 import sys
 
 if "google.colab" in sys.modules or "COLAB_RELEASE_TAG" in os.environ:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "labsrc @ git+{url}@{branch}"], check=True)
+    spec = "labsrc[{EXTRAS}] @ git+{url}@{branch}"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", spec], check=True)
 '''
 
 

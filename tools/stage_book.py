@@ -34,6 +34,9 @@ from labsrc.bench import format_table  # noqa: E402
 from labsrc.gpucheck.compile import markdown_table  # noqa: E402
 from labsrc import claims  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tools"))
+import solution_outputs  # noqa: E402
+
 
 def bench_markdown(results_dir: Path) -> str:
     """Markdown for every GPU result file (newest first); a plain statement when there is none."""
@@ -63,18 +66,28 @@ def compile_markdown(path: Path) -> str:
 
 def release_view(notebook: dict) -> dict:
     """An executed instructor notebook as students get it: each solution region replaced by the release stub and
-    each test cell's hidden section removed, by nbgrader's own preprocessors; test cells lose their outputs
-    (they reported on the instructor's solution and hidden cases), every other output is kept."""
+    each test cell's hidden section removed, by nbgrader's own preprocessors. Every output computed from a
+    solution goes: those of test cells (they reported on the instructor's solution and hidden cases), of
+    solution cells, and of every cell that reads a name a solution defined (``solution_outputs``: such cells
+    carry the ``remove-output`` tag, which a test enforces; they are found here from the code as well, so an
+    untagged one cannot leak); so do the outputs of any other ``remove-output`` cell, which the page hides and the
+    downloaded notebook should not carry either. Every other output is kept."""
     import nbformat
     from nbgrader.preprocessors import ClearHiddenTests, ClearSolutions
 
     from labsrc.exercises.student import STUB
 
+    dependent = {i for i, _, _ in solution_outputs.notebook_dependents(notebook)}
     nb = nbformat.reads(json.dumps(notebook), as_version=4)   # joins sources stored as lists of lines
+    solutions = {i for i, cell in enumerate(nb.cells) if solution_outputs.BEGIN in cell.source}
     nb, _ = ClearSolutions(code_stub={"python": STUB}).preprocess(nb, {})
     nb, _ = ClearHiddenTests().preprocess(nb, {})
-    for cell in nb.cells:
-        if cell.get("metadata", {}).get("nbgrader", {}).get("grade") and cell.cell_type == "code":
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        meta = cell.get("metadata", {})
+        if (i in dependent or i in solutions or meta.get("nbgrader", {}).get("grade")
+                or solution_outputs.TAG in meta.get("tags", [])):
             cell.outputs, cell.execution_count = [], None
     return json.loads(json.dumps(nb))
 

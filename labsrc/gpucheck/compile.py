@@ -187,14 +187,19 @@ def describe(row: dict) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per kernel and architecture: configurations compiled, registers, spills, shared memory, mma.
+    """One table per architecture, one line per kernel: configurations compiled, registers, spills, shared
+    memory, tensor cores (``mma``); under it, the kernels with configurations that have problems. One table
+    per architecture, and the problems outside it, keep the columns few enough for the book's text column.
 
     Registers and shared memory are given as the range over the kernel's configurations (the autotune list
     picks one per shape at run time); spills and problems count over all of them.
     """
     groups: dict[tuple, list] = {}
     for row in rows:
-        groups.setdefault((row["kernel"].removeprefix("labsrc.kernels."), row["arch"]), []).append(row)
+        # "attention._flash_attention" for labsrc.kernels.attention._flash_attention_kernel: the longest names
+        # set the table's width.
+        name = row["kernel"].removeprefix("labsrc.kernels.").removesuffix("_kernel")
+        groups.setdefault((row["arch"], name), []).append(row)
 
     def span(values, scale=1):
         values = [v / scale for v in values if v is not None]
@@ -204,13 +209,24 @@ def markdown_table(rows: list[dict]) -> str:
         fmt = (lambda v: f"{v:.0f}") if scale == 1 else (lambda v: f"{v:.1f}")
         return fmt(lo) if lo == hi else f"{fmt(lo)}-{fmt(hi)}"
 
-    lines = ["| kernel | arch | configs | registers | spill bytes | shared KiB | tensor cores | problems |",
-             "|---|---|---|---|---|---|---|---|"]
-    for (kernel, arch), group in sorted(groups.items()):
-        ok = [r for r in group if r["compiled"]]
-        bad = sum(1 for r in group if r.get("problems"))
-        mma = "yes" if ok and all(r["mma"] for r in ok) else ("some" if any(r["mma"] for r in ok) else "no")
-        lines.append(f"| `{kernel}` | sm_{arch} | {len(group)} | {span([r['registers'] for r in ok])} | "
-                     f"{max((r['spills'] for r in ok), default=0)} | {span([r['shared_bytes'] for r in ok], 1024)} | "
-                     f"{mma} | {bad or ''} |")
-    return "\n".join(lines) + "\n"
+    lines = []
+    for arch in sorted({arch for arch, _ in groups}):
+        lines += ["" if not lines else "\n", f"**sm_{arch}**\n",
+                  "| kernel | configs | registers | spills | shared KiB | mma |",
+                  "|---|---|---|---|---|---|"]
+        flagged = []
+        for (a, kernel), group in sorted(groups.items()):
+            if a != arch:
+                continue
+            ok = [r for r in group if r["compiled"]]
+            bad = sum(1 for r in group if r.get("problems"))
+            mma = "yes" if ok and all(r["mma"] for r in ok) else ("some" if any(r["mma"] for r in ok) else "no")
+            lines.append(f"| `{kernel}` | {len(group)} | {span([r['registers'] for r in ok])} | "
+                         f"{max((r['spills'] for r in ok), default=0)} | "
+                         f"{span([r['shared_bytes'] for r in ok], 1024)} | {mma} |")
+            if bad:
+                flagged.append(f"`{kernel}` ({bad} of {len(group)})")
+        # Problems under the table, not in a column of their own: the table stays within the text column.
+        lines.append("\nConfigurations with a problem (spills, shared memory over the limit, `tl.dot` without "
+                     "tensor cores): " + (", ".join(flagged) if flagged else "none") + ".")
+    return "\n".join(line for line in lines if line) + "\n"

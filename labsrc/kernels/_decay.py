@@ -17,7 +17,8 @@ __all__ = ["chunk_segsum", "last_row"]
 @triton.jit
 def chunk_segsum(a, BLOCK: tl.constexpr):
     rows = tl.arange(0, BLOCK)
-    # terms[k, s] = a[k] where k > s, else 0; a running sum down each column then gives sum_{s < k <= t} a[k]
+    # terms[k, s] = a[k] where k > s, else 0; a running sum down each column then gives
+    # sum_{s < k <= t} a[k]
     terms = tl.where(rows[:, None] > rows[None, :], a[:, None], 0.0)
     seg = tl.cumsum(terms, 0)
     return tl.where(rows[:, None] >= rows[None, :], seg, float("-inf"))
@@ -25,6 +26,7 @@ def chunk_segsum(a, BLOCK: tl.constexpr):
 
 @triton.jit
 def last_row(seg, BLOCK: tl.constexpr):
-    # seg[BLOCK - 1, :]: the log-decay from each position to the chunk's end (no -inf mask in that row)
+    # seg[BLOCK - 1, :]: the log-decay from each position to the chunk's end (no -inf
+    # mask in that row)
     rows = tl.arange(0, BLOCK)
     return tl.sum(tl.where(rows[:, None] == BLOCK - 1, seg, 0.0), 0)

@@ -217,15 +217,38 @@ def _capability() -> tuple[int, int]:
 
 def _flash_configs() -> list:
     if runtime.INTERPRETED:
-        # The interpreter runs every program one after another in NumPy: fewer, bigger tiles are faster, and
-        # one configuration means no benchmarking. 64 x 64 still leaves several query blocks and a
-        # full/diagonal split at the test lengths (129, 257), so the block-skipping paths are exercised.
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
-    if _capability()[0] >= 9:  # Hopper: big tiles, deeper software pipelines (more shared memory per SM)
-        shapes = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 2), (64, 64, 4, 4), (64, 128, 4, 3)]
-    else:  # Ampere and older: 164 KB (A100) or 100 KB (consumer) of shared memory, shallower pipelines
-        shapes = [(128, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 4)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
+        # The interpreter runs every program one after another in NumPy: fewer, bigger
+        # tiles are faster, and one configuration means no benchmarking. 64 x 64 still
+        # leaves several query blocks and a full/diagonal split at the test lengths
+        # (129, 257), so the block-skipping paths are exercised.
+        return [
+            triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)
+        ]
+    if _capability()[0] >= 9:
+        # Hopper: big tiles, deeper software pipelines (more shared memory per SM)
+        shapes = [
+            (128, 128, 8, 3),
+            (128, 64, 8, 3),
+            (128, 64, 4, 4),
+            (128, 128, 8, 2),
+            (64, 64, 4, 4),
+            (64, 128, 4, 3),
+        ]
+    else:
+        # Ampere and older: 164 KB (A100) or 100 KB (consumer) of shared memory,
+        # shallower pipelines
+        shapes = [
+            (128, 64, 4, 3),
+            (128, 64, 8, 2),
+            (128, 32, 4, 3),
+            (64, 64, 4, 3),
+            (64, 64, 4, 2),
+            (64, 32, 4, 4),
+        ]
+    return [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+        for m, n, w, s in shapes
+    ]
 
 
 def merge_warps(block_s: int, block_d: int) -> int:
@@ -286,15 +309,18 @@ def _bucket(n: int) -> int:
 # ----------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _online_softmax_step(m_i, l_i, s):
-    """One step of the online softmax: fold a tile of scores ``s`` (log2 units) into the row state ``(m, l)``.
+    """One step of the online softmax: fold a tile of scores ``s`` (log2 units) into the
+    row state ``(m, l)``.
 
-    Returns ``(m_new, l_new, alpha, p)``: the new row maximum and row sum, the factor ``alpha`` that rescales
-    whatever was accumulated under the old maximum, and ``p = exp2(s - m_new)``.
+    Returns ``(m_new, l_new, alpha, p)``: the new row maximum and row sum, the factor
+    ``alpha`` that rescales whatever was accumulated under the old maximum, and ``p =
+    exp2(s - m_new)``.
 
-    The one rule shared by every online-softmax update and merge in this module: **a set of scores that are
-    all -inf (an empty split, a fully masked block, keys whose scores are -inf) contributes nothing**. While a
-    row has seen only -inf, ``m`` stays -inf; subtracting 0 instead of -inf avoids ``(-inf) - (-inf) = nan``,
-    so ``p`` and ``alpha`` come out as ``exp2(-inf) = 0`` and the state stays ``acc = 0, l = 0``.
+    The one rule shared by every online-softmax update and merge in this module: **a set
+    of scores that are all -inf (an empty split, a fully masked block, keys whose scores
+    are -inf) contributes nothing**. While a row has seen only -inf, ``m`` stays -inf;
+    subtracting 0 instead of -inf avoids ``(-inf) - (-inf) = nan``, so ``p`` and
+    ``alpha`` come out as ``exp2(-inf) = 0`` and the state stays ``acc = 0, l = 0``.
     """
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -306,10 +332,12 @@ def _online_softmax_step(m_i, l_i, s):
 
 @triton.jit
 def _softmax_finish(acc, l_i, m_i):
-    """Normalise the accumulated ``acc`` by the row sum and form the row's log-sum-exp (log2 units).
+    """Normalise the accumulated ``acc`` by the row sum and form the row's log-sum-exp
+    (log2 units).
 
-    A row that saw no key (``l = 0``) gets output 0 and log-sum-exp -inf: dividing by 1 instead of 0 keeps
-    ``acc = 0``, and -inf is what makes the row weigh nothing in a later merge (``exp2(-inf) = 0``).
+    A row that saw no key (``l = 0``) gets output 0 and log-sum-exp -inf: dividing by 1
+    instead of 0 keeps ``acc = 0``, and -inf is what makes the row weigh nothing in a
+    later merge (``exp2(-inf) = 0``).
     """
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)
@@ -319,16 +347,19 @@ def _softmax_finish(acc, l_i, m_i):
 
 
 @triton.jit
-def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n0, d_mask,
-                   lo, hi, Tk, diag, qk_scale,
-                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                   UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    """Fold key blocks ``[lo, hi)`` into the running softmax state ``(acc, l_i, m_i)`` of one query block.
+def _attend_blocks(
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_m, offs_n0, d_mask, lo,
+    hi, Tk, diag, qk_scale, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Fold key blocks ``[lo, hi)`` into the running softmax state ``(acc, l_i, m_i)``
+    of one query block.
 
-    ``MASKED=False`` is the fast path for blocks that lie entirely inside the sequence and below the causal
-    diagonal: no comparison is needed per score. ``MASKED=True`` handles the diagonal block(s) and the ragged
-    last block. Scores are kept in base 2 (already multiplied by log2(e)), so each exponential is one
-    ``exp2`` -- the hardware instruction -- instead of ``exp`` = ``exp2`` after a multiply.
+    ``MASKED=False`` is the fast path for blocks that lie entirely inside the sequence
+    and below the causal diagonal: no comparison is needed per score. ``MASKED=True``
+    handles the diagonal block(s) and the ragged last block. Scores are kept in base 2
+    (already multiplied by log2(e)), so each exponential is one ``exp2`` -- the hardware
+    instruction -- instead of ``exp`` = ``exp2`` after a multiply.
     """
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
@@ -336,60 +367,102 @@ def _attend_blocks(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn, offs_
             kv_mask = (offs_n[:, None] < Tk) & d_mask[None, :]
         else:
             kv_mask = d_mask[None, :]
-        # Padded head-dim lanes and keys past the end load as 0: they add nothing to q.k and p.v.
+        # Padded head-dim lanes and keys past the end load as 0: they add nothing to q.k
+        # and p.v.
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), fp32, log2 units
+        # (BLOCK_M, BLOCK_N), fp32, log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         if MASKED:
             visible = offs_n[None, :] < Tk
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag)
             s = tl.where(visible, s, float("-inf"))
-        # Online softmax: a new, larger maximum rescales everything accumulated so far by exp2(m_old - m_new);
-        # a row that has seen only -inf so far stays at acc = 0, l = 0 (see _online_softmax_step).
+        # Online softmax: a new, larger maximum rescales everything accumulated so far
+        # by exp2(m_old - m_new); a row that has seen only -inf so far stays at acc = 0,
+        # l = 0 (see _online_softmax_step).
         m_new, l_i, alpha, p = _online_softmax_step(m_i, l_i, s)
-        # P goes to the tensor cores in the input precision (as in FlashAttention); the sum stays fp32.
+        # P goes to the tensor cores in the input precision (as in FlashAttention); the
+        # sum stays fp32.
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
-        # The pointers arrive pointing at key `lo` and advance with the loop: no index multiply per block.
+        # The pointers arrive pointing at key `lo` and advance with the loop: no index
+        # multiply per block.
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_flash_configs(), key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"])
+@triton.autotune(
+    configs=_flash_configs(),
+    key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"],
+)
 @triton.jit
 def _flash_attention_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    stride_lb, stride_lh,
-    Hq, Tq, Tk, D, GROUP, qk_scale,
-    TQ_BUCKET, TK_BUCKET,  # used only as autotuning keys
-    CAUSAL: tl.constexpr, WRITE_LSE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_lb,
+    stride_lh,
+    Hq,
+    Tq,
+    Tk,
+    D,
+    GROUP,
+    qk_scale,
+    TQ_BUCKET,
+    TK_BUCKET,  # used only as autotuning keys
+    CAUSAL: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    # One program = one block of BLOCK_M queries of one (batch, query head). Axis 0 walks the query blocks so
-    # that programs launched together share the same K/V head and hit the same lines in L2.
+    # One program = one block of BLOCK_M queries of one (batch, query head). Axis 0
+    # walks the query blocks so that programs launched together share the same K/V head
+    # and hit the same lines in L2.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    # Batch and head offsets in 64 bits: b * stride_qb passes 2^31 elements for a few GiB of K/V cache.
+    # Batch and head offsets in 64 bits: b * stride_qb passes 2^31 elements for a few
+    # GiB of K/V cache.
     b = (pid_bh // Hq).to(tl.int64)
     hq = (pid_bh % Hq).to(tl.int64)
-    hkv = hq // GROUP  # grouped-query attention: pick the shared K/V head, never copy it
+    # grouped-query attention: pick the shared K/V head, never copy it
+    hkv = hq // GROUP
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D  # head dims like 48, 80, 96 are padded up to BLOCK_D, a power of two
+    # head dims like 48, 80, 96 are padded up to BLOCK_D, a power of two
+    d_mask = offs_d < D
 
-    q_ptrs = Q + b * stride_qb + hq * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q_ptrs = (
+        Q
+        + b * stride_qb
+        + hq * stride_qh
+        + offs_m[:, None] * stride_qm
+        + offs_d[None, :]
+    )
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < Tq) & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
@@ -397,36 +470,108 @@ def _flash_attention_kernel(
     # Bottom-right causal alignment: query i sees keys j <= i + diag.
     diag = Tk - Tq
     if CAUSAL:
-        # Causal block skipping: keys past the last row's diagonal are never loaded at all...
+        # Causal block skipping: keys past the last row's diagonal are never loaded at
+        # all...
         hi = tl.minimum(Tk, start_m + BLOCK_M + diag)
-        # ...and keys up to the first row's diagonal are visible to every row, so they need no mask.
-        full_end = tl.maximum(tl.minimum(start_m + diag + 1, Tk), 0) // BLOCK_N * BLOCK_N
+        # ...and keys up to the first row's diagonal are visible to every row, so they
+        # need no mask.
+        full_end = (
+            tl.maximum(tl.minimum(start_m + diag + 1, Tk), 0) // BLOCK_N * BLOCK_N
+        )
     else:
         hi = Tk
         full_end = Tk // BLOCK_N * BLOCK_N
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running row maximum (log2 units)
+    # running row maximum (log2 units)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running row sum of exp2(s - m)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # running sum of p @ v, not yet divided by l
+    # running sum of p @ v, not yet divided by l
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    k_base = K + b * stride_kb + hkv * stride_kh + offs_n0[:, None] * stride_kn + offs_d[None, :]
-    v_base = V + b * stride_vb + hkv * stride_vh + offs_n0[:, None] * stride_vn + offs_d[None, :]
-    acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_vn, offs_m, offs_n0, d_mask,
-                                   0, full_end, Tk, diag, qk_scale,
-                                   BLOCK_N, False, CAUSAL, UPCAST, PRECISION)
-    acc, l_i, m_i = _attend_blocks(acc, l_i, m_i, q, k_base + full_end * stride_kn, v_base + full_end * stride_vn,
-                                   stride_kn, stride_vn, offs_m, offs_n0, d_mask,
-                                   full_end, hi, Tk, diag, qk_scale,
-                                   BLOCK_N, True, CAUSAL, UPCAST, PRECISION)
+    k_base = (
+        K
+        + b * stride_kb
+        + hkv * stride_kh
+        + offs_n0[:, None] * stride_kn
+        + offs_d[None, :]
+    )
+    v_base = (
+        V
+        + b * stride_vb
+        + hkv * stride_vh
+        + offs_n0[:, None] * stride_vn
+        + offs_d[None, :]
+    )
+    acc, l_i, m_i = _attend_blocks(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n0,
+        d_mask,
+        0,
+        full_end,
+        Tk,
+        diag,
+        qk_scale,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        UPCAST,
+        PRECISION,
+    )
+    acc, l_i, m_i = _attend_blocks(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base + full_end * stride_kn,
+        v_base + full_end * stride_vn,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n0,
+        d_mask,
+        full_end,
+        hi,
+        Tk,
+        diag,
+        qk_scale,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        UPCAST,
+        PRECISION,
+    )
 
-    # Normalise once at the end (FlashAttention-2), not after every block. A row that saw no key has
-    # l = 0 and acc = 0: the defined output 0 and log-sum-exp -inf.
+    # Normalise once at the end (FlashAttention-2), not after every block. A row that
+    # saw no key has l = 0 and acc = 0: the defined output 0 and log-sum-exp -inf.
     out, lse2 = _softmax_finish(acc, l_i, m_i)
-    o_ptrs = O + b * stride_ob + hq * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < Tq) & d_mask[None, :])
+    o_ptrs = (
+        O
+        + b * stride_ob
+        + hq * stride_oh
+        + offs_m[:, None] * stride_om
+        + offs_d[None, :]
+    )
+    tl.store(
+        o_ptrs,
+        out.to(O.dtype.element_ty),
+        mask=(offs_m[:, None] < Tq) & d_mask[None, :],
+    )
     if WRITE_LSE:
-        # log(sum exp(s)) = (m + log2(l)) * ln 2, with s in natural units; -inf for an empty row.
-        tl.store(LSE + b * stride_lb + hq * stride_lh + offs_m, lse2 * 0.6931471805599453, mask=offs_m < Tq)
+        # log(sum exp(s)) = (m + log2(l)) * ln 2, with s in natural units; -inf for an
+        # empty row.
+        tl.store(
+            LSE + b * stride_lb + hq * stride_lh + offs_m,
+            lse2 * 0.6931471805599453,
+            mask=offs_m < Tq,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -476,26 +621,61 @@ def _recompute_p(q, k, lse2, offs_m, offs_n, Tq, Tk, diag, qk_scale,
     return tl.where(visible, p, 0.0)
 
 
-@triton.autotune(configs=_bwd_dkdv_configs(), key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"])
+@triton.autotune(
+    configs=_bwd_dkdv_configs(),
+    key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"],
+)
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    stride_lb, stride_lh,  # shared by LSE and DELTA, both packed (B, Hq, Tq) fp32
-    Hkv, Tq, Tk, D, GROUP, qk_scale, sm_scale,
-    TQ_BUCKET, TK_BUCKET,  # used only as autotuning keys
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_lb,
+    stride_lh,  # shared by LSE and DELTA, both packed (B, Hq, Tq) fp32
+    Hkv,
+    Tq,
+    Tk,
+    D,
+    GROUP,
+    qk_scale,
+    sm_scale,
+    TQ_BUCKET,
+    TK_BUCKET,  # used only as autotuning keys
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    # One program = one block of BLOCK_N keys of one (batch, K/V head). Its K and V tiles stay in registers
-    # while the program walks the query blocks that can see them, for every query head of the GQA group,
-    # accumulating dV = P^T dO and dK = dS^T Q in fp32. Summing the group inside the program gives GQA's
-    # dK/dV without an Hq-sized buffer and without atomics: the result is deterministic.
+    # One program = one block of BLOCK_N keys of one (batch, K/V head). Its K and V
+    # tiles stay in registers while the program walks the query blocks that can see
+    # them, for every query head of the GQA group, accumulating dV = P^T dO and dK =
+    # dS^T Q in fp32. Summing the group inside the program gives GQA's dK/dV without an
+    # Hq-sized buffer and without atomics: the result is deterministic.
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -506,10 +686,24 @@ def _bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     kv_mask = (offs_n[:, None] < Tk) & d_mask[None, :]
-    k = tl.load(K + b * stride_kb + hkv * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + hkv * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
+    k = tl.load(
+        K
+        + b * stride_kb
+        + hkv * stride_kh
+        + offs_n[:, None] * stride_kn
+        + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        V
+        + b * stride_vb
+        + hkv * stride_vh
+        + offs_n[:, None] * stride_vn
+        + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -518,7 +712,8 @@ def _bwd_dkdv_kernel(
 
     diag = Tk - Tq  # bottom-right causal alignment: query i sees keys j <= i + diag
     if CAUSAL:
-        # Queries before start_n - diag see none of these keys: start at the block holding the first that does.
+        # Queries before start_n - diag see none of these keys: start at the block
+        # holding the first that does.
         lo = tl.maximum(start_n - diag, 0) // BLOCK_M * BLOCK_M
     else:
         lo = 0
@@ -532,24 +727,46 @@ def _bwd_dkdv_kernel(
             m_mask = offs_m < Tq
             qd_mask = m_mask[:, None] & d_mask[None, :]
             q = tl.load(q_base + offs_m[:, None] * stride_qm, mask=qd_mask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dom, mask=qd_mask, other=0.0)
+            do = tl.load(
+                do_base + offs_m[:, None] * stride_dom, mask=qd_mask, other=0.0
+            )
             if UPCAST:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
             lse = tl.load(LSE + row_base + offs_m, mask=m_mask, other=float("-inf"))
             delta = tl.load(DELTA + row_base + offs_m, mask=m_mask, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            p = _recompute_p(q, k, lse2, offs_m, offs_n, Tq, Tk, diag, qk_scale, CAUSAL, PRECISION)
-            # dV += P^T dO, with P in the input precision for the tensor cores (as in the forward).
+            lse2 = tl.where(
+                lse == float("-inf"), float("inf"), lse * 1.4426950408889634
+            )
+            p = _recompute_p(
+                q, k, lse2, offs_m, offs_n, Tq, Tk, diag, qk_scale, CAUSAL, PRECISION
+            )
+            # dV += P^T dO, with P in the input precision for the tensor cores (as in
+            # the forward).
             dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=PRECISION)
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None])
             dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=PRECISION)
-    dk = dk * sm_scale  # S = q k^T * scale, so dK carries the scale once, applied at the end
-    tl.store(DK + b * stride_dkb + hkv * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :],
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + b * stride_dvb + hkv * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+    # S = q k^T * scale, so dK carries the scale once, applied at the end
+    dk = dk * sm_scale
+    tl.store(
+        DK
+        + b * stride_dkb
+        + hkv * stride_dkh
+        + offs_n[:, None] * stride_dkn
+        + offs_d[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=kv_mask,
+    )
+    tl.store(
+        DV
+        + b * stride_dvb
+        + hkv * stride_dvh
+        + offs_n[:, None] * stride_dvn
+        + offs_d[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=kv_mask,
+    )
 
 
 @triton.autotune(configs=_bwd_dq_configs(), key=["TQ_BUCKET", "TK_BUCKET", "BLOCK_D", "CAUSAL", "PRECISION"])
@@ -622,35 +839,63 @@ def _bwd_dq_kernel(
 # ----------------------------------------------------------------------------------------------------------------
 # Flash-decoding: split-K over the cache, then a log-sum-exp merge.
 # ----------------------------------------------------------------------------------------------------------------
-@triton.autotune(configs=_decode_configs(), key=["TMAX_BUCKET", "BLOCK_G", "BLOCK_D", "NUM_SPLITS", "PRECISION"])
+@triton.autotune(
+    configs=_decode_configs(),
+    key=["TMAX_BUCKET", "BLOCK_G", "BLOCK_D", "NUM_SPLITS", "PRECISION"],
+)
 @triton.jit
 def _decode_split_kernel(
-    Q, K, V, SEQ_LENS, MID_O, MID_LSE,
-    stride_qb, stride_qh,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_mob, stride_moh, stride_mos,
-    stride_mlb, stride_mlh,
-    Hkv, D, GROUP, NUM_SPLITS, qk_scale,
+    Q,
+    K,
+    V,
+    SEQ_LENS,
+    MID_O,
+    MID_LSE,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    Hkv,
+    D,
+    GROUP,
+    NUM_SPLITS,
+    qk_scale,
     TMAX_BUCKET,  # used only as an autotuning key
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    # One program = one split of the cache of one (batch, K/V head), for ALL the query heads that share that
-    # K/V head. Each K/V tile is loaded once and used GROUP times: decode is memory-bound, so this divides the
-    # traffic per query head by GROUP -- the whole point of GQA at inference time.
+    # One program = one split of the cache of one (batch, K/V head), for ALL the query
+    # heads that share that K/V head. Each K/V tile is loaded once and used GROUP times:
+    # decode is memory-bound, so this divides the traffic per query head by GROUP -- the
+    # whole point of GQA at inference time.
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
-    b = (pid_bh // Hkv).to(tl.int64)  # 64-bit batch/head offsets, as in the flash kernel
+    # 64-bit batch/head offsets, as in the flash kernel
+    b = (pid_bh // Hkv).to(tl.int64)
     hkv = (pid_bh % Hkv).to(tl.int64)
 
-    # Each sequence splits its own length evenly, so ragged batches give every program similar work.
+    # Each sequence splits its own length evenly, so ragged batches give every program
+    # similar work.
     seq_len = tl.load(SEQ_LENS + b)
     split_len = tl.cdiv(seq_len, NUM_SPLITS)
     start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)  # may be <= start: an empty split (short sequence)
+    # may be <= start: an empty split (short sequence)
+    end = tl.minimum(start + split_len, seq_len)
 
-    offs_g = tl.arange(0, BLOCK_G)  # query heads of this group, padded to >= 16 rows for tl.dot
+    # query heads of this group, padded to >= 16 rows for tl.dot
+    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n0 = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
@@ -676,18 +921,27 @@ def _decode_split_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N), log2 units
+        # (BLOCK_G, BLOCK_N), log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every block inside the loop holds at least one real key, but its scores may still all be -inf (keys
-        # of -inf, or an overflow in fp32): the same guarded step as flash_attention, never a bare exp2(m - m).
+        # Every block inside the loop holds at least one real key, but its scores may
+        # still all be -inf (keys of -inf, or an overflow in fp32): the same guarded
+        # step as flash_attention, never a bare exp2(m - m).
         m_new, l_i, alpha, p = _online_softmax_step(m_i, l_i, s)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    # Store the split's *normalised* output and its log-sum-exp (log2 units); an empty split (no key, or only
-    # -inf scores) stores 0 and -inf, which the merge weighs by exp2(-inf) = 0.
+    # Store the split's *normalised* output and its log-sum-exp (log2 units); an empty
+    # split (no key, or only -inf scores) stores 0 and -inf, which the merge weighs by
+    # exp2(-inf) = 0.
     out, lse = _softmax_finish(acc, l_i, m_i)
-    mo_ptrs = MID_O + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+    mo_ptrs = (
+        MID_O
+        + b * stride_mob
+        + heads[:, None] * stride_moh
+        + split * stride_mos
+        + offs_d[None, :]
+    )
     tl.store(mo_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(MID_LSE + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
 
@@ -701,11 +955,16 @@ def _decode_merge_kernel(
     Hq, D, NUM_SPLITS,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # One program per (batch, query head). Split s holds o_s = softmax-weighted mean over its keys and
-    # lse_s = log2 sum exp2(scores); the full softmax weighs each split by its share of the total mass:
-    #   o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s (for stability).
-    # The same rule as every online-softmax step here: a split with lse -inf (no key, or only -inf scores)
-    # weighs exp2(-inf) = 0; if every split is empty the row has no key at all and its output is 0.
+    # One program per (batch, query head). Split s holds o_s = softmax-weighted mean
+    # over its keys and
+    # lse_s = log2 sum exp2(scores); the full softmax weighs each split by its share of
+    # the total mass:
+    # o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M),   M = max_s lse_s (for
+    # stability).
+    # The same rule as every online-softmax step here: a split with lse -inf (no key, or
+    # only -inf scores)
+    # weighs exp2(-inf) = 0; if every split is empty the row has no key at all and its
+    # output is 0.
     pid = tl.program_id(0)
     b = (pid // Hq).to(tl.int64)
     h = (pid % Hq).to(tl.int64)
@@ -713,15 +972,31 @@ def _decode_merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < D
-    lse = tl.load(MID_LSE + b * stride_mlb + h * stride_mlh + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)  # -inf when every split is empty (e.g. all of a sequence's scores are -inf)
+    lse = tl.load(
+        MID_LSE + b * stride_mlb + h * stride_mlh + offs_s,
+        mask=s_mask,
+        other=float("-inf"),
+    )
+    # -inf when every split is empty (e.g. all of a sequence's scores are -inf)
+    m = tl.max(lse, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(lse - m_safe)
-    o = tl.load(MID_O + b * stride_mob + h * stride_moh + offs_s[:, None] * stride_mos + offs_d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.load(
+        MID_O
+        + b * stride_mob
+        + h * stride_moh
+        + offs_s[:, None] * stride_mos
+        + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     total = tl.sum(w, 0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_mask)
+    tl.store(
+        O + b * stride_ob + h * stride_oh + offs_d,
+        out.to(O.dtype.element_ty),
+        mask=d_mask,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------

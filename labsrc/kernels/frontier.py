@@ -143,17 +143,15 @@ def diff_attention_ref(q1, k1, q2, k2, v, lam, sm_scale=None, return_maps=False)
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _diff_attention_kernel(
-        Q1, K1, Q2, K2, V, LAM, O,
-        stride_q1b, stride_q1h, stride_q1t,
-        stride_k1b, stride_k1h, stride_k1t,
-        stride_q2b, stride_q2h, stride_q2t,
-        stride_k2b, stride_k2h, stride_k2t,
-        stride_vb, stride_vh, stride_vt,
-        stride_ob, stride_oh, stride_ot,
-        H, T, D, DV, qk_scale,
-        UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    # One program = BLOCK_M queries of one (batch, head); batch and head offsets in 64 bits.
+    Q1, K1, Q2, K2, V, LAM, O, stride_q1b, stride_q1h, stride_q1t, stride_k1b,
+    stride_k1h, stride_k1t, stride_q2b, stride_q2h, stride_q2t, stride_k2b, stride_k2h,
+    stride_k2t, stride_vb, stride_vh, stride_vt, stride_ob, stride_oh, stride_ot, H, T,
+    D, DV, qk_scale, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    # One program = BLOCK_M queries of one (batch, head); batch and head offsets in 64
+    # bits.
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -162,16 +160,31 @@ def _diff_attention_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    d_mask = offs_d < D                  # head dims are padded to powers of two; padded lanes load 0
+    # head dims are padded to powers of two; padded lanes load 0
+    d_mask = offs_d < D
     dv_mask = offs_dv < DV
     m_rows = offs_m < T
 
     # The two query tiles stay in registers for the whole program.
     q_mask = m_rows[:, None] & d_mask[None, :]
-    q1 = tl.load(Q1 + b * stride_q1b + h * stride_q1h + offs_m[:, None] * stride_q1t + offs_d[None, :],
-                 mask=q_mask, other=0.0)
-    q2 = tl.load(Q2 + b * stride_q2b + h * stride_q2h + offs_m[:, None] * stride_q2t + offs_d[None, :],
-                 mask=q_mask, other=0.0)
+    q1 = tl.load(
+        Q1
+        + b * stride_q1b
+        + h * stride_q1h
+        + offs_m[:, None] * stride_q1t
+        + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    q2 = tl.load(
+        Q2
+        + b * stride_q2b
+        + h * stride_q2h
+        + offs_m[:, None] * stride_q2t
+        + offs_d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
     if UPCAST:
         q1 = q1.to(tl.float32)
         q2 = q2.to(tl.float32)
@@ -190,34 +203,67 @@ def _diff_attention_kernel(
         offs_n = n0 + offs_n0
         n_rows = offs_n < T
         k_mask = n_rows[:, None] & d_mask[None, :]
-        k1 = tl.load(K1 + b * stride_k1b + h * stride_k1h + offs_n[:, None] * stride_k1t + offs_d[None, :],
-                     mask=k_mask, other=0.0)
-        k2 = tl.load(K2 + b * stride_k2b + h * stride_k2h + offs_n[:, None] * stride_k2t + offs_d[None, :],
-                     mask=k_mask, other=0.0)
+        k1 = tl.load(
+            K1
+            + b * stride_k1b
+            + h * stride_k1h
+            + offs_n[:, None] * stride_k1t
+            + offs_d[None, :],
+            mask=k_mask,
+            other=0.0,
+        )
+        k2 = tl.load(
+            K2
+            + b * stride_k2b
+            + h * stride_k2h
+            + offs_n[:, None] * stride_k2t
+            + offs_d[None, :],
+            mask=k_mask,
+            other=0.0,
+        )
         # the values are loaded ONCE and feed both accumulators
-        v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vt + offs_dv[None, :],
-                    mask=n_rows[:, None] & dv_mask[None, :], other=0.0)
+        v = tl.load(
+            V
+            + b * stride_vb
+            + h * stride_vh
+            + offs_n[:, None] * stride_vt
+            + offs_dv[None, :],
+            mask=n_rows[:, None] & dv_mask[None, :],
+            other=0.0,
+        )
         if UPCAST:
             k1 = k1.to(tl.float32)
             k2 = k2.to(tl.float32)
             v = v.to(tl.float32)
         visible = (offs_n[None, :] <= offs_m[:, None]) & n_rows[None, :]
-        # scores in log2 units (log2(e) folded into qk_scale), masked to -inf where not visible
+        # scores in log2 units (log2(e) folded into qk_scale), masked to -inf where not
+        # visible
         s1 = tl.dot(q1, tl.trans(k1), input_precision=PRECISION) * qk_scale
         s1 = tl.where(visible, s1, float("-inf"))
         s2 = tl.dot(q2, tl.trans(k2), input_precision=PRECISION) * qk_scale
         s2 = tl.where(visible, s2, float("-inf"))
         m1, l1, alpha1, p1 = _online_softmax_step(m1, l1, s1)
         m2, l2, alpha2, p2 = _online_softmax_step(m2, l2, s2)
-        acc1 = tl.dot(p1.to(v.dtype), v, acc1 * alpha1[:, None], input_precision=PRECISION)
-        acc2 = tl.dot(p2.to(v.dtype), v, acc2 * alpha2[:, None], input_precision=PRECISION)
+        acc1 = tl.dot(
+            p1.to(v.dtype), v, acc1 * alpha1[:, None], input_precision=PRECISION
+        )
+        acc2 = tl.dot(
+            p2.to(v.dtype), v, acc2 * alpha2[:, None], input_precision=PRECISION
+        )
 
     out1, _ = _softmax_finish(acc1, l1, m1)
     out2, _ = _softmax_finish(acc2, l2, m2)
     lam = tl.load(LAM + h)
     out = out1 - lam * out2              # the subtraction happens in registers, in fp32
-    tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + offs_dv[None, :],
-             out.to(O.dtype.element_ty), mask=m_rows[:, None] & dv_mask[None, :])
+    tl.store(
+        O
+        + b * stride_ob
+        + h * stride_oh
+        + offs_m[:, None] * stride_ot
+        + offs_dv[None, :],
+        out.to(O.dtype.element_ty),
+        mask=m_rows[:, None] & dv_mask[None, :],
+    )
 
 
 def _blocks(T, D):

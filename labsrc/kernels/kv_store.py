@@ -36,20 +36,31 @@ _MAX_ROW_SIZE = 2 ** 31 - 1
 
 
 @triton.jit
-def _kv_store_kernel(k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK: tl.constexpr):
+def _kv_store_kernel(
+    k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
-    # int64 offsets: slot * row_size overflows int32 for a cache above 2^31 elements (one layer of 2M slots x 8
-    # K/V heads x 128 dims).
+    # int64 offsets: slot * row_size overflows int32 for a cache above 2^31 elements
+    # (one layer of 2M slots x 8 K/V heads x 128 dims).
     slot = tl.load(slots + row).to(tl.int64)
     src_row = row.to(tl.int64) * row_size
     dst_row = slot * row_size
-    # Program j of axis 1 copies blocks j, j + n, j + 2n, ... of the row (n programs on that axis): one block
-    # each in the usual case, several when the row has more blocks than the 65535 that axis 1 can launch.
+    # Program j of axis 1 copies blocks j, j + n, j + 2n, ... of the row (n programs on
+    # that axis): one block each in the usual case, several when the row has more blocks
+    # than the 65535 that axis 1 can launch.
     for start in range(tl.program_id(1) * BLOCK, row_size, tl.num_programs(1) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < row_size
-        tl.store(k_cache + dst_row + offs, tl.load(k_new + src_row + offs, mask=mask), mask=mask)
-        tl.store(v_cache + dst_row + offs, tl.load(v_new + src_row + offs, mask=mask), mask=mask)
+        tl.store(
+            k_cache + dst_row + offs,
+            tl.load(k_new + src_row + offs, mask=mask),
+            mask=mask,
+        )
+        tl.store(
+            v_cache + dst_row + offs,
+            tl.load(v_new + src_row + offs, mask=mask),
+            mask=mask,
+        )
 
 
 _NAMES = ("k_cache", "v_cache", "k_new", "v_new", "slots")
@@ -125,8 +136,10 @@ def _check_placement(k_cache, v_cache, k_new, v_new, slots) -> None:
                              f"{named[name].stride()} for shape {tuple(named[name].shape)}")
 
 
-def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-             slots: torch.Tensor, *, validate_slots: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_store(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+    v_new: torch.Tensor, slots: torch.Tensor, *, validate_slots: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Copy ``k_new[i]`` and ``v_new[i]`` into ``k_cache[slots[i]]`` and ``v_cache[slots[i]]``, in place.
 
     Args:
@@ -144,16 +157,21 @@ def kv_store(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor, 
     """
     _check_values(k_cache, v_cache, k_new, v_new, slots)
     if not isinstance(validate_slots, bool):
-        raise TypeError(f"validate_slots must be a bool, got {type(validate_slots).__name__}")
+        raise TypeError(
+            f"validate_slots must be a bool, got {type(validate_slots).__name__}"
+        )
     n_rows = k_new.shape[0]
     row_size = k_new.shape[1] * k_new.shape[2]
     _check_launch(n_rows, row_size)
     _check_placement(k_cache, v_cache, k_new, v_new, slots)
-    # The kernel reads row i at i * row_size and slot i at slots + i: dense layouts, whatever the caller's view.
+    # The kernel reads row i at i * row_size and slot i at slots + i: dense layouts,
+    # whatever the caller's view.
     k_new, v_new, slots = k_new.contiguous(), v_new.contiguous(), slots.contiguous()
     if validate_slots:
         _check_slots(slots, k_cache.shape[0])
-    if not HAS_TRITON:  # no Triton on this machine (it has Linux wheels only): the reference does the copy
+    if not HAS_TRITON:
+        # no Triton on this machine (it has Linux wheels only): the reference does the
+        # copy
         return kv_store_ref(k_cache, v_cache, k_new, v_new, slots)
     if n_rows == 0:
         return k_cache, v_cache

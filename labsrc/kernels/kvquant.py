@@ -124,21 +124,26 @@ def _stats_rows(stats: ChannelStats | None, lead: tuple, d: int, device) -> tupl
 
 # ----------------------------------------------------------------------------------------------- quantize-and-pack
 @triton.jit
-def _quantize_pack_kernel(x_ptr, mean_ptr, std_ptr, out_ptr, scale_ptr, zero_ptr, T, D, DP, G,
-                          BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
-                          BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
-    # One program per (row, group) on a 1-D grid (axis 0 allows 2^31 - 1 programs, axes 1-2 only 65535);
-    # a group longer than BLOCK_T tokens is walked in chunks, so any group size launches.
+def _quantize_pack_kernel(
+    x_ptr, mean_ptr, std_ptr, out_ptr, scale_ptr, zero_ptr, T, D, DP, G,
+    BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_DP: tl.constexpr,
+):
+    # One program per (row, group) on a 1-D grid (axis 0 allows 2^31 - 1 programs, axes
+    # 1-2 only 65535); a group longer than BLOCK_T tokens is walked in chunks, so any
+    # group size launches.
     pid = tl.program_id(0).to(tl.int64)
     row = pid // G
     grp = pid % G
     t_first = grp * GROUP
-    n_t = tl.minimum(T - t_first, GROUP)  # tokens in this group (a trailing group may be short)
+    # tokens in this group (a trailing group may be short)
+    n_t = tl.minimum(T - t_first, GROUP)
     offs_c = tl.arange(0, BLOCK_DP)
     mask_c = offs_c < DP
     base = x_ptr + row * T * D
-    # Pass 1: the group's range over all channels (each of the PACK channel slices in turn), over finite
-    # inputs only, and a count of non-finite ones (NaN would be dropped by min/max: count it instead).
+    # Pass 1: the group's range over all channels (each of the PACK channel slices in
+    # turn), over finite inputs only, and a count of non-finite ones (NaN would be
+    # dropped by min/max: count it instead).
     lo = tl.full([BLOCK_T, BLOCK_DP], float("inf"), tl.float32)
     hi = tl.full([BLOCK_T, BLOCK_DP], float("-inf"), tl.float32)
     n_bad = tl.zeros([BLOCK_T, BLOCK_DP], tl.int32)
@@ -149,7 +154,9 @@ def _quantize_pack_kernel(x_ptr, mean_ptr, std_ptr, out_ptr, scale_ptr, zero_ptr
             ch = k * DP + offs_c
             mu = tl.load(mean_ptr + row * D + ch, mask=mask_c, other=0.0)
             sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
-            x = tl.load(base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(
+                base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0
+            ).to(tl.float32)
             finite = tl.abs(x) < float("inf")  # false for NaN and +-inf
             n_bad += tl.where(mask & ~finite, 1, 0)
             xn = tl.div_rn(x - mu[None, :], sd[None, :])
@@ -158,16 +165,20 @@ def _quantize_pack_kernel(x_ptr, mean_ptr, std_ptr, out_ptr, scale_ptr, zero_ptr
     xmin = tl.min(tl.min(lo, axis=1), axis=0)
     xmax = tl.max(tl.max(hi, axis=1), axis=0)
     bad = tl.sum(tl.sum(n_bad, axis=1), axis=0) > 0
-    # The same safe fp16 rounding as labsrc.kvquant.scale_zero: zero point down, step up.
+    # The same safe fp16 rounding as labsrc.kvquant.scale_zero: zero point down, step
+    # up.
     z16 = (xmin - tl.abs(xmin) * 0.0009765625 - 5.960464477539063e-08).to(tl.float16)
     z = z16.to(tl.float32)
     s = tl.div_rn(xmax - z, (2 ** BITS - 1) * 1.0)
     s16 = (s + s * 0.0009765625 + 5.960464477539063e-08).to(tl.float16)
     s = s16.to(tl.float32)
-    # A non-finite group stores NaN; a finite group whose s or z overflowed fp16 stores s = inf, a mark the
-    # wrapper looks for (and raises on) after the launch.
+    # A non-finite group stores NaN; a finite group whose s or z overflowed fp16 stores
+    # s = inf, a mark the wrapper looks for (and raises on) after the launch.
     fits = (tl.abs(s) < float("inf")) & (tl.abs(z) < float("inf"))
-    tl.store(scale_ptr + pid, tl.where(bad, float("nan"), tl.where(fits, s, float("inf"))).to(tl.float16))
+    tl.store(
+        scale_ptr + pid,
+        tl.where(bad, float("nan"), tl.where(fits, s, float("inf"))).to(tl.float16),
+    )
     tl.store(zero_ptr + pid, tl.where(bad, float("nan"), z).to(tl.float16))
     # Pass 2: codes, packed PACK per byte (code 0 throughout a non-finite group).
     for t0 in range(0, n_t, BLOCK_T):
@@ -178,13 +189,21 @@ def _quantize_pack_kernel(x_ptr, mean_ptr, std_ptr, out_ptr, scale_ptr, zero_ptr
             ch = k * DP + offs_c
             mu = tl.load(mean_ptr + row * D + ch, mask=mask_c, other=0.0)
             sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
-            x = tl.load(base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(
+                base + offs_t[:, None] * D + ch[None, :], mask=mask, other=0.0
+            ).to(tl.float32)
             xn = tl.div_rn(x - mu[None, :], sd[None, :])
             v = tl.div_rn(xn - z, s)
             v = tl.where(bad | ~fits, 0.0, v)  # keep the float -> int cast defined
-            q = tl.minimum(tl.maximum(tl.floor(v + 0.5), 0.0), (2 ** BITS - 1) * 1.0).to(tl.int32)
+            q = tl.minimum(
+                tl.maximum(tl.floor(v + 0.5), 0.0), (2**BITS - 1) * 1.0
+            ).to(tl.int32)
             packed = packed | (q << (k * BITS))
-        tl.store(out_ptr + row * T * DP + offs_t[:, None] * DP + offs_c[None, :], packed.to(tl.uint8), mask=mask)
+        tl.store(
+            out_ptr + row * T * DP + offs_t[:, None] * DP + offs_c[None, :],
+            packed.to(tl.uint8),
+            mask=mask,
+        )
 
 
 def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
@@ -248,10 +267,13 @@ def quantize_pack_ref(x: torch.Tensor, bits: int = 4, group_size: int = 128,
 
 # ----------------------------------------------------------------------------------------------- unpack-dequantize
 @triton.jit
-def _dequantize_kernel(p_ptr, scale_ptr, zero_ptr, mean_ptr, std_ptr, out_ptr, T, D, DP, G, NBLK,
-                       BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
-    # One program per (row, block of BLOCK_T tokens), on a 1-D grid of rows x NBLK programs.
+def _dequantize_kernel(
+    p_ptr, scale_ptr, zero_ptr, mean_ptr, std_ptr, out_ptr, T, D, DP, G, NBLK,
+    BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_DP: tl.constexpr,
+):
+    # One program per (row, block of BLOCK_T tokens), on a 1-D grid of rows x NBLK
+    # programs.
     pid = tl.program_id(0).to(tl.int64)
     row = pid // NBLK
     offs_t = (pid % NBLK) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -259,9 +281,17 @@ def _dequantize_kernel(p_ptr, scale_ptr, zero_ptr, mean_ptr, std_ptr, out_ptr, T
     mask_t = offs_t < T
     mask_c = offs_c < DP
     mask = mask_t[:, None] & mask_c[None, :]
-    byte = tl.load(p_ptr + row * T * DP + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
-    s = tl.load(scale_ptr + row * G + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
-    z = tl.load(zero_ptr + row * G + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
+    byte = tl.load(
+        p_ptr + row * T * DP + offs_t[:, None] * DP + offs_c[None, :],
+        mask=mask,
+        other=0,
+    ).to(tl.int32)
+    s = tl.load(scale_ptr + row * G + offs_t // GROUP, mask=mask_t, other=0.0).to(
+        tl.float32
+    )
+    z = tl.load(zero_ptr + row * G + offs_t // GROUP, mask=mask_t, other=0.0).to(
+        tl.float32
+    )
     for k in tl.static_range(PACK):
         ch = k * DP + offs_c
         q = ((byte >> (k * BITS)) & (2 ** BITS - 1)).to(tl.float32)
@@ -269,7 +299,11 @@ def _dequantize_kernel(p_ptr, scale_ptr, zero_ptr, mean_ptr, std_ptr, out_ptr, T
         sd = tl.load(std_ptr + row * D + ch, mask=mask_c, other=1.0)
         x = q * s[:, None] + z[:, None]
         x = x * sd[None, :] + mu[None, :]
-        tl.store(out_ptr + row * T * D + offs_t[:, None] * D + ch[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(
+            out_ptr + row * T * D + offs_t[:, None] * D + ch[None, :],
+            x.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
 
 
 def _check_quantized(qt, name: str, device=None) -> None:
@@ -354,12 +388,15 @@ def _split_f16(x):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_ptr, lens_ptr,
-                   o_ptr, m_ptr, l_ptr, Hq, Hkv, T, D, DP, G, sm_scale, tokens_per_split,
-                   BITS: tl.constexpr, PACK: tl.constexpr, GROUP: tl.constexpr, QPK: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr):
-    # One program per (sequence, KV head, split): the QPK query heads sharing the KV head are the rows of
-    # the matrix products, so every code is read and unpacked once for all of them.
+def _decode_kernel(
+    q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_ptr, lens_ptr, o_ptr,
+    m_ptr, l_ptr, Hq, Hkv, T, D, DP, G, sm_scale, tokens_per_split, BITS: tl.constexpr,
+    PACK: tl.constexpr, GROUP: tl.constexpr, QPK: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_DP: tl.constexpr,
+):
+    # One program per (sequence, KV head, split): the QPK query heads sharing the KV
+    # head are the rows of the matrix products, so every code is read and unpacked once
+    # for all of them.
     b = tl.program_id(0)
     hk = tl.program_id(1)
     split = tl.program_id(2)
@@ -375,14 +412,24 @@ def _decode_kernel(q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_p
     mask_c = offs_c < DP
     mask_hc = mask_h[:, None] & mask_c[None, :]
     levels: tl.constexpr = 2 ** BITS - 1
-    # Key normalisation folds into the query: q' = q * sigma_k (the q . mu_k term is constant over tokens).
-    q0 = tl.load(q_ptr + q_rows[:, None] * D + offs_c[None, :], mask=mask_hc, other=0.0).to(tl.float32)
+    # Key normalisation folds into the query: q' = q * sigma_k (the q . mu_k term is
+    # constant over tokens).
+    q0 = tl.load(
+        q_ptr + q_rows[:, None] * D + offs_c[None, :], mask=mask_hc, other=0.0
+    ).to(tl.float32)
     q0 = q0 * tl.load(kstd_ptr + kv_row * D + offs_c, mask=mask_c, other=0.0)[None, :]
     qsum = tl.sum(q0, axis=1)
     q0h, q0l, q0s = _split_f16(q0)
     if PACK == 2:
-        q1 = tl.load(q_ptr + q_rows[:, None] * D + DP + offs_c[None, :], mask=mask_hc, other=0.0).to(tl.float32)
-        q1 = q1 * tl.load(kstd_ptr + kv_row * D + DP + offs_c, mask=mask_c, other=0.0)[None, :]
+        q1 = tl.load(
+            q_ptr + q_rows[:, None] * D + DP + offs_c[None, :], mask=mask_hc, other=0.0
+        ).to(tl.float32)
+        q1 = (
+            q1
+            * tl.load(kstd_ptr + kv_row * D + DP + offs_c, mask=mask_c, other=0.0)[
+                None, :
+            ]
+        )
         qsum += tl.sum(q1, axis=1)
         q1h, q1l, q1s = _split_f16(q1)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -397,7 +444,9 @@ def _decode_kernel(q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_p
         mask_t = offs_t < end
         mask = mask_t[:, None] & mask_c[None, :]
         grp = offs_t // GROUP
-        kb = tl.load(kbase + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
+        kb = tl.load(
+            kbase + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0
+        ).to(tl.int32)
         ks = tl.load(ks_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
         kz = tl.load(kz_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
         # Codes (0..255) are exact in fp16; products accumulate in fp32.
@@ -413,22 +462,36 @@ def _decode_kernel(q_ptr, kp_ptr, ks_ptr, kz_ptr, kstd_ptr, vp_ptr, vs_ptr, vz_p
         p = tl.exp(score - m_new[:, None])
         p = tl.where(mask_t[None, :], p, 0.0)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        vb = tl.load(vbase + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
+        vb = tl.load(
+            vbase + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0
+        ).to(tl.int32)
         vs = tl.load(vs_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
         vz = tl.load(vz_ptr + kv_row * G + grp, mask=mask_t, other=0.0).to(tl.float32)
         psh, psl, pss = _split_f16(p * vs[None, :])
         v0 = (vb & levels).to(tl.float16)
-        acc0 = acc0 * alpha[:, None] + (tl.dot(psh, v0) + tl.dot(psl, v0)) * pss[:, None]
+        acc0 = (
+            acc0 * alpha[:, None] + (tl.dot(psh, v0) + tl.dot(psl, v0)) * pss[:, None]
+        )
         if PACK == 2:
             v1 = ((vb >> BITS) & levels).to(tl.float16)
-            acc1 = acc1 * alpha[:, None] + (tl.dot(psh, v1) + tl.dot(psl, v1)) * pss[:, None]
+            acc1 = (
+                acc1 * alpha[:, None]
+                + (tl.dot(psh, v1) + tl.dot(psl, v1)) * pss[:, None]
+            )
         zacc = zacc * alpha + tl.sum(p * vz[None, :], axis=1)
         m_i = m_new
-    # Partial results of this split (un-normalised, before the value statistics); merged on the host.
+    # Partial results of this split (un-normalised, before the value statistics); merged
+    # on the host.
     part = q_rows * n_splits + split
-    tl.store(o_ptr + part[:, None] * D + offs_c[None, :], acc0 + zacc[:, None], mask=mask_hc)
+    tl.store(
+        o_ptr + part[:, None] * D + offs_c[None, :], acc0 + zacc[:, None], mask=mask_hc
+    )
     if PACK == 2:
-        tl.store(o_ptr + part[:, None] * D + DP + offs_c[None, :], acc1 + zacc[:, None], mask=mask_hc)
+        tl.store(
+            o_ptr + part[:, None] * D + DP + offs_c[None, :],
+            acc1 + zacc[:, None],
+            mask=mask_hc,
+        )
     tl.store(m_ptr + part, m_i, mask=mask_h)
     tl.store(l_ptr + part, l_i, mask=mask_h)
 
@@ -476,9 +539,11 @@ def _check_decode(q, k, v, seq_lens, sm_scale):
     return q, seq_lens.to(torch.int32).contiguous(), scale
 
 
-def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor,
-                           seq_lens: torch.Tensor | None = None, sm_scale: float | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+def decode_attention_quant(
+    q: torch.Tensor, k: QuantizedTensor, v: QuantizedTensor,
+    seq_lens: torch.Tensor | None = None, sm_scale: float | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
     """Attention of one query token per sequence over a packed INT4/INT8 cache, without dequantising it in memory.
 
     ``q``: ``[B, Hq, D]``; ``k``, ``v``: :class:`~labsrc.kvquant.QuantizedTensor` of shape ``[B, Hkv, T, D]``
@@ -496,14 +561,21 @@ def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTens
     dp = d // pack
     n_groups = k.scale.shape[-2]
     if num_splits is None:
-        # Enough programs for ~2 waves on a 132-SM GPU; one split per sequence in the interpreter.
-        num_splits = 1 if not runtime.HAS_CUDA else max(1, min(triton.cdiv(t, 256), triton.cdiv(264, max(1, b * hkv))))
+        # Enough programs for ~2 waves on a 132-SM GPU; one split per sequence in the
+        # interpreter.
+        num_splits = (
+            1
+            if not runtime.HAS_CUDA
+            else max(1, min(triton.cdiv(t, 256), triton.cdiv(264, max(1, b * hkv))))
+        )
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     qpk = hq // hkv
     block_h = max(16, triton.next_power_of_2(qpk))
     block_dp = max(16, triton.next_power_of_2(dp))
-    _check_block(f"decode attention with {qpk} query heads per KV head", block_h, block_dp)
+    _check_block(
+        f"decode attention with {qpk} query heads per KV head", block_h, block_dp
+    )
     _check_block(f"decode attention with head_dim {d}", _DECODE_BLOCK_T, block_dp)
     _check_grid("decode attention's batch (grid axis 0)", b, MAX_GRID_0)
     _check_grid("decode attention's n_kv_heads (grid axis 1)", hkv, MAX_GRID_12)
@@ -511,9 +583,12 @@ def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTens
     _check_row("k", t, d)
     if b == 0:
         return torch.zeros(0, hq, d, dtype=q.dtype, device=q.device)
-    if not HAS_TRITON:  # no Triton on this machine: the reference attends over the dequantized cache
+    if not HAS_TRITON:
+        # no Triton on this machine: the reference attends over the dequantized cache
         return decode_attention_quant_ref(q, k, v, lens, sm_scale)
-    per_split = triton.cdiv(triton.cdiv(t, num_splits), _DECODE_BLOCK_T) * _DECODE_BLOCK_T
+    per_split = (
+        triton.cdiv(triton.cdiv(t, num_splits), _DECODE_BLOCK_T) * _DECODE_BLOCK_T
+    )
     (kp, ks, kz), (vp, vs, vz) = _buffers(k), _buffers(v)
     _, kstd = _stats_rows(k.stats, (b, hkv), d, q.device)
     vmean, vstd = _stats_rows(v.stats, (b, hkv), d, q.device)
@@ -521,10 +596,37 @@ def decode_attention_quant(q: torch.Tensor, k: QuantizedTensor, v: QuantizedTens
     m = torch.empty(b, hq, num_splits, dtype=torch.float32, device=q.device)
     l_ = torch.empty_like(m)
     _decode_kernel[(b, hkv, num_splits)](
-        q, kp, ks, kz, kstd, vp, vs, vz, lens, o, m, l_,
-        hq, hkv, t, d, dp, n_groups, scale, per_split, BITS=k.bits, PACK=pack, GROUP=k.group_size, QPK=qpk,
-        BLOCK_H=block_h, BLOCK_T=_DECODE_BLOCK_T, BLOCK_DP=block_dp, num_warps=_WARPS)
-    # Merge the splits (log-sum-exp), normalise, then apply the value statistics sigma_j * (.) + mu_j.
+        q,
+        kp,
+        ks,
+        kz,
+        kstd,
+        vp,
+        vs,
+        vz,
+        lens,
+        o,
+        m,
+        l_,
+        hq,
+        hkv,
+        t,
+        d,
+        dp,
+        n_groups,
+        scale,
+        per_split,
+        BITS=k.bits,
+        PACK=pack,
+        GROUP=k.group_size,
+        QPK=qpk,
+        BLOCK_H=block_h,
+        BLOCK_T=_DECODE_BLOCK_T,
+        BLOCK_DP=block_dp,
+        num_warps=_WARPS,
+    )
+    # Merge the splits (log-sum-exp), normalise, then apply the value statistics sigma_j
+    # * (.) + mu_j.
     m_max = m.amax(dim=2, keepdim=True)
     w = torch.exp(m - m_max)  # empty splits have m = -inf and weigh 0
     out = (o * w.unsqueeze(-1)).sum(2) / (l_ * w).sum(2, keepdim=True)

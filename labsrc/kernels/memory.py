@@ -191,31 +191,36 @@ def knn_memory_attention_ref(q, k_local, v_local, mem_k, mem_v, gate, sm_scale=N
 # ----------------------------------------------------------------------------------------------------------
 @triton.jit
 def _knn_memory_attention_kernel(
-        Q, KL, VL, MK, MV, MM, G, O,
-        stride_qb, stride_qh, stride_qt,
-        stride_klb, stride_klh, stride_kln,
-        stride_vlb, stride_vlh, stride_vln,
-        stride_mkb, stride_mkh, stride_mkt, stride_mkn,
-        stride_mvb, stride_mvh, stride_mvt, stride_mvn,
-        stride_mmb, stride_mmh, stride_mmt, stride_mmn,
-        stride_ob, stride_oh, stride_ot,
-        H, GROUP, T, TK, K, D, qk_scale,
-        HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    # One program per query row: axis 0 is the position t, axis 1 the (batch, head) pair. Every offset is
-    # int64, so no product of an index and a stride can overflow 32 bits.
+    Q, KL, VL, MK, MV, MM, G, O, stride_qb, stride_qh, stride_qt, stride_klb,
+    stride_klh, stride_kln, stride_vlb, stride_vlh, stride_vln, stride_mkb, stride_mkh,
+    stride_mkt, stride_mkn, stride_mvb, stride_mvh, stride_mvt, stride_mvn, stride_mmb,
+    stride_mmh, stride_mmt, stride_mmn, stride_ob, stride_oh, stride_ot, H, GROUP, T,
+    TK, K, D, qk_scale, HAS_VALID: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per query row: axis 0 is the position t, axis 1 the (batch, head)
+    # pair. Every offset is int64, so no product of an index and a stride can overflow
+    # 32 bits.
     t = tl.program_id(0).to(tl.int64)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    hk = h // GROUP                      # the local K/V head this query head reads (GQA)
+    # the local K/V head this query head reads (GQA)
+    hk = h // GROUP
     offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D                  # D is padded to a power of two; padded lanes load 0
-    q = tl.load(Q + b * stride_qb + h * stride_qh + t * stride_qt + offs_d, mask=d_mask, other=0.0)
+    # D is padded to a power of two; padded lanes load 0
+    d_mask = offs_d < D
+    q = tl.load(
+        Q + b * stride_qb + h * stride_qh + t * stride_qt + offs_d,
+        mask=d_mask,
+        other=0.0,
+    )
     q = q.to(tl.float32)
 
-    # --- local attention: keys j < hi are visible (bottom-right causal), streamed in blocks of BLOCK_N.
-    # The running state is kept as 1-row tiles so that the online-softmax helpers of the FlashAttention
-    # kernel apply unchanged: m (1,) the row maximum, l (1,) the row sum, acc (1, BLOCK_D) the output.
+    # --- local attention: keys j < hi are visible (bottom-right causal), streamed in
+    # blocks of BLOCK_N. The running state is kept as 1-row tiles so that the
+    # online-softmax helpers of the FlashAttention kernel apply unchanged: m (1,) the
+    # row maximum, l (1,) the row sum, acc (1, BLOCK_D) the output.
     m_l = tl.full((1,), float("-inf"), tl.float32)
     l_l = tl.zeros((1,), tl.float32)
     acc_l = tl.zeros((1, BLOCK_D), tl.float32)
@@ -226,16 +231,28 @@ def _knn_memory_attention_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
         n_mask = offs_n < hi
         tile_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kl_base + offs_n[:, None] * stride_kln + offs_d[None, :], mask=tile_mask, other=0.0)
-        # one query: the scores are a broadcast multiply and a row sum (log2 units, scale folded in)
+        k = tl.load(
+            kl_base + offs_n[:, None] * stride_kln + offs_d[None, :],
+            mask=tile_mask,
+            other=0.0,
+        )
+        # one query: the scores are a broadcast multiply and a row sum (log2 units,
+        # scale folded in)
         s = tl.sum(q[None, :] * k.to(tl.float32), 1) * qk_scale
         s = tl.where(n_mask, s, float("-inf"))[None, :]
         m_l, l_l, alpha, p = _online_softmax_step(m_l, l_l, s)
-        v = tl.load(vl_base + offs_n[:, None] * stride_vln + offs_d[None, :], mask=tile_mask, other=0.0)
-        acc_l = acc_l * alpha[:, None] + tl.sum(tl.trans(p) * v.to(tl.float32), 0)[None, :]
+        v = tl.load(
+            vl_base + offs_n[:, None] * stride_vln + offs_d[None, :],
+            mask=tile_mask,
+            other=0.0,
+        )
+        acc_l = (
+            acc_l * alpha[:, None] + tl.sum(tl.trans(p) * v.to(tl.float32), 0)[None, :]
+        )
     out_l, _ = _softmax_finish(acc_l, l_l, m_l)
 
-    # --- memory attention: this query's own K retrieved rows, a second softmax of its own.
+    # --- memory attention: this query's own K retrieved rows, a second softmax of its
+    # own.
     m_m = tl.full((1,), float("-inf"), tl.float32)
     l_m = tl.zeros((1,), tl.float32)
     acc_m = tl.zeros((1, BLOCK_D), tl.float32)
@@ -245,18 +262,33 @@ def _knn_memory_attention_kernel(
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         k_mask = offs_k < K
-        if HAS_VALID:  # rows the search did not find (padding) are treated like rows past K: never read
-            k_mask = k_mask & (tl.load(mm_base + offs_k * stride_mmn, mask=k_mask, other=0) != 0)
+        if HAS_VALID:
+            # rows the search did not find (padding) are treated like rows past K: never
+            # read
+            k_mask = k_mask & (
+                tl.load(mm_base + offs_k * stride_mmn, mask=k_mask, other=0) != 0
+            )
         tile_mask = k_mask[:, None] & d_mask[None, :]
-        mk = tl.load(mk_base + offs_k[:, None] * stride_mkn + offs_d[None, :], mask=tile_mask, other=0.0)
+        mk = tl.load(
+            mk_base + offs_k[:, None] * stride_mkn + offs_d[None, :],
+            mask=tile_mask,
+            other=0.0,
+        )
         s = tl.sum(q[None, :] * mk.to(tl.float32), 1) * qk_scale
         s = tl.where(k_mask, s, float("-inf"))[None, :]
         m_m, l_m, alpha, p = _online_softmax_step(m_m, l_m, s)
-        mv = tl.load(mv_base + offs_k[:, None] * stride_mvn + offs_d[None, :], mask=tile_mask, other=0.0)
-        acc_m = acc_m * alpha[:, None] + tl.sum(tl.trans(p) * mv.to(tl.float32), 0)[None, :]
+        mv = tl.load(
+            mv_base + offs_k[:, None] * stride_mvn + offs_d[None, :],
+            mask=tile_mask,
+            other=0.0,
+        )
+        acc_m = (
+            acc_m * alpha[:, None] + tl.sum(tl.trans(p) * mv.to(tl.float32), 0)[None, :]
+        )
     out_m, _ = _softmax_finish(acc_m, l_m, m_m)
 
-    # --- the gate: g = sigmoid(b_h), one scalar per head, mixes the two normalised outputs.
+    # --- the gate: g = sigmoid(b_h), one scalar per head, mixes the two normalised
+    # outputs.
     g = 1.0 / (1.0 + tl.exp(-tl.load(G + h)))
     out = g * out_m + (1.0 - g) * out_l
     tl.store(O + b * stride_ob + h * stride_oh + t * stride_ot + offs_d[None, :],

@@ -49,23 +49,49 @@ def _decode_configs() -> list:
             for n, w in ((32, 4), (32, 8), (64, 8)) for s in stages]
 
 
-@triton.autotune(configs=_decode_configs(), key=["MAXLEN_BUCKET", "BLOCK_G", "BLOCK_D", "NUM_SPLITS", "PRECISION"])
+@triton.autotune(
+    configs=_decode_configs(),
+    key=["MAXLEN_BUCKET", "BLOCK_G", "BLOCK_D", "NUM_SPLITS", "PRECISION"],
+)
 @triton.jit
 def _paged_decode_split_kernel(
-    Q, K_POOL, V_POOL, BLOCK_TABLES, SEQ_LENS, MID_O, MID_LSE,
-    stride_qb, stride_qh,
-    stride_kblk, stride_ktok, stride_kh,
-    stride_vblk, stride_vtok, stride_vh,
+    Q,
+    K_POOL,
+    V_POOL,
+    BLOCK_TABLES,
+    SEQ_LENS,
+    MID_O,
+    MID_LSE,
+    stride_qb,
+    stride_qh,
+    stride_kblk,
+    stride_ktok,
+    stride_kh,
+    stride_vblk,
+    stride_vtok,
+    stride_vh,
     stride_tb,
-    stride_mob, stride_moh, stride_mos,
-    stride_mlb, stride_mlh,
-    Hkv, D, GROUP, NUM_SPLITS, PAGE, qk_scale,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    Hkv,
+    D,
+    GROUP,
+    NUM_SPLITS,
+    PAGE,
+    qk_scale,
     MAXLEN_BUCKET,  # used only as an autotuning key
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    # One program = one split of one (sequence, K/V head), for all GROUP query heads that share the K/V head:
-    # each K/V tile is loaded once and used GROUP times (chapter 3's decode kernel, unchanged in that respect).
+    # One program = one split of one (sequence, K/V head), for all GROUP query heads
+    # that share the K/V head: each K/V tile is loaded once and used GROUP times
+    # (chapter 3's decode kernel, unchanged in that respect).
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid_bh // Hkv).to(tl.int64)
@@ -94,9 +120,10 @@ def _paged_decode_split_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_n0  # token positions in the sequence
         n_mask = offs_n < end
-        # The one new step: token n lives in block table[n // PAGE] at offset n % PAGE. The block ids are
-        # gathered per token, so a tile may span several blocks, in any order, and PAGE need not divide
-        # BLOCK_N. Block ids are widened to 64 bits: block * stride_kblk passes 2^31 in a large pool.
+        # The one new step: token n lives in block table[n // PAGE] at offset n % PAGE.
+        # The block ids are gathered per token, so a tile may span several blocks, in
+        # any order, and PAGE need not divide BLOCK_N. Block ids are widened to 64 bits:
+        # block * stride_kblk passes 2^31 in a large pool.
         blocks = tl.load(table + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
         rows_k = blocks * stride_kblk + (offs_n % PAGE) * stride_ktok + hkv * stride_kh
         rows_v = blocks * stride_vblk + (offs_n % PAGE) * stride_vtok + hkv * stride_vh
@@ -106,15 +133,23 @@ def _paged_decode_split_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_G, BLOCK_N), log2 units
+        # (BLOCK_G, BLOCK_N), log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Chapter 3's guarded online-softmax step: a tile of all -inf scores contributes nothing.
+        # Chapter 3's guarded online-softmax step: a tile of all -inf scores contributes
+        # nothing.
         m_new, l_i, alpha, p = _att._online_softmax_step(m_i, l_i, s)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     out, lse = _att._softmax_finish(acc, l_i, m_i)  # an empty split stores 0 and -inf
-    mo_ptrs = MID_O + b * stride_mob + heads[:, None] * stride_moh + split * stride_mos + offs_d[None, :]
+    mo_ptrs = (
+        MID_O
+        + b * stride_mob
+        + heads[:, None] * stride_moh
+        + split * stride_mos
+        + offs_d[None, :]
+    )
     tl.store(mo_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
     tl.store(MID_LSE + b * stride_mlb + heads * stride_mlh + split, lse, mask=g_mask)
 

@@ -50,12 +50,17 @@ def _rope_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr,
 
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HALF
-    # The two halves of the table row are loaded separately: for tables from rope_cos_sin they are equal,
-    # but apply_rotary_pos_emb accepts any table, and so does this kernel.
+    # The two halves of the table row are loaded separately: for tables from
+    # rope_cos_sin they are equal, but apply_rotary_pos_emb accepts any table, and so
+    # does this kernel.
     cos1 = tl.load(cos_ptr + p * stride_cos + d, mask=d_mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos_ptr + p * stride_cos + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos_ptr + p * stride_cos + HALF + d, mask=d_mask, other=0.0).to(
+        tl.float32
+    )
     sin1 = tl.load(sin_ptr + p * stride_sin + d, mask=d_mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin_ptr + p * stride_sin + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin_ptr + p * stride_sin + HALF + d, mask=d_mask, other=0.0).to(
+        tl.float32
+    )
 
     x_row = x_ptr + b * stride_xb + t * stride_xt
     o_row = out_ptr + b * stride_ob + t * stride_ot
@@ -137,10 +142,12 @@ def _launch(x, out, positions, cos, sin):
     half = D // 2
     block_d = triton.next_power_of_2(half)
     block_h = max(1, min(triton.next_power_of_2(H), _TILE_ELEMENTS // block_d))
-    # positions are read through their strides (a stride of 0 for the batch axis of a (T,) tensor), so a
-    # sliced, transposed or expand()-ed positions tensor needs no copy; its int32/int64 values are widened
-    # to int64 in the kernel.
-    stride_pb, stride_pt = (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
+    # positions are read through their strides (a stride of 0 for the batch axis of a
+    # (T,) tensor), so a sliced, transposed or expand()-ed positions tensor needs no
+    # copy; its int32/int64 values are widened to int64 in the kernel.
+    stride_pb, stride_pt = (
+        (0, positions.stride(0)) if positions.dim() == 1 else positions.stride()
+    )
     _rope_kernel[(B * T,)](
         x, out, positions, cos, sin, T, H,
         x.stride(0), x.stride(1), x.stride(2),

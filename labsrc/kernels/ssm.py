@@ -70,28 +70,35 @@ def _linear_scan_kernel(a_ptr, b_ptr, h0_ptr, out_ptr, L, BLOCK_L: tl.constexpr)
     row = tl.program_id(0).to(tl.int64)
     base = row * L                                   # 64-bit: rows * L may pass 2^31
     offs = tl.arange(0, BLOCK_L)
-    carry = tl.load(h0_ptr + row).to(tl.float32)     # h_{-1}: zeros unless the caller passed h0
+    # h_{-1}: zeros unless the caller passed h0
+    carry = tl.load(h0_ptr + row).to(tl.float32)
     for start in range(0, L, BLOCK_L):
         idx = start + offs
         mask = idx < L
-        # lanes past the end hold the identity (1, 0): they leave the scan, and the carry, unchanged
+        # lanes past the end hold the identity (1, 0): they leave the scan, and the
+        # carry, unchanged
         a = tl.load(a_ptr + base + idx, mask=mask, other=1.0).to(tl.float32)
         b = tl.load(b_ptr + base + idx, mask=mask, other=0.0).to(tl.float32)
-        a_cum, b_cum = tl.associative_scan((a, b), 0, _scan_combine)  # prefix compositions in the block
-        h = a_cum * carry + b_cum                    # apply each prefix to the state entering the block
+        # prefix compositions in the block
+        a_cum, b_cum = tl.associative_scan((a, b), 0, _scan_combine)
+        # apply each prefix to the state entering the block
+        h = a_cum * carry + b_cum
         tl.store(out_ptr + base + idx, h.to(out_ptr.dtype.element_ty), mask=mask)
-        carry = tl.sum(tl.where(offs == BLOCK_L - 1, h, 0.0), axis=0)  # the block's last h
+        # the block's last h
+        carry = tl.sum(tl.where(offs == BLOCK_L - 1, h, 0.0), axis=0)
 
 
 @triton.jit
-def _selective_scan_kernel(u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, y_ptr, last_ptr,
-                           n_channels, L, N,
-                           HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           SOFTPLUS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+def _selective_scan_kernel(
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr, y_ptr, last_ptr,
+    n_channels, L, N, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SOFTPLUS: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+):
     pid = tl.program_id(0)
     bi = pid // n_channels
     di = pid % n_channels
-    row = pid.to(tl.int64) * L                       # u, delta, z, y are (b, d, l): row (bi, di)
+    # u, delta, z, y are (b, d, l): row (bi, di)
+    row = pid.to(tl.int64) * L
     bc = bi.to(tl.int64) * N * L                     # B, C are (b, n, l)
     offs_l = tl.arange(0, BLOCK_L)
     offs_n = tl.arange(0, BLOCK_N)
@@ -113,12 +120,17 @@ def _selective_scan_kernel(u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, 
             dl = tl.where(dl > 20.0, dl, tl.log(1.0 + tl.exp(tl.minimum(dl, 20.0))))
         dl = tl.where(mask_l, dl, 0.0)                # past the end: no decay, no input
         m2 = mask_l[:, None] & mask_n[None, :]
-        bt = tl.load(B_ptr + bc + offs_n[None, :] * L + idx[:, None], mask=m2, other=0.0).to(tl.float32)
-        ct = tl.load(C_ptr + bc + offs_n[None, :] * L + idx[:, None], mask=m2, other=0.0).to(tl.float32)
+        bt = tl.load(
+            B_ptr + bc + offs_n[None, :] * L + idx[:, None], mask=m2, other=0.0
+        ).to(tl.float32)
+        ct = tl.load(
+            C_ptr + bc + offs_n[None, :] * L + idx[:, None], mask=m2, other=0.0
+        ).to(tl.float32)
         dA = tl.exp(dl[:, None] * a_row[None, :])     # (BLOCK_L, BLOCK_N) decays
         dBu = (dl * u)[:, None] * bt                  # (BLOCK_L, BLOCK_N) inputs
         a_cum, b_cum = tl.associative_scan((dA, dBu), 0, _scan_combine)
-        xs = a_cum * x[None, :] + b_cum              # the state at every step of the block
+        # the state at every step of the block
+        xs = a_cum * x[None, :] + b_cum
         y = tl.sum(xs * ct, axis=1)                   # <x_t, C_t>
         if HAS_D:
             y = y + d_skip * u
@@ -157,31 +169,48 @@ def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, s0_ptr, y_ptr, sT_ptr
     for start in range(0, L, BLOCK_Q):
         t = start + offs_q
         mask_t = t < L
-        tok = bi.to(tl.int64) * L + t                 # (b, l) index of each step of the chunk
-        dt = tl.load(dt_ptr + tok * H + hi, mask=mask_t, other=0.0)           # 0 past the end: no-op steps
+        # (b, l) index of each step of the chunk
+        tok = bi.to(tl.int64) * L + t
+        # 0 past the end: no-op steps
+        dt = tl.load(dt_ptr + tok * H + hi, mask=mask_t, other=0.0)
         mx = mask_t[:, None] & mask_p[None, :]
-        xv = tl.load(x_ptr + (tok * H + hi)[:, None] * P + offs_p[None, :], mask=mx, other=0.0).to(tl.float32)
+        xv = tl.load(
+            x_ptr + (tok * H + hi)[:, None] * P + offs_p[None, :], mask=mx, other=0.0
+        ).to(tl.float32)
         mbc = mask_t[:, None] & mask_n[None, :]
         bc_off = (tok * G + gi)[:, None] * N + offs_n[None, :]
         Bm = tl.load(B_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
         Cm = tl.load(C_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
-        a = dt * tl.where(mask_t, a_h, 0.0)           # log-decay of each step; 0 past the end (never 0 * -inf)
-        cs = tl.cumsum(a, axis=0)                     # cs_t = a_0 + ... + a_t inside the chunk
+        # log-decay of each step; 0 past the end (never 0 * -inf)
+        a = dt * tl.where(mask_t, a_h, 0.0)
+        # cs_t = a_0 + ... + a_t inside the chunk
+        cs = tl.cumsum(a, axis=0)
         total = tl.sum(a, axis=0)                     # the whole chunk's log-decay
-        seg = chunk_segsum(a, BLOCK_Q)                # a_{s+1} + ... + a_t, summed directly; -inf above
+        # a_{s+1} + ... + a_t, summed directly; -inf above
+        seg = chunk_segsum(a, BLOCK_Q)
         xdt = xv * dt[:, None]
-        # 1. intra-chunk: (C B^T) o decay, a causal (Q, Q) "attention" matrix, times dt x
+        # 1. intra-chunk: (C B^T) o decay, a causal (Q, Q) "attention" matrix, times dt
+        # x
         scores = tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
         decay = tl.exp(seg)                           # 0 above the diagonal
         y = tl.dot(scores * decay, xdt, input_precision=PRECISION)            # (Q, P)
-        # 2. inter-chunk: the state the chunk starts from, read by C and decayed to each step
+        # 2. inter-chunk: the state the chunk starts from, read by C and decayed to each
+        # step
         y += tl.dot(Cm, tl.trans(S), input_precision=PRECISION) * tl.exp(cs)[:, None]
         if HAS_D:
             y += d_skip * xv
-        tl.store(y_ptr + (tok * H + hi)[:, None] * P + offs_p[None, :], y.to(y_ptr.dtype.element_ty), mask=mx)
-        # 3. state passing: decay the state over the chunk, add what the chunk writes (decayed to its end)
-        w = tl.exp(last_row(seg, BLOCK_Q))            # from each step to the chunk's end
-        S = tl.exp(total) * S + tl.dot(tl.trans(xdt * w[:, None]), Bm, input_precision=PRECISION)
+        tl.store(
+            y_ptr + (tok * H + hi)[:, None] * P + offs_p[None, :],
+            y.to(y_ptr.dtype.element_ty),
+            mask=mx,
+        )
+        # 3. state passing: decay the state over the chunk, add what the chunk writes
+        # (decayed to its end)
+        # from each step to the chunk's end
+        w = tl.exp(last_row(seg, BLOCK_Q))
+        S = tl.exp(total) * S + tl.dot(
+            tl.trans(xdt * w[:, None]), Bm, input_precision=PRECISION
+        )
     tl.store(sT_ptr + state_off, S, mask=mask_s)
 
 

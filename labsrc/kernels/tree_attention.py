@@ -118,19 +118,42 @@ def _tree_configs() -> list:
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in shapes]
 
 
-@triton.autotune(configs=_tree_configs(), key=["N_BUCKET", "P_BUCKET", "BLOCK_D", "PRECISION"])
+@triton.autotune(
+    configs=_tree_configs(), key=["N_BUCKET", "P_BUCKET", "BLOCK_D", "PRECISION"]
+)
 @triton.jit
 def _tree_attention_kernel(
-    Q, K, V, MASK, O,
-    stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
+    Q,
+    K,
+    V,
+    MASK,
+    O,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
     stride_mb,
-    Hq, N, P, D, GROUP, qk_scale,
-    N_BUCKET, P_BUCKET,  # autotuning keys only
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    Hq,
+    N,
+    P,
+    D,
+    GROUP,
+    qk_scale,
+    N_BUCKET,
+    P_BUCKET,  # autotuning keys only
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     # One program = BLOCK_M tree nodes (queries) of one (batch, query head).
     pid_m = tl.program_id(0)
@@ -139,14 +162,22 @@ def _tree_attention_kernel(
     hq = (pid_bh % Hq).to(tl.int64)
     hkv = hq // GROUP
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)      # tree node indices of this block's queries
+    # tree node indices of this block's queries
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     m_valid = offs_m < N
 
-    q = tl.load(Q + b * stride_qb + hq * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=m_valid[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q
+        + b * stride_qb
+        + hq * stride_qh
+        + offs_m[:, None] * stride_qm
+        + offs_d[None, :],
+        mask=m_valid[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -156,12 +187,21 @@ def _tree_attention_kernel(
     v_base = V + b * stride_vb + hkv * stride_vh
     mask_base = MASK + b * stride_mb
 
-    # Phase 1: the cached prefix. Every node sees every prefix key: only the ragged end is masked.
+    # Phase 1: the cached prefix. Every node sees every prefix key: only the ragged end
+    # is masked.
     for start_n in range(0, P, BLOCK_N):
         offs_n = start_n + offs_n0
         kv_mask = (offs_n[:, None] < P) & d_mask[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_base + offs_n[:, None] * stride_kn + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + offs_n[:, None] * stride_vn + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -171,13 +211,23 @@ def _tree_attention_kernel(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    # Phase 2: the tree's own keys (positions P .. P + N - 1), visible only along the ancestor mask.
+    # Phase 2: the tree's own keys (positions P .. P + N - 1), visible only along the
+    # ancestor mask.
     for start_t in range(0, N, BLOCK_N):
-        offs_t = start_t + offs_n0                         # tree node indices of this key block
+        # tree node indices of this key block
+        offs_t = start_t + offs_n0
         t_valid = offs_t < N
         kv_mask = t_valid[:, None] & d_mask[None, :]
-        k = tl.load(k_base + (P + offs_t)[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + (P + offs_t)[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(
+            k_base + (P + offs_t)[:, None] * stride_kn + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_base + (P + offs_t)[:, None] * stride_vn + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -190,8 +240,15 @@ def _tree_attention_kernel(
         m_i = m_new
 
     out, _lse2 = _softmax_finish(acc, l_i, m_i)
-    tl.store(O + b * stride_ob + hq * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+    tl.store(
+        O
+        + b * stride_ob
+        + hq * stride_oh
+        + offs_m[:, None] * stride_om
+        + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=m_valid[:, None] & d_mask[None, :],
+    )
 
 
 def tree_attention(q, k, v, tree_mask, sm_scale=None, out=None):

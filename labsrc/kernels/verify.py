@@ -41,7 +41,8 @@ def _greedy_verify_kernel(logits, tokens, first, preds, accepted, N, V,
     b = tl.program_id(0).to(tl.int64)
     rows = tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    base = logits + b * N * V                           # this window's (N, V) block, int64 offsets
+    # this window's (N, V) block, int64 offsets
+    base = logits + b * N * V
     best = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     best_idx = tl.full((BLOCK_N,), V, tl.int32)         # V: "nothing found yet"
     nan_idx = tl.full((BLOCK_N,), V, tl.int32)
@@ -51,13 +52,19 @@ def _greedy_verify_kernel(logits, tokens, first, preds, accepted, N, V,
         x = tl.load(base + rows[:, None].to(tl.int64) * V + cols[None, :], mask=ok,
                     other=float("-inf")).to(tl.float32)
         is_nan = x != x
-        nan_idx = tl.minimum(nan_idx, tl.min(tl.where(is_nan & ok, cols[None, :], V), axis=1))
+        nan_idx = tl.minimum(
+            nan_idx, tl.min(tl.where(is_nan & ok, cols[None, :], V), axis=1)
+        )
         x = tl.where(is_nan, float("-inf"), x)
         block_max = tl.max(x, axis=1)
-        # first column of this block that reaches the block's max (masked lanes hold -inf and lie past V,
-        # so they only win a row of -inf when no real column is left, which min() rules out)
-        block_idx = tl.min(tl.where((x == block_max[:, None]) & ok, cols[None, :], V), axis=1)
-        take = (block_max > best) | (best_idx == V)      # strictly greater: an earlier block keeps a tie
+        # first column of this block that reaches the block's max (masked lanes hold
+        # -inf and lie past V, so they only win a row of -inf when no real column is
+        # left, which min() rules out)
+        block_idx = tl.min(
+            tl.where((x == block_max[:, None]) & ok, cols[None, :], V), axis=1
+        )
+        # strictly greater: an earlier block keeps a tie
+        take = (block_max > best) | (best_idx == V)
         best_idx = tl.where(take, block_idx, best_idx)
         best = tl.where(take, block_max, best)
     pred = tl.where(nan_idx < V, nan_idx, best_idx).to(tl.int64)
@@ -65,7 +72,8 @@ def _greedy_verify_kernel(logits, tokens, first, preds, accepted, N, V,
     # window token i + 1 must equal pred[i]; token 0 must equal `first`
     nxt = tl.load(tokens + b * N + rows + 1, mask=rows + 1 < N, other=-1).to(tl.int64)
     miss = (rows + 1 < N) & (nxt != pred)
-    run = tl.min(tl.where(miss, rows, N - 1), axis=0)   # matches among tokens 1 .. N-1 before a miss
+    # matches among tokens 1 .. N-1 before a miss
+    run = tl.min(tl.where(miss, rows, N - 1), axis=0)
     tok0 = tl.load(tokens + b * N).to(tl.int64)
     f = tl.load(first + b).to(tl.int64)
     tl.store(accepted + b, tl.where(tok0 == f, run + 1, 0).to(tl.int64))

@@ -177,9 +177,11 @@ def _flags(dtype):
 # ----------------------------------------------------------------------------------------------- INT4 kernel
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K", "GROUP"])
 @triton.jit
-def _int4_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, HALF, G, GROUP, M_BUCKET,
-                        UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_matmul_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, HALF, G, GROUP, M_BUCKET,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -187,31 +189,40 @@ def _int4_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, HALF, G, G
     m_ok = rm < M
     n_ok = rn < N
     x_rows = x_ptr + rm.to(tl.int64)[:, None] * K       # (BLOCK_M, 1) row starts of x
-    q_rows = q_ptr + rn.to(tl.int64)[:, None] * HALF    # (BLOCK_N, 1) row starts of the packed weight
-    p_rows = rn.to(tl.int64)[:, None] * G               # (BLOCK_N, 1) row starts of steps / zero points
+    # (BLOCK_N, 1) row starts of the packed weight
+    q_rows = q_ptr + rn.to(tl.int64)[:, None] * HALF
+    # (BLOCK_N, 1) row starts of steps / zero points
+    p_rows = rn.to(tl.int64)[:, None] * G
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j0 in range(0, HALF, BLOCK_K):
-        j = j0 + tl.arange(0, BLOCK_K)                  # byte columns = low-nibble weight columns
+        # byte columns = low-nibble weight columns
+        j = j0 + tl.arange(0, BLOCK_K)
         j_ok = j < HALF
         w_mask = n_ok[:, None] & j_ok[None, :]
         x_mask = m_ok[:, None] & j_ok[None, :]
         byte = tl.load(q_rows + j[None, :], mask=w_mask, other=0).to(tl.int32)
-        # low nibble: column j; high nibble: column j + K/2. Each column uses its group's step and zero.
+        # low nibble: column j; high nibble: column j + K/2. Each column uses its
+        # group's step and zero.
         g_lo = p_rows + (j // GROUP)[None, :]
         g_hi = p_rows + ((j + HALF) // GROUP)[None, :]
         s_lo = tl.load(s_ptr + g_lo, mask=w_mask, other=0.0).to(tl.float32)
         z_lo = tl.load(z_ptr + g_lo, mask=w_mask, other=0).to(tl.float32)
         s_hi = tl.load(s_ptr + g_hi, mask=w_mask, other=0.0).to(tl.float32)
         z_hi = tl.load(z_ptr + g_hi, mask=w_mask, other=0).to(tl.float32)
-        w_lo = ((byte & 15).to(tl.float32) - z_lo) * s_lo   # (BLOCK_N, BLOCK_K), dequantized in registers
+        # (BLOCK_N, BLOCK_K), dequantized in registers
+        w_lo = ((byte & 15).to(tl.float32) - z_lo) * s_lo
         w_hi = ((byte >> 4).to(tl.float32) - z_hi) * s_hi
         x_lo = tl.load(x_rows + j[None, :], mask=x_mask, other=0.0)
         x_hi = tl.load(x_rows + (j + HALF)[None, :], mask=x_mask, other=0.0)
         if UPCAST:  # the interpreter's bf16 tl.dot is broken: compute in fp32 there
             x_lo = x_lo.to(tl.float32)
             x_hi = x_hi.to(tl.float32)
-        acc = tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc, input_precision=PRECISION)
-        acc = tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc, input_precision=PRECISION)
+        acc = tl.dot(
+            x_lo, tl.trans(w_lo.to(x_lo.dtype)), acc, input_precision=PRECISION
+        )
+        acc = tl.dot(
+            x_hi, tl.trans(w_hi.to(x_hi.dtype)), acc, input_precision=PRECISION
+        )
     out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -219,7 +230,8 @@ def _int4_matmul_kernel(x_ptr, q_ptr, s_ptr, z_ptr, out_ptr, M, N, K, HALF, G, G
 # ----------------------------------------------------------------------------------------------- MXFP4 kernel
 @triton.jit
 def _e2m1(code):
-    """E2M1 code (int32, 0..15) to its fp32 value: sign bit 3, exponent bits 2-1, mantissa bit 0."""
+    """E2M1 code (int32, 0..15) to its fp32 value: sign bit 3, exponent bits 2-1,
+    mantissa bit 0."""
     e = (code >> 1) & 3
     m = (code & 1).to(tl.float32)
     pow2 = tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0))
@@ -229,9 +241,11 @@ def _e2m1(code):
 
 @triton.autotune(configs=_configs(), key=["M_BUCKET", "N", "K"])
 @triton.jit
-def _mxfp4_matmul_kernel(x_ptr, c_ptr, s_ptr, out_ptr, M, N, K, HALF, NB, M_BUCKET,
-                         UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _mxfp4_matmul_kernel(
+    x_ptr, c_ptr, s_ptr, out_ptr, M, N, K, HALF, NB, M_BUCKET, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -243,12 +257,14 @@ def _mxfp4_matmul_kernel(x_ptr, c_ptr, s_ptr, out_ptr, M, N, K, HALF, NB, M_BUCK
     s_rows = s_ptr + rn.to(tl.int64)[:, None] * NB
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j0 in range(0, HALF, BLOCK_K):
-        j = j0 + tl.arange(0, BLOCK_K)                  # bytes: elements 2j (low nibble) and 2j + 1 (high)
+        # bytes: elements 2j (low nibble) and 2j + 1 (high)
+        j = j0 + tl.arange(0, BLOCK_K)
         j_ok = j < HALF
         w_mask = n_ok[:, None] & j_ok[None, :]
         x_mask = m_ok[:, None] & j_ok[None, :]
         byte = tl.load(c_rows + j[None, :], mask=w_mask, other=0).to(tl.int32)
-        # E8M0: the biased exponent e is the fp32 bit pattern e << 23 (e = 0: the subnormal 2^-127)
+        # E8M0: the biased exponent e is the fp32 bit pattern e << 23 (e = 0: the
+        # subnormal 2^-127)
         e = tl.load(s_rows + (j // 16)[None, :], mask=w_mask, other=127).to(tl.int32)
         bits = tl.where(e == 0, 0x400000, e << 23)
         scale = tl.where(e == 255, float("nan"), bits.to(tl.float32, bitcast=True))
@@ -259,8 +275,12 @@ def _mxfp4_matmul_kernel(x_ptr, c_ptr, s_ptr, out_ptr, M, N, K, HALF, NB, M_BUCK
         if UPCAST:
             x_even = x_even.to(tl.float32)
             x_odd = x_odd.to(tl.float32)
-        acc = tl.dot(x_even, tl.trans(w_even.to(x_even.dtype)), acc, input_precision=PRECISION)
-        acc = tl.dot(x_odd, tl.trans(w_odd.to(x_odd.dtype)), acc, input_precision=PRECISION)
+        acc = tl.dot(
+            x_even, tl.trans(w_even.to(x_even.dtype)), acc, input_precision=PRECISION
+        )
+        acc = tl.dot(
+            x_odd, tl.trans(w_odd.to(x_odd.dtype)), acc, input_precision=PRECISION
+        )
     out = out_ptr + rm.to(tl.int64)[:, None] * N + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 

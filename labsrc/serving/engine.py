@@ -106,14 +106,19 @@ def prefill_attention(q, k_pool, v_pool, table, ctx, sm_scale=None):
                                                             enable_gqa=True)[0]
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                            lab_paged_batch=None, **kwargs):
+def paged_attention_forward(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+    lab_paged_batch=None, **kwargs,
+):
     """The ``"lab_paged"`` attention: store the step's new K/V in the layer's pool, then attend through the
     block tables. ``query (1, Hq, N, D)``, ``key``/``value`` ``(1, Hkv, N, D)`` hold the N tokens of the
     step, every sequence's side by side; returns ``(1, N, Hq, D)``."""
     batch = lab_paged_batch
     if batch is None:
-        raise ValueError("the lab_paged attention runs inside labsrc.serving.Engine only (no batch context)")
+        raise ValueError(
+            "the lab_paged attention runs inside labsrc.serving.Engine only "
+            "(no batch context)"
+        )
     eng = batch.engine
     k_pool, v_pool = eng.k_pools[module.layer_idx], eng.v_pools[module.layer_idx]
     hkv, d = k_pool.shape[2], k_pool.shape[3]
@@ -121,26 +126,56 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout=0
     v_new = value[0].transpose(0, 1)  # (N, Hkv, D)
     store = _kv.kv_store if eng.kernels == "triton" else _kv.kv_store_ref
     if eng.kernels == "triton":
-        store(k_pool.view(-1, hkv, d), v_pool.view(-1, hkv, d), k_new, v_new, batch.slots, validate_slots=False)
+        store(
+            k_pool.view(-1, hkv, d),
+            v_pool.view(-1, hkv, d),
+            k_new,
+            v_new,
+            batch.slots,
+            validate_slots=False,
+        )
     else:
-        store(k_pool.view(-1, hkv, d), v_pool.view(-1, hkv, d), k_new, v_new, batch.slots)
+        store(
+            k_pool.view(-1, hkv, d), v_pool.view(-1, hkv, d), k_new, v_new, batch.slots
+        )
     q = query[0]  # (Hq, N, D)
-    out = torch.empty(q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device)  # (N, Hq, D)
+    # (N, Hq, D)
+    out = torch.empty(
+        q.shape[1], q.shape[0], q.shape[2], dtype=q.dtype, device=q.device
+    )
     if batch.decode:
         q_dec = q[:, batch.decode_rows].transpose(0, 1)  # (B, Hq, D)
         if eng.kernels == "triton":
-            out[batch.decode_rows] = _pa.paged_decode_attention(q_dec, k_pool, v_pool, batch.decode_tables,
-                                                                batch.decode_lens, sm_scale=scaling)
+            out[batch.decode_rows] = _pa.paged_decode_attention(
+                q_dec,
+                k_pool,
+                v_pool,
+                batch.decode_tables,
+                batch.decode_lens,
+                sm_scale=scaling,
+            )
         else:
-            out[batch.decode_rows] = batched_decode_attention(q_dec.contiguous(), k_pool, v_pool,
-                                                              batch.decode_slots, batch.decode_mask, scaling)
+            out[batch.decode_rows] = batched_decode_attention(
+                q_dec.contiguous(),
+                k_pool,
+                v_pool,
+                batch.decode_slots,
+                batch.decode_mask,
+                scaling,
+            )
     pre = _pa.paged_prefill_attention if eng.kernels == "triton" else prefill_attention
     for at, n, ctx, table, seq_id in batch.prefill:
         tab = torch.tensor(table, dtype=torch.int32, device=q.device)
-        out[at:at + n] = pre(q[:, at:at + n], k_pool, v_pool, tab, ctx, sm_scale=scaling).transpose(0, 1)
-        if eng.record_queries:  # the chunk's last queries, for eviction scores (Engine.evict_blocks)
-            eng.recorded[(seq_id, module.layer_idx)] = (q[:, at + max(0, n - eng.record_queries):at + n].clone(),
-                                                         ctx, scaling)
+        out[at : at + n] = pre(
+            q[:, at : at + n], k_pool, v_pool, tab, ctx, sm_scale=scaling
+        ).transpose(0, 1)
+        if eng.record_queries:
+            # the chunk's last queries, for eviction scores (Engine.evict_blocks)
+            eng.recorded[(seq_id, module.layer_idx)] = (
+                q[:, at + max(0, n - eng.record_queries) : at + n].clone(),
+                ctx,
+                scaling,
+            )
     return out[None], None
 
 

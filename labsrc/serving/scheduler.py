@@ -170,8 +170,9 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and self.admits(self.waiting[0]):
             seq = self.waiting.popleft()
-            seq.num_computed = self.blocks.allocate(seq.seq_id, seq.tokens,
-                                                    use_cache=not seq.params.prompt_logprobs)
+            seq.num_computed = self.blocks.allocate(
+                seq.seq_id, seq.tokens, use_cache=not seq.params.prompt_logprobs
+            )
             seq.status = "running"
             self.running.append(seq)
             n = min(len(seq.tokens) - seq.num_computed, budget)
