@@ -645,25 +645,28 @@ def self_speculative_generate(target, input_ids: torch.Tensor, max_new_tokens: i
 
 
 def lookup_draft(context, k: int, ngram: int = 3) -> list[int]:
-    """Prompt lookup's draft: up to ``k`` tokens that followed the most recent earlier occurrence of the
-    context's last n-gram.
+    """Prompt lookup's draft: up to ``k`` tokens that followed the most recent earlier
+    occurrence of the context's last n-gram.
 
-    ``context`` is a 1-D sequence of token ids (the prompt and the output so far). The last ``ngram`` tokens
-    are searched for earlier in ``context``; at the most recent occurrence that has at least one token after
-    it, the (up to ``k``) tokens that followed are the draft. Without a match the n-gram is shortened, down to
-    a single token; with no match at all the draft is empty (the caller then takes a plain target step).
-    The most recent occurrence, not the first: text being quoted or edited is usually near the end, and a
-    loop in the output repeats its latest turn. (transformers' ``prompt_lookup_num_tokens`` takes the first.)
+    ``context`` is a 1-D sequence of token ids (the prompt and the output so far). The
+    last ``ngram`` tokens are searched for earlier in ``context``; at the most recent
+    occurrence that has at least one token after it, the (up to ``k``) tokens that
+    followed are the draft. Without a match the n-gram is shortened, down to a single
+    token; with no match at all the draft is empty (the caller then takes a plain target
+    step). The most recent occurrence, not the first: text being quoted or edited is
+    usually near the end, and a loop in the output repeats its latest turn.
+    (transformers' ``prompt_lookup_num_tokens`` takes the first.)
     """
     _check_k(k)
     _check_k(ngram, "ngram")
     ctx = torch.as_tensor(context)
     if ctx.dtype.is_floating_point or ctx.dtype == torch.bool or ctx.dim() != 1:
-        raise ValueError(f"context must be a 1-D sequence of integer token ids, got {ctx.dtype} "
-                         f"of shape {tuple(ctx.shape)}")
+        raise ValueError("context must be a 1-D sequence of integer token ids, got "
+                         f"{ctx.dtype} of shape {tuple(ctx.shape)}")
     T = ctx.numel()
     for n in range(min(ngram, T - 1), 0, -1):
-        # every window of n tokens that ends before the last token, so at least one token follows it
+        # every window of n tokens that ends before the last token, so at least one
+        # token follows it
         windows = ctx[: T - 1].unfold(0, n, 1)
         hits = (windows == ctx[T - n:]).all(-1).nonzero()
         if hits.numel():
@@ -756,12 +759,13 @@ def _speculate(
         t0 = time.perf_counter()
         drafted, qs = [], []
         if hasattr(engine, "propose"):
-            # a deterministic draft is a one-hot q: min(1, p/q) accepts x with probability
-            # p(x), and the residual max(p - q, 0) is p with x removed, renormalised; the
-            # verification below is unchanged
+            # a deterministic draft is a one-hot q: min(1, p/q) accepts x with
+            # probability p(x), and the residual max(p - q, 0) is p with x removed,
+            # renormalised; the verification below is unchanged
             drafted = engine.propose(seq, kk)
+            one_hot = torch.nn.functional.one_hot
             vocab = target.config.vocab_size
-            qs = [torch.nn.functional.one_hot(torch.tensor(t, device=device), vocab).float()
+            qs = [one_hot(torch.tensor(t, device=device), vocab).float()
                   for t in drafted]
         else:
             pending = seq[:, engine.draft_length():]
