@@ -225,7 +225,7 @@ SIZES: dict[str, dict[str, dict]] = {
                     perf_temps=(0.25, 0.5, 1.0, 1.5),
                     recall_live=("softmax", 16, 0), recall_live_seconds=8, recall_steps=600,
                     recall_train=1500, recall_eval=150, retrain=False),   # recall_steps..: the stored grid's sizes
-        "gpu": dict(check_shape=(4, 2048, 16, 128, 128), check_chunk=64, perf_len=1024, perf_dim=64,
+        "gpu": dict(check_shape=(4, 2048, 16, 128, 128), check_chunk=32, perf_len=1024, perf_dim=64,
                     perf_ms=(8, 16, 32, 64, 128, 256, 512, 1024), perf_draws=20,
                     perf_temps=(0.25, 0.5, 1.0, 1.5),
                     recall_live=("softmax", 16, 0), recall_live_seconds=8, recall_steps=3000,

@@ -1,11 +1,13 @@
 """Compile every launchable kernel for sm_80 and sm_90 without a GPU, and read its resource use.
 
 Triton ships its own ``ptxas``, so a kernel compiles to PTX and a cubin for any architecture on a machine
-with no GPU. For each kernel (:mod:`labsrc.gpucheck.discover`), architecture, configuration (its
-:mod:`~labsrc.gpucheck.specs` constexprs times its autotune list) and dtype, one row records whether it
-compiled, its registers per thread and spill bytes (``ptxas -v`` on the PTX Triton wrote), its shared memory
-(Triton's launch metadata) and whether the PTX holds tensor-core instructions (``mma.sync`` on Ampere,
-``wgmma`` on Hopper). Every configuration compiles in bf16; fp16 differs only in the tensor-core variant, so
+with no GPU. Each compile carries the specialisation a launch at the GPU profile's sizes would give it
+(:func:`launch_attrs`: aligned pointers, integers that are multiples of 16, ones as constants), so that the
+code is the code a GPU would run. For each kernel (:mod:`labsrc.gpucheck.discover`), architecture,
+configuration (its :mod:`~labsrc.gpucheck.specs` constexprs times its autotune list) and dtype, one row
+records whether it compiled, its registers per thread and spill bytes (``ptxas -v`` on the PTX Triton
+wrote), its shared memory (Triton's launch metadata) and whether the PTX holds tensor-core instructions
+(``mma.sync`` on Ampere, ``wgmma`` on Hopper). Every configuration compiles in bf16; fp16 differs only in the tensor-core variant, so
 it compiles for each kernel's first configuration (that keeps the CI run to a few minutes).
 
 The interpreter switch (``TRITON_INTERPRET``) is read once, when ``triton`` is imported, and ``import labsrc``
@@ -59,8 +61,28 @@ def ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return parse_ptxas_log(out)
 
 
+def launch_attrs(arg_names: list, signature: dict, ints: dict) -> dict:
+    """The divisibility hints that a launch at the GPU profile's sizes gives Triton.
+
+    Triton specialises every launch on its arguments: a pointer that is 16-byte aligned (every tensor the
+    wrappers pass is) and an integer that is a multiple of 16 are marked so, and an integer equal to 1 becomes
+    a constant. Compiling ahead of time, they must be given: without them Triton has to assume a misaligned
+    base and a stride of 3, cannot vectorise a load or copy it asynchronously into shared memory, and emits
+    code that no GPU launch runs (flash attention's K and V tiles then load one element at a time, and every
+    configuration spilled). ``ints`` holds the integer arguments that are not multiples of 16 at the GPU
+    profile's sizes (``None``: it varies with the shape); every other integer argument is taken to be one.
+    """
+    hinted = {}
+    for i, name in enumerate(arg_names):
+        kind = signature[name]
+        if kind.startswith("*") or (kind in ("i32", "i64") and (ints.get(name, 16) or 1) % 16 == 0):
+            hinted[(i,)] = [["tt.divisibility", 16]]
+    return hinted
+
+
 def configurations(kernel: Kernel, arch: int) -> list[dict]:
-    """Every configuration to compile: the spec's constexprs times the kernel's autotune list for ``arch``."""
+    """Every configuration to compile: the spec's constexprs times the kernel's autotune list for ``arch``,
+    each with the spec's integer arguments that are not multiples of 16 (``Spec.ints``)."""
     import triton
     spec = SPECS[f"{kernel.module}.{kernel.name}"]
     module = importlib.import_module(f"labsrc.kernels.{kernel.module}")
@@ -78,8 +100,8 @@ def configurations(kernel: Kernel, arch: int) -> list[dict]:
     else:
         tuned = None
     if tuned is None:
-        return [dict(dict(num_warps=spec.num_warps, num_stages=3), **consts) for consts in spec.constexprs]
-    return [dict(consts, **c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+        return [{"num_warps": spec.num_warps, "num_stages": 3, **spec.ints, **consts} for consts in spec.constexprs]
+    return [{**spec.ints, **consts, **c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages}
             for consts, c in itertools.product(spec.constexprs, tuned)]
 
 
@@ -95,14 +117,22 @@ def compile_one(kernel: Kernel, arch: int, config: dict, dtype: str) -> dict:
         spec = SPECS[f"{kernel.module}.{kernel.name}"]
         obj = getattr(importlib.import_module(f"labsrc.kernels.{kernel.module}"), kernel.name)
         fn = obj.fn if isinstance(obj, triton.runtime.Autotuner) else obj
-        consts = {k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}
-        missing = [n for n, p in zip(fn.arg_names, fn.params) if p.is_constexpr and n not in consts]
+        params = dict(zip(fn.arg_names, fn.params))
+        unknown = [k for k in config if k not in params and k not in ("num_warps", "num_stages")]
+        if unknown:
+            raise ValueError(f"the configuration names {unknown}, which are not arguments of the kernel")
+        consts = {k: v for k, v in config.items() if k in params and params[k].is_constexpr}
+        missing = [n for n, p in params.items() if p.is_constexpr and n not in consts]
         if missing:
             raise ValueError(f"no value for constexpr {missing} in the spec or the autotune list")
+        # integer arguments at their GPU-profile values: 1 is a constant in a real launch, the rest are hints
+        ints = {k: v for k, v in config.items() if k in params and not params[k].is_constexpr}
+        consts.update({k: 1 for k, v in ints.items() if v == 1})
         signature = {n: "constexpr" if n in consts else spec.types.get(n, "i32").replace("T", dtype)
                      if spec.types.get(n, "i32").startswith("*T") else spec.types.get(n, "i32")
                      for n in fn.arg_names}
-        src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                        attrs=launch_attrs(fn.arg_names, signature, ints))
         # Triton runs ptxas -v itself and prints its log when asked: capture it rather than run ptxas twice.
         log = io.StringIO()
         triton.knobs.nvidia.dump_ptxas_log = True

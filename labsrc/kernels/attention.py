@@ -224,25 +224,31 @@ def _flash_configs() -> list:
         return [
             triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)
         ]
+    # Only shapes that compile without register spills at D = 128 on their architecture
+    # (`python -m labsrc.gpucheck --compile-only`). Each thread holds its share of q,
+    # the fp32 accumulator (BLOCK_M x D), the scores and their bf16 copy: a 128-query
+    # block needs 8 warps (at 4 warps every 128-row shape spilled, 100-2900 bytes), and
+    # 128 x 128 spilled even at 8 warps (180-760 bytes). 64 x 128 at 4 warps spilled too
+    # (1-1.7 KB), and on Ampere 64 x 64 at 4 warps with only 2 stages (64 bytes).
+    # Hopper: deeper software pipelines (228 KB of shared memory per SM)
     if _capability()[0] >= 9:
-        # Hopper: big tiles, deeper software pipelines (more shared memory per SM)
         shapes = [
-            (128, 128, 8, 3),
             (128, 64, 8, 3),
-            (128, 64, 4, 4),
-            (128, 128, 8, 2),
+            (128, 64, 8, 4),
+            (128, 32, 8, 3),
             (64, 64, 4, 4),
-            (64, 128, 4, 3),
+            (64, 64, 8, 3),
+            (64, 32, 4, 3),
         ]
+    # Ampere and older: 164 KB (A100) or 100 KB (consumer) of shared memory, shallower
+    # pipelines
     else:
-        # Ampere and older: 164 KB (A100) or 100 KB (consumer) of shared memory,
-        # shallower pipelines
         shapes = [
-            (128, 64, 4, 3),
-            (128, 64, 8, 2),
-            (128, 32, 4, 3),
+            (128, 64, 8, 4),
+            (128, 32, 8, 3),
+            (64, 128, 8, 3),
             (64, 64, 4, 3),
-            (64, 64, 4, 2),
+            (64, 64, 8, 3),
             (64, 32, 4, 4),
         ]
     return [
@@ -274,14 +280,17 @@ def _bwd_shapes(dkdv: bool) -> list:
 
     The backward holds more tiles per program than the forward (q, dO, k, v and two fp32 accumulators), so its
     tiles are smaller. Each list keeps only the shapes that compile without register spills at D = 128
-    (``python -m labsrc.gpucheck --compile-only``): of the six shapes the two kernels shared, dK/dV spilled in
-    every shape but 64 x 64 with 8 warps (and, on Hopper, 128 x 64 with 8), and dQ on Ampere spilled (8-152
-    bytes) in every shape but 32 x 64 with 4 warps (on Hopper, 64 x 64 with 4 or 8 warps compile cleanly too).
+    (``python -m labsrc.gpucheck --compile-only``, with the alignment hints a launch gives). dK/dV (a block
+    of BLOCK_N keys, stepping over queries BLOCK_M at a time) spilled in every pipelined shape with 64 or
+    more queries per step (100-2000 bytes; 128 x 64 also overflowed shared memory with 3 stages), and with
+    4 warps at 32 x 64: it runs 32 queries per step with 8 warps, or 64 x 64 without software pipelining.
+    dQ holds one accumulator fewer: 32-64 x 64 compile cleanly on both architectures, and on Hopper
+    128 x 64 with 8 warps as well (on Ampere it spilled 24-44 bytes).
     """
     hopper = _capability()[0] >= 9
     if dkdv:
-        return [(64, 64, 8, 3)] + ([(128, 64, 8, 2)] if hopper else [])
-    return [(32, 64, 4, 2)] + ([(64, 64, 4, 2), (64, 64, 8, 3)] if hopper else [])
+        return [(32, 64, 8, 3), (32, 64, 8, 2), (64, 64, 8, 1)]
+    return [(32, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3)] + ([(128, 64, 8, 3)] if hopper else [])
 
 
 def _bwd_dkdv_configs() -> list:

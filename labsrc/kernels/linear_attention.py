@@ -6,11 +6,17 @@
 * :func:`chunk_gated_delta_rule` -- the gated delta rule of Gated DeltaNet, in flash-linear-attention's
   conventions; equal to :func:`labsrc.linear_attention.gated_delta_rule_chunked`.
 
-Both kernels use one program per (value block, batch x head): it keeps its ``BLOCK_K x BLOCK_V`` slice of the
-state in registers, in fp32, and walks the sequence one chunk of ``BLOCK_T`` tokens at a time. Columns of the
-state never mix (every update is ``S <- a S + K^T X`` with a row-wise ``X``), so splitting the value dimension
-over programs needs no communication; each program recomputes the chunk's ``T x T`` matrices for its block.
-Per chunk, with ``gamma`` the cumulative log decay inside the chunk (``tl.cumsum``):
+Both kernels use one program per (value block, batch x head): it owns the ``BLOCK_K x BLOCK_V`` slice of the
+fp32 state and walks the sequence one chunk of ``BLOCK_T`` tokens at a time. Columns of the state never mix
+(every update is ``S <- a S + K^T X`` with a row-wise ``X``), so splitting the value dimension over programs
+needs no communication; each program recomputes the chunk's ``T x T`` matrices for its block. The state lives
+in the float32 buffer that is returned as the final state (started from a copy of ``initial_state``, or
+zeros), not in registers: every product over ``K`` runs in an inner loop over ``BLOCK_KB = 16`` rows of the
+state (columns of ``q`` and ``k``), and the update writes the slice back, one block of rows at a time, with a
+barrier between the reads and the writes of a chunk. Held whole in registers, a 128-row state and the
+operands of the products over it spilled on every configuration (``python -m labsrc.gpucheck
+--compile-only``); re-read per chunk it comes from L2. Per chunk, with ``gamma`` the cumulative log decay
+inside the chunk (``tl.cumsum``):
 
 * intra-chunk: ``lower(Q K^T * exp(gamma_i - gamma_j)) X``, a masked ``BLOCK_T x BLOCK_T`` product
   (``tl.dot``, the quadratic part);
@@ -28,11 +34,14 @@ of ``diag(beta) K K^T * exp(gamma_i - gamma_j)``. ``A`` is nilpotent (``A^BLOCK_
 finite series ``sum_i (-A)^i``, which the kernel forms as the product ``(I - A)(I + A^2)(I + A^4)...``:
 ``log2(BLOCK_T)`` pairs of matrix products on the tensor cores instead of ``BLOCK_T`` dependent row updates.
 
-Inputs may be fp32, fp16 or bf16; every tile is upcast to fp32 after loading and all products run in fp32
-(``input_precision="ieee"`` on a GPU: the series above amplifies TF32 rounding). Outputs have ``v``'s dtype,
-states are fp32. NaN or inf in an input propagate as in the reference (a NaN in a chunk spreads to the state
-and to every later output of that head). The kernels are inference kernels: inputs that require grad are
-refused. Without Triton the wrappers check their arguments and call the references.
+Inputs may be fp32, fp16 or bf16. Float32 inputs multiply in true fp32 (``input_precision="ieee"``; the
+series above amplifies TF32 rounding). Half inputs run on the 16-bit tensor cores with products accurate to
+about ``2^-16`` (:mod:`labsrc.kernels._dots`): ``q``, ``k``, ``v`` stay as loaded and are exact operands, and
+each computed factor (scores, the state, the series' powers, the corrected values) is split into a 16-bit
+high and low part. Outputs have ``v``'s dtype, states are fp32. NaN or inf in an input propagate as in the
+reference (a NaN in a chunk spreads to the state and to every later output of that head). The kernels are
+inference kernels: inputs that require grad are refused. Without Triton the wrappers check their arguments
+and call the references.
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ import torch
 
 from labsrc import runtime
 from labsrc.kernels._decay import chunk_segsum, last_row
+from labsrc.kernels._dots import exact_dot, split_dot, split_dot2, split_dot_b
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
 from labsrc.linear_attention import (check_delta_inputs, check_linear_inputs, gated_delta_rule_chunked,
                                      lightning_attention)
@@ -52,39 +62,51 @@ chunk_gated_delta_rule_ref = gated_delta_rule_chunked
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_GRID_AXIS = 65535          # grid axes 1 and 2
-_MAX_DIM = 256                  # K and V tiles: a BLOCK_K x BLOCK_V fp32 state per program stays in registers
+_MAX_DIM = 256                  # K and V: the largest head dims the kernels are built and tested for
 _MAX_CHUNK = 128
+_BLOCK_KB = 16                  # state rows per step of the inner loops (registers: see _configs)
 
 
 def _configs() -> list:
     """One configuration under the interpreter (no benchmarking there); on a GPU the warps that share a
-    program's tiles and the software-pipelining depth of its loads are tuned per tile shape."""
+    program's tiles are tuned per tile shape.
+
+    One software-pipeline stage: the state is read and written through memory inside the chunk loop, so no
+    load of it may be prefetched across a chunk. What fits in registers (``python -m labsrc.gpucheck
+    --compile-only``, K = V = 128): with chunks of 32 tokens and 16 state rows per inner step both kernels
+    compile without spills on sm_80 and sm_90 at 4 and 8 warps. Chunks of 64 spilled in every shape tried
+    (the gated delta rule 300 bytes to 2 KB, linear attention up to 660 bytes at 4 warps), and so did the
+    earlier form that held the whole 128-row state in registers (up to 45 KB): the GPU profile runs chunks of
+    32 (:mod:`labsrc.bench.linear_attention`), the results being the same up to rounding.
+    """
     if runtime.INTERPRETED:
         return [triton.Config({}, num_warps=4, num_stages=1)]
-    return [triton.Config({}, num_warps=w, num_stages=st) for w in (4, 8) for st in (1, 2, 3)]
+    return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8)]
 
 
-@triton.autotune(configs=_configs(), key=["BLOCK_T", "BLOCK_K", "BLOCK_V", "HAS_H0", "STORE_HT"])
+@triton.jit
+def _state_block(s_ptr, i_bh, kb, offs_kb, offs_v, K, V):
+    """Pointers to and mask of rows ``kb + offs_kb`` of this program's state slice ``S[:, v-block]``."""
+    rows = kb + offs_kb
+    ptrs = s_ptr + i_bh.to(tl.int64) * K * V + rows[:, None] * V + offs_v[None, :]
+    return ptrs, (rows[:, None] < K) & (offs_v[None, :] < V)
+
+
+@triton.autotune(configs=_configs(), key=["BLOCK_T", "BLOCK_K", "BLOCK_V"])
 @triton.jit
 def _chunk_linear_attention_kernel(
-        q_ptr, k_ptr, v_ptr, log_lam_ptr, h0_ptr, o_ptr, ht_ptr,
+        q_ptr, k_ptr, v_ptr, log_lam_ptr, s_ptr, o_ptr,
         T, H, K, V, scale,
         s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_ob, s_ot, s_oh,
-        HAS_DECAY: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+        HAS_DECAY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KB: tl.constexpr,
+        BLOCK_V: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = (i_bh // H).to(tl.int64)
     h = (i_bh % H).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_KB)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mk, mv = offs_k < K, offs_v < V
-    # the state slice S[:, v-block] lives in registers, fp32, for the whole sequence
-    state_off = i_bh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    if HAS_H0:
-        S = tl.load(h0_ptr + state_off, mask=mk[:, None] & mv[None, :], other=0.0)
-    else:
-        S = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    mv = offs_v < V
     log_lam = 0.0
     if HAS_DECAY:
         log_lam = tl.load(log_lam_ptr + h)          # log(lambda_h), -inf for a decay of 0
@@ -92,102 +114,191 @@ def _chunk_linear_attention_kernel(
     for t0 in range(0, T, BLOCK_T):
         t = t0 + rows
         mt = t < T
-        qk_off = b * s_qb + t[:, None].to(tl.int64) * s_qt + h * s_qh + offs_k[None, :]
-        q = tl.load(q_ptr + qk_off, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32) * scale
-        k = tl.load(k_ptr + qk_off, mask=mt[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        tok = b * s_qb + t[:, None].to(tl.int64) * s_qt + h * s_qh          # row starts of q and k
         v_off = b * s_vb + t[:, None].to(tl.int64) * s_vt + h * s_vh + offs_v[None, :]
-        v = tl.load(v_ptr + v_off, mask=mt[:, None] & mv[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + v_off, mask=mt[:, None] & mv[None, :], other=0.0)   # input dtype, as loaded
         # gamma_i = (i + 1) log(lambda) for the tokens of this chunk; padded rows add no decay
         steps = tl.where(mt, log_lam, 0.0)
         gam = tl.cumsum(steps, 0)
         seg = chunk_segsum(steps, BLOCK_T)             # gamma_i - gamma_j, summed directly (-inf above)
-        decay = tl.exp(seg)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
-        o = tl.dot(scores, v, input_precision=PRECISION)                              # intra-chunk
-        o += tl.dot(q * tl.exp(gam)[:, None], S, input_precision=PRECISION)          # inter-chunk
+        # the products over K, BLOCK_KB columns of q and k (and rows of S) at a time:
+        # scores = q k^T and (q S)^T = S^T q^T (q, k as loaded: the second operands, see _dots)
+        scores = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        qs_t = tl.zeros([BLOCK_V, BLOCK_T], dtype=tl.float32)
+        for kb in range(0, BLOCK_K, BLOCK_KB):
+            mtk = mt[:, None] & (kb + offs_kb < K)[None, :]
+            q = tl.load(q_ptr + tok + kb + offs_kb[None, :], mask=mtk, other=0.0)
+            k = tl.load(k_ptr + tok + kb + offs_kb[None, :], mask=mtk, other=0.0)
+            s_ptrs, s_mask = _state_block(s_ptr, i_bh, kb, offs_kb, offs_v, K, V)
+            S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+            scores += exact_dot(q, tl.trans(k), UPCAST, PRECISION)
+            qs_t = split_dot(tl.trans(S), tl.trans(q), qs_t, SPLIT, UPCAST, PRECISION)
+        o = split_dot(scores * (tl.exp(seg) * scale), v, tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32),
+                      SPLIT, UPCAST, PRECISION)                               # intra-chunk
+        o += tl.trans(qs_t) * (tl.exp(gam) * scale)[:, None]                 # inter-chunk
         o_off = b * s_ob + t[:, None].to(tl.int64) * s_ot + h * s_oh + offs_v[None, :]
         tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :])
-        k_dec = k * tl.exp(last_row(seg, BLOCK_T))[:, None]
-        S = S * tl.exp(tl.sum(steps, 0)) + tl.dot(tl.trans(k_dec), v, input_precision=PRECISION)
-    if STORE_HT:
-        tl.store(ht_ptr + state_off, S, mask=mk[:, None] & mv[None, :])
+        # the state update S <- lambda^C S + (K * lambda^(C-1-j))^T V, block of rows by block of rows
+        w_end = tl.exp(last_row(seg, BLOCK_T))
+        chunk_decay = tl.exp(tl.sum(steps, 0))
+        tl.debug_barrier()                         # every thread has read the state before any writes it
+        for kb in range(0, BLOCK_K, BLOCK_KB):
+            mtk = mt[:, None] & (kb + offs_kb < K)[None, :]
+            k = tl.load(k_ptr + tok + kb + offs_kb[None, :], mask=mtk, other=0.0)
+            s_ptrs, s_mask = _state_block(s_ptr, i_bh, kb, offs_kb, offs_v, K, V)
+            S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+            S = split_dot(tl.trans(k.to(tl.float32) * w_end[:, None]), v, S * chunk_decay, SPLIT, UPCAST, PRECISION)
+            tl.store(s_ptrs, S, mask=s_mask)
+        tl.debug_barrier()                         # the next chunk reads the state this one wrote
 
 
-@triton.autotune(
-    configs=_configs(), key=["BLOCK_T", "BLOCK_K", "BLOCK_V", "HAS_H0", "STORE_HT"]
-)
+@triton.autotune(configs=_configs(), key=["BLOCK_T", "BLOCK_K", "BLOCK_V"])
 @triton.jit
 def _chunk_gated_delta_rule_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, o_ptr, ht_ptr, T, H, K, V, scale,
-    s_qb, s_qt, s_qh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_ob, s_ot,
-    s_oh, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, LOG2_T: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    s_ptr,
+    o_ptr,
+    T,
+    H,
+    K,
+    V,
+    scale,
+    s_qb,
+    s_qt,
+    s_qh,
+    s_vb,
+    s_vt,
+    s_vh,
+    s_gb,
+    s_gt,
+    s_gh,
+    s_bb,
+    s_bt,
+    s_bh,
+    s_ob,
+    s_ot,
+    s_oh,
+    LOG2_T: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_KB: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    i_v = tl.program_id(0)                 # a block of BLOCK_V value columns
-    i_bh = tl.program_id(1)                # one (batch, head)
+    i_v = tl.program_id(0)  # a block of BLOCK_V value columns
+    i_bh = tl.program_id(1)  # one (batch, head)
     b = (i_bh // H).to(tl.int64)
     h = (i_bh % H).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_KB)
     offs_v = i_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    mk, mv = offs_k < K, offs_v < V
-    mkv = mk[:, None] & mv[None, :]
-    # the state slice S[:, v-block] stays in registers, fp32, for the whole sequence
-    state_off = i_bh.to(tl.int64) * K * V + offs_k[:, None] * V + offs_v[None, :]
-    if HAS_H0:
-        S = tl.load(h0_ptr + state_off, mask=mkv, other=0.0)
-    else:
-        S = tl.zeros([BLOCK_K, BLOCK_V], dtype=tl.float32)
+    mv = offs_v < V
     rows = tl.arange(0, BLOCK_T)
-    strict = rows[:, None] > rows[None, :]
-    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
     for t0 in range(0, T, BLOCK_T):
         t = t0 + rows
         mt = t < T
         t64 = t.to(tl.int64)
-        qk_off = b * s_qb + t64[:, None] * s_qt + h * s_qh + offs_k[None, :]
-        mtk = mt[:, None] & mk[None, :]
-        q = tl.load(q_ptr + qk_off, mask=mtk, other=0.0).to(tl.float32) * scale
-        k = tl.load(k_ptr + qk_off, mask=mtk, other=0.0).to(tl.float32)
+        tok = b * s_qb + t64[:, None] * s_qt + h * s_qh  # row starts of q and k
         v_off = b * s_vb + t64[:, None] * s_vt + h * s_vh + offs_v[None, :]
+        # input dtype, as loaded
         v = tl.load(v_ptr + v_off, mask=mt[:, None] & mv[None, :], other=0.0)
-        v = v.to(tl.float32)
         # padded rows: g = 0 (no decay) and beta = 0 (no write) change nothing
         g = tl.load(g_ptr + b * s_gb + t64 * s_gt + h * s_gh, mask=mt, other=0.0)
         beta = tl.load(beta_ptr + b * s_bb + t64 * s_bt + h * s_bh, mask=mt, other=0.0)
         g, beta = g.to(tl.float32), beta.to(tl.float32)
-        gam = tl.cumsum(g, 0)              # log decay from the chunk's start
+        gam = tl.cumsum(g, 0)  # log decay from the chunk's start
         # gamma_i - gamma_j, summed directly (-inf above the diagonal)
         seg = chunk_segsum(g, BLOCK_T)
         decay = tl.exp(seg)
-        # the UT transform T = (I + A)^-1; A is strictly lower, so A^BLOCK_T = 0
-        # and T = (I - A)(I + A^2)(I + A^4)... (LOG2_T factors)
-        kk = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION)
-        neg_a = -tl.where(strict, kk * decay, 0.0)
-        inv = eye + neg_a
+        # the products over K, BLOCK_KB columns of k (and rows of S) at a time: K K^T
+        # and (K S)^T = S^T K^T (k as loaded is the second operand, see _dots)
+        kk = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        ks_t = tl.zeros([BLOCK_V, BLOCK_T], dtype=tl.float32)
+        for kb in range(0, BLOCK_K, BLOCK_KB):
+            mtk = mt[:, None] & (kb + offs_kb < K)[None, :]
+            k = tl.load(k_ptr + tok + kb + offs_kb[None, :], mask=mtk, other=0.0)
+            s_ptrs, s_mask = _state_block(s_ptr, i_bh, kb, offs_kb, offs_v, K, V)
+            S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+            kk += exact_dot(k, tl.trans(k), UPCAST, PRECISION)
+            ks_t = split_dot(tl.trans(S), tl.trans(k), ks_t, SPLIT, UPCAST, PRECISION)
+        # the UT transform T = (I + A)^-1, A = strict lower part of diag(beta) K K^T o
+        # decay; A^BLOCK_T = 0, so T = (I - A)(I + A^2)(I + A^4)... (LOG2_T factors)
+        neg_a = -tl.where(
+            rows[:, None] > rows[None, :], kk * beta[:, None] * decay, 0.0
+        )
+        inv = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0) + neg_a
         power = neg_a
         for _ in tl.static_range(LOG2_T - 1):
-            power = tl.dot(power, power, input_precision=PRECISION)
-            inv += tl.dot(inv, power, input_precision=PRECISION)
-        # corrected values: V_new = T (beta V) - T (beta exp(gamma) K) S
-        k_beta = k * (beta * tl.exp(gam))[:, None]
-        w = tl.dot(inv, k_beta, input_precision=PRECISION)
-        u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)
-        v_new = u - tl.dot(w, S, input_precision=PRECISION)
-        # intra-chunk (masked, decayed) plus inter-chunk (the state carried in)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
-        o = tl.dot(scores, v_new, input_precision=PRECISION)
-        o += tl.dot(q * tl.exp(gam)[:, None], S, input_precision=PRECISION)
-        o_off = b * s_ob + t64[:, None] * s_ot + h * s_oh + offs_v[None, :]
-        tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty),
-                 mask=mt[:, None] & mv[None, :])
-        # the state advances once per chunk
-        k_dec = k * tl.exp(last_row(seg, BLOCK_T))[:, None]
-        S = S * tl.exp(tl.sum(g, 0)) + tl.dot(
-            tl.trans(k_dec), v_new, input_precision=PRECISION
+            power = split_dot2(
+                power,
+                power,
+                tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32),
+                SPLIT,
+                UPCAST,
+                PRECISION,
+            )
+            inv = split_dot2(inv, power, inv, SPLIT, UPCAST, PRECISION)
+        # corrected values: V_new = T (beta V) - T (beta exp(gamma) K) S = T Y
+        y = (
+            v.to(tl.float32) * beta[:, None]
+            - tl.trans(ks_t) * (beta * tl.exp(gam))[:, None]
         )
-    if STORE_HT:
-        tl.store(ht_ptr + state_off, S, mask=mkv)
+        v_new = split_dot2(
+            inv,
+            y,
+            tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32),
+            SPLIT,
+            UPCAST,
+            PRECISION,
+        )
+        # intra-chunk (masked, decayed) plus inter-chunk (the state carried in): Q K^T
+        # and (Q S)^T = S^T Q^T, in a second pass over K (its tiles are not held through
+        # the UT transform)
+        scores = tl.zeros([BLOCK_T, BLOCK_T], dtype=tl.float32)
+        qs_t = tl.zeros([BLOCK_V, BLOCK_T], dtype=tl.float32)
+        for kb in range(0, BLOCK_K, BLOCK_KB):
+            mtk = mt[:, None] & (kb + offs_kb < K)[None, :]
+            q = tl.load(q_ptr + tok + kb + offs_kb[None, :], mask=mtk, other=0.0)
+            k = tl.load(k_ptr + tok + kb + offs_kb[None, :], mask=mtk, other=0.0)
+            s_ptrs, s_mask = _state_block(s_ptr, i_bh, kb, offs_kb, offs_v, K, V)
+            S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+            scores += exact_dot(q, tl.trans(k), UPCAST, PRECISION)
+            qs_t = split_dot(tl.trans(S), tl.trans(q), qs_t, SPLIT, UPCAST, PRECISION)
+        o = split_dot2(
+            scores * (decay * scale),
+            v_new,
+            tl.zeros([BLOCK_T, BLOCK_V], dtype=tl.float32),
+            SPLIT,
+            UPCAST,
+            PRECISION,
+        )
+        o += tl.trans(qs_t) * (tl.exp(gam) * scale)[:, None]
+        o_off = b * s_ob + t64[:, None] * s_ot + h * s_oh + offs_v[None, :]
+        tl.store(
+            o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=mt[:, None] & mv[None, :]
+        )
+        # the state advances once per chunk: S <- exp(gamma_last) S + K^T (v_new decayed
+        # to the chunk's end), block of rows by block of rows
+        v_end = v_new * tl.exp(last_row(seg, BLOCK_T))[:, None]
+        chunk_decay = tl.exp(tl.sum(g, 0))
+        # every thread has read the state before any writes it
+        tl.debug_barrier()
+        for kb in range(0, BLOCK_K, BLOCK_KB):
+            mtk = mt[:, None] & (kb + offs_kb < K)[None, :]
+            k = tl.load(k_ptr + tok + kb + offs_kb[None, :], mask=mtk, other=0.0)
+            s_ptrs, s_mask = _state_block(s_ptr, i_bh, kb, offs_kb, offs_v, K, V)
+            S = tl.load(s_ptrs, mask=s_mask, other=0.0)
+            S = split_dot_b(
+                tl.trans(k), v_end, S * chunk_decay, SPLIT, UPCAST, PRECISION
+            )
+            tl.store(s_ptrs, S, mask=s_mask)
+        # the next chunk reads the state this one wrote
+        tl.debug_barrier()
 
 
 # ------------------------------------------------------------------------------------------------ wrappers
@@ -208,8 +319,8 @@ def _check_kernel_args(q, k, v, chunk_size, extra=()):
                          f"got {chunk_size}")
     for name, n in (("K (the head dim of q and k)", K), ("V (the head dim of v)", V)):
         if n > _MAX_DIM:
-            raise ValueError(f"{name} = {n} exceeds the kernel's limit of {_MAX_DIM}: the fp32 state tile of a "
-                             f"program would not fit in registers")
+            raise ValueError(f"{name} = {n} exceeds the kernel's limit of {_MAX_DIM} (the largest head dim it "
+                             f"is built and tested for)")
     if B * H > _MAX_GRID_AXIS:
         raise ValueError(f"B * H = {B * H} programs exceed Triton's grid-axis limit of {_MAX_GRID_AXIS}; "
                          f"split the batch")
@@ -230,9 +341,19 @@ def _dense_last(x: torch.Tensor, dtype=None) -> torch.Tensor:
 
 
 def _blocks(K, V):
+    """(BLOCK_K, BLOCK_KB, BLOCK_V): the padded head dim, the rows of the state (columns of q and k) one step
+    of the kernels' inner loops takes, and the value columns of one program."""
     block_k = max(16, triton.next_power_of_2(K))
     block_v = max(16, min(64, triton.next_power_of_2(V)))
-    return block_k, block_v
+    return block_k, min(block_k, _BLOCK_KB), block_v
+
+
+def _state(initial_state, shape, device):
+    """The state the kernels read and update in place, chunk by chunk: a float32 copy of ``initial_state``
+    (never the caller's tensor), or zeros; after the launch it is the final state."""
+    if initial_state is None:
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    return initial_state.to(device=device, dtype=torch.float32, copy=True).contiguous()
 
 
 def _empty(*shape, dtype, device):
@@ -254,7 +375,8 @@ def chunk_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
         q, k: ``(B, T, H, K)``, v: ``(B, T, H, V)``; float32, float16 or bfloat16, one dtype; any strides
             (a last dimension that is not dense is copied). ``K, V <= 256``, ``B * H <= 65535``, ``T >= 1``.
         decay: ``(H,)`` per-step decays ``lambda_h`` in ``(0, 1]``, or None for none.
-        chunk_size: tokens per chunk, 16, 32, 64 or 128.
+        chunk_size: tokens per chunk, 16, 32, 64 or 128 (on a GPU, 32 or less compiles without register
+            spills: see ``_configs``).
         scale: factor on the queries (1 by default: linear attention has no softmax temperature).
         initial_state: ``(B, H, K, V)`` float32 state to start from (read in fp32).
         output_final_state: also return the state after the last token, ``(B, H, K, V)`` float32.
@@ -273,19 +395,18 @@ def chunk_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, de
     if k.stride() != q.stride():            # q and k share one set of strides in the kernel
         q, k = q.contiguous(), k.contiguous()
     o = _empty(B, T, H, V, dtype=v.dtype, device=q.device)
-    ht = _empty(B, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else o
-    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else o
+    state = _state(initial_state, (B, H, K, V), q.device)
     # the kernel reads log(lambda): a decay in (0, 1] that float32 rounds to 0 is log 0 = -inf, a decay of zero
     log_lam = decay.to(torch.float32).log().contiguous() if decay is not None else o
-    block_k, block_v = _blocks(K, V)
+    block_k, block_kb, block_v = _blocks(K, V)
     grid = (triton.cdiv(V, block_v), B * H)
     _chunk_linear_attention_kernel[grid](
-        q, k, v, log_lam, h0, o, ht, T, H, K, V, float(scale),
+        q, k, v, log_lam, state, o, T, H, K, V, float(scale),
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        HAS_DECAY=decay is not None, HAS_H0=initial_state is not None, STORE_HT=output_final_state,
-        BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=_precision())
-    return o, (ht if output_final_state else None)
+        HAS_DECAY=decay is not None, BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_KB=block_kb, BLOCK_V=block_v,
+        SPLIT=v.dtype != torch.float32, UPCAST=runtime.INTERPRETED, PRECISION=_precision())
+    return o, (state if output_final_state else None)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -300,7 +421,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         g: ``(B, T, H)`` log of the decay, ``<= 0``; beta: ``(B, T, H)`` in ``[0, 1]``; any float dtype.
         scale: factor on the queries, ``K ** -0.5`` by default.
         initial_state, output_final_state: as in :func:`chunk_linear_attention`.
-        chunk_size: 16, 32, 64 or 128 (the results do not depend on it, up to rounding).
+        chunk_size: 16, 32, 64 or 128 (the results do not depend on it, up to rounding; on a GPU, 32 or less
+            compiles without register spills: see ``_configs``).
 
     Returns ``(o, final_state)``: ``o`` in ``v``'s dtype, ``final_state`` float32 or None.
     """
@@ -317,15 +439,14 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         q, k = q.contiguous(), k.contiguous()
     g, beta = g.to(torch.float32), beta.to(torch.float32)     # read through their strides
     o = _empty(B, T, H, V, dtype=v.dtype, device=q.device)
-    ht = _empty(B, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else o
-    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else o
-    block_k, block_v = _blocks(K, V)
+    state = _state(initial_state, (B, H, K, V), q.device)
+    block_k, block_kb, block_v = _blocks(K, V)
     grid = (triton.cdiv(V, block_v), B * H)
     _chunk_gated_delta_rule_kernel[grid](
-        q, k, v, g, beta, h0, o, ht, T, H, K, V, float(scale),
+        q, k, v, g, beta, state, o, T, H, K, V, float(scale),
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
         g.stride(0), g.stride(1), g.stride(2), beta.stride(0), beta.stride(1), beta.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        HAS_H0=initial_state is not None, STORE_HT=output_final_state, LOG2_T=chunk_size.bit_length() - 1,
-        BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_V=block_v, PRECISION=_precision())
-    return o, (ht if output_final_state else None)
+        LOG2_T=chunk_size.bit_length() - 1, BLOCK_T=chunk_size, BLOCK_K=block_k, BLOCK_KB=block_kb,
+        BLOCK_V=block_v, SPLIT=v.dtype != torch.float32, UPCAST=runtime.INTERPRETED, PRECISION=_precision())
+    return o, (state if output_final_state else None)

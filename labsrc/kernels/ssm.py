@@ -19,9 +19,11 @@ Three kernels, each beside the PyTorch reference it is tested against (in :mod:`
   zero) give the recurrence's result rather than O(1) errors or NaN.
 
 Conventions: inputs are float32, float16 or bfloat16 (``dt``, ``A``, ``D``, ``delta_bias`` and
-``initial_state`` are read as float32); every tile is upcast to float32 right after its load, so the state and
-all arithmetic are float32 (under the Triton interpreter bf16 ``tl.dot`` returns garbage, and the upcast also
-avoids that); the output has the dtype of ``x``/``u``/``b`` and states come back float32. Every tensor the
+``initial_state`` are read as float32); the scans upcast every tile to float32 right after its load, and the
+state and all arithmetic are float32. ``ssd``'s four products keep ``x``, ``B``, ``C`` in their 16-bit input
+dtype and split the float32 factor they multiply into a 16-bit high and low part, two tensor-core products
+accurate to about ``2^-16`` (:mod:`labsrc.kernels._dots`; float32 inputs multiply in true fp32). The output has
+the dtype of ``x``/``u``/``b`` and states come back float32. Every tensor the
 kernels read is first made contiguous in the dtype they expect (``.to(dtype).contiguous()``), so strided
 and expanded views are read correctly. The kernels are inference-only: inputs that require grad while a graph
 is recorded are refused (``ValueError``). Non-finite inputs behave as in the references: a NaN reaches every
@@ -39,6 +41,7 @@ import torch
 
 from labsrc import runtime, ssm
 from labsrc.kernels._decay import chunk_segsum, last_row
+from labsrc.kernels._dots import exact_dot, split_dot
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
 
 __all__ = ["linear_scan", "selective_scan", "ssd", "linear_scan_ref", "selective_scan_ref", "ssd_ref",
@@ -143,15 +146,35 @@ def _selective_scan_kernel(
 
 
 @triton.jit
-def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, s0_ptr, y_ptr, sT_ptr,
-                L, H, G, P, N,
-                HAS_D: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
-                BLOCK_Q: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def _ssd_kernel(
+    x_ptr,
+    dt_ptr,
+    A_ptr,
+    B_ptr,
+    C_ptr,
+    D_ptr,
+    s0_ptr,
+    y_ptr,
+    sT_ptr,
+    L,
+    H,
+    G,
+    P,
+    N,
+    HAS_D: tl.constexpr,
+    HAS_INIT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     pid_bh = tl.program_id(0)
     pid_p = tl.program_id(1)
     bi = pid_bh // H
     hi = pid_bh % H
-    gi = hi // (H // G)                               # the B/C group this head reads
+    gi = hi // (H // G)  # the B/C group this head reads
     offs_q = tl.arange(0, BLOCK_Q)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
@@ -174,42 +197,62 @@ def _ssd_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, s0_ptr, y_ptr, sT_ptr
         # 0 past the end: no-op steps
         dt = tl.load(dt_ptr + tok * H + hi, mask=mask_t, other=0.0)
         mx = mask_t[:, None] & mask_p[None, :]
+        # x, B, C stay in their input dtype: each product below has one of them as its
+        # second operand
         xv = tl.load(
             x_ptr + (tok * H + hi)[:, None] * P + offs_p[None, :], mask=mx, other=0.0
-        ).to(tl.float32)
+        )
         mbc = mask_t[:, None] & mask_n[None, :]
         bc_off = (tok * G + gi)[:, None] * N + offs_n[None, :]
-        Bm = tl.load(B_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
-        Cm = tl.load(C_ptr + bc_off, mask=mbc, other=0.0).to(tl.float32)      # (Q, N)
+        Bm = tl.load(B_ptr + bc_off, mask=mbc, other=0.0)  # (Q, N)
+        Cm = tl.load(C_ptr + bc_off, mask=mbc, other=0.0)  # (Q, N)
         # log-decay of each step; 0 past the end (never 0 * -inf)
         a = dt * tl.where(mask_t, a_h, 0.0)
         # cs_t = a_0 + ... + a_t inside the chunk
         cs = tl.cumsum(a, axis=0)
-        total = tl.sum(a, axis=0)                     # the whole chunk's log-decay
+        total = tl.sum(a, axis=0)  # the whole chunk's log-decay
         # a_{s+1} + ... + a_t, summed directly; -inf above
         seg = chunk_segsum(a, BLOCK_Q)
-        xdt = xv * dt[:, None]
         # 1. intra-chunk: (C B^T) o decay, a causal (Q, Q) "attention" matrix, times dt
-        # x
-        scores = tl.dot(Cm, tl.trans(Bm), input_precision=PRECISION)
-        decay = tl.exp(seg)                           # 0 above the diagonal
-        y = tl.dot(scores * decay, xdt, input_precision=PRECISION)            # (Q, P)
-        # 2. inter-chunk: the state the chunk starts from, read by C and decayed to each
+        # x (dt on its columns)
+        scores = exact_dot(Cm, tl.trans(Bm), UPCAST, PRECISION)
+        decay = tl.exp(seg)  # 0 above the diagonal
+        y = split_dot(
+            scores * decay * dt[None, :],
+            xv,
+            tl.zeros([BLOCK_Q, BLOCK_P], dtype=tl.float32),
+            SPLIT,
+            UPCAST,
+            PRECISION,
+        )  # (Q, P)
+        # 2. inter-chunk: the start state read by C, C S^T = (S C^T)^T, decayed to each
         # step
-        y += tl.dot(Cm, tl.trans(S), input_precision=PRECISION) * tl.exp(cs)[:, None]
+        y_in = split_dot(
+            S,
+            tl.trans(Cm),
+            tl.zeros([BLOCK_P, BLOCK_Q], dtype=tl.float32),
+            SPLIT,
+            UPCAST,
+            PRECISION,
+        )
+        y += tl.trans(y_in) * tl.exp(cs)[:, None]
         if HAS_D:
-            y += d_skip * xv
+            y += d_skip * xv.to(tl.float32)
         tl.store(
             y_ptr + (tok * H + hi)[:, None] * P + offs_p[None, :],
             y.to(y_ptr.dtype.element_ty),
             mask=mx,
         )
         # 3. state passing: decay the state over the chunk, add what the chunk writes
-        # (decayed to its end)
-        # from each step to the chunk's end
+        # (decayed to its end) from each step to the chunk's end
         w = tl.exp(last_row(seg, BLOCK_Q))
-        S = tl.exp(total) * S + tl.dot(
-            tl.trans(xdt * w[:, None]), Bm, input_precision=PRECISION
+        S = split_dot(
+            tl.trans(xv.to(tl.float32) * (dt * w)[:, None]),
+            Bm,
+            tl.exp(total) * S,
+            SPLIT,
+            UPCAST,
+            PRECISION,
         )
     tl.store(sT_ptr + state_off, S, mask=mask_s)
 
@@ -263,8 +306,9 @@ def _alloc(shape, device, dtype) -> torch.Tensor:
 
 
 def _precision(dtype: torch.dtype) -> str:
-    # float32 inputs ask for true fp32 dots ("ieee") rather than TF32, so that fp32 means fp32 on a GPU too
-    return "ieee" if dtype == torch.float32 else "tf32"
+    # float32 inputs ask for true fp32 dots ("ieee") rather than TF32, so that fp32 means fp32 on a GPU too;
+    # 16-bit inputs split their products instead (labsrc.kernels._dots) and never use this precision
+    return "ieee"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -301,6 +345,32 @@ def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None
         block = min(256 if runtime.INTERPRETED else 1024, triton.next_power_of_2(l))
         _linear_scan_kernel[(rows,)](a2, b2, h0f, out, l, BLOCK_L=block)
     return out.reshape(b.shape)
+
+
+def _ssd_configs() -> list:
+    """The SSD launch on this GPU: the head-dim block, warps and pipeline stages (one entry; a list so that
+    ``python -m labsrc.gpucheck --compile-only`` compiles it for each architecture, as it does attention's).
+
+    Each program holds its ``(BLOCK_P, N)`` fp32 state, a chunk's ``(Q, Q)`` and ``(Q, P)`` fp32 tiles and the
+    16-bit operands of seven products in registers, and the compile check finds little room: at the GPU
+    profile's chunk of 32 steps and ``n = 64`` or ``128``, Ampere compiles without spills only with 32 head
+    dims per program on 8 warps without software pipelining, Hopper with 64 on 8 warps (Ampere spilled
+    130-1700 bytes with 64, Hopper 48 with 32). Chunks of 64 spilled on every shape tried (170 bytes to 42 KB),
+    hence the bench's GPU chunk of 32 (:mod:`labsrc.bench.ssm`; the result is the same up to rounding).
+    """
+    if runtime.INTERPRETED:
+        return [triton.Config({"BLOCK_P": 64}, num_warps=4, num_stages=1)]
+    from labsrc.kernels import attention
+    hopper = attention._capability()[0] >= 9
+    return [triton.Config({"BLOCK_P": 64 if hopper else 32}, num_warps=8, num_stages=1)]
+
+
+def scan_warps(block_l: int, block_n: int) -> int:
+    """Warps for the selective scan: each thread holds its share of seven (BLOCK_L, BLOCK_N) fp32 tiles (B, C,
+    the decays, the inputs, the two scanned tensors, the states). A full 8192-value tile (512 steps of n = 16)
+    spilled 64 bytes on sm_80 and sm_90 with 4 warps (``python -m labsrc.gpucheck --compile-only``); 8 warps
+    hold it without spilling."""
+    return 8 if block_l * block_n >= 8192 else 4
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -341,7 +411,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         u_, dl_, A_, B_, C_, D_ if D_ is not None else A_, z_ if z_ is not None else u_,
         bias_ if bias_ is not None else A_, y, last, d, l, n,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
-        BLOCK_L=block_l, BLOCK_N=block_n)
+        BLOCK_L=block_l, BLOCK_N=block_n, num_warps=scan_warps(block_l, block_n))
     return (y, last) if return_last_state else y
 
 
@@ -376,11 +446,14 @@ def ssd(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     final = _alloc((bsz, h, p, n), x.device, f32)
     x_, B_, C_ = _packed(x), _packed(B), _packed(C)
     dt_, A_, D_, s0_ = _packed(dt, f32), _packed(A, f32), _packed(D, f32), _packed(initial_state, f32)
-    block_p = max(16, min(64, triton.next_power_of_2(p)))
+    config = _ssd_configs()[0]
+    block_p = max(16, min(config.kwargs["BLOCK_P"], triton.next_power_of_2(p)))
     grid = (bsz * h, triton.cdiv(p, block_p))
     _ssd_kernel[grid](
         x_, dt_, A_, B_, C_, D_ if D_ is not None else A_, s0_ if s0_ is not None else final, y, final,
         l, h, g, p, n,
-        HAS_D=D is not None, HAS_INIT=initial_state is not None, PRECISION=_precision(x.dtype),
-        BLOCK_Q=chunk_size, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(n)))
+        HAS_D=D is not None, HAS_INIT=initial_state is not None, SPLIT=x.dtype != torch.float32,
+        UPCAST=runtime.INTERPRETED, PRECISION=_precision(x.dtype),
+        BLOCK_Q=chunk_size, BLOCK_P=block_p, BLOCK_N=max(16, triton.next_power_of_2(n)),
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return y, final
