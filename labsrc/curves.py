@@ -120,14 +120,15 @@ def sweep(score: Callable[[str, object, str], Sequence[bool]], methods: Sequence
                 row = _score_row(fn, method, x, probe, echo)
             result["rows"].append(row)
             if out is not None:
-                _write(out, result)
+                write(out, result)
     result["complete"] = True
     if out is not None:
-        _write(out, result)
+        write(out, result)
     return result
 
 
-def _write(path: Path, result: dict) -> None:
+def write(path: Path, result: dict) -> None:
+    """Write a curve's JSON atomically (a temporary file, then a rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -167,7 +168,12 @@ def separations(curve: dict, probe: str, methods: Iterable[str] | None = None) -
         for i, a in enumerate(methods):
             for b in methods[i + 1:]:
                 c = claims.compare(est[a], est[b])
-                (above.append((a, b)) if c > 0 else above.append((b, a)) if c < 0 else tied.append((a, b)))
+                if c > 0:
+                    above.append((a, b))
+                elif c < 0:
+                    above.append((b, a))
+                else:
+                    tied.append((a, b))
         out[x] = {"above": above, "tied": tied, "estimates": est}
     return out
 

@@ -106,7 +106,7 @@ def combine(instructor, student, *, claims: str, ledger: str):
     if leaks:
         raise ValueError("names only the instructor cells bind, read by later cells (a student would get a "
                          f"NameError): {leaks}")
-    nb = instructor
+    nb = nbformat.from_dict(instructor)   # a copy: the caller's notebook stays as it was
     switch = nbformat.v4.new_code_cell(SWITCH.format(claims=claims, ledger=ledger))
     switch.metadata[MARKER] = {"instructor_cells": len(instructor.cells), "first_difference": k}
     suffix = [nbformat.from_dict(dict(c)) for c in student.cells[k:]]

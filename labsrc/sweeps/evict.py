@@ -97,7 +97,7 @@ def main(argv=None) -> dict:
                           baseline=scorer.baseline)
     result["machine"] = {"device": runtime.device_name(), "torch": torch.__version__, "threads": args.threads,
                          "seconds_this_session": round(time.perf_counter() - t0)}
-    curves._write(args.out, result)
+    curves.write(args.out, result)
     return result
 
 
