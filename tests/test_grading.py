@@ -420,3 +420,40 @@ def test_make_lab_hides_nbgraders_jupyterlab_extension():
     assert all("disabled" in line for line in student_view) and student_view
     assert all("enabled" in line for line in instructor_view)
     assert "JUPYTER_CONFIG_PATH=$(CURDIR)/tools/jupyter/student" in (ROOT / "Makefile").read_text()
+
+
+# --------------------------------------------------------------------------------- what the exercises ask
+THINKING = ("prediction", "derivation", "debugging", "experiment")
+# Chapter 2 builds the bench and the model; every other chapter has a Triton kernel of its own.
+KERNEL_CHAPTERS = [p for p in CHAPTERS if not p.stem.startswith("02_")]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_a_chapter_gives_at_least_half_its_points_to_thinking_tasks(path):
+    """Conventions, exercises: at least three graded exercises, and at least half of the chapter's points go
+    to prediction, derivation, debugging and experiment tasks rather than coding a formula printed above."""
+    tests = [c for c in json.loads(path.read_text())["cells"] if nbgrader(c).get("grade")]
+    kinds = [(c["metadata"]["lab"]["kind"], nbgrader(c)["points"]) for c in tests]
+    assert len(kinds) >= 3, f"{path.stem} has {len(kinds)} graded exercises"
+    thinking = sum(points for kind, points in kinds if kind in THINKING)
+    total = sum(points for _, points in kinds)
+    assert 2 * thinking >= total, f"{path.stem}: {thinking} of {total} points go to thinking tasks ({kinds})"
+
+
+@pytest.mark.parametrize("path", KERNEL_CHAPTERS, ids=lambda p: p.stem)
+def test_a_kernel_chapter_keeps_a_kernel_writing_exercise(path):
+    kinds = [c["metadata"]["lab"]["kind"] for c in json.loads(path.read_text())["cells"] if nbgrader(c).get("grade")]
+    assert "kernel" in kinds, f"{path.stem} has no exercise that writes a Triton kernel"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_an_exercise_heading_states_its_kind_points_and_time(path):
+    """tools/nbgrader_cells.py writes the heading and the tag line under it; students see the estimate."""
+    cells = json.loads(path.read_text())["cells"]
+    for i, cell in enumerate(cells):
+        if nbgrader(cell).get("solution"):
+            above = next(source(c) for c in reversed(cells[:i]) if c["cell_type"] == "markdown")
+            test = next(c for c in cells[i + 1:] if c["cell_type"] == "code")
+            lab, points = test["metadata"]["lab"], nbgrader(test)["points"]
+            assert f"### Exercise" in above and f"· about {lab['minutes']} minutes*" in above, above[:200]
+            assert f"· {points} point" in above, above[:200]

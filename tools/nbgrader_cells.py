@@ -17,6 +17,9 @@ exercise cells, which it finds by their content, never by position:
       ### END HIDDEN TESTS
 
   An instructor may add lines of their own inside the hidden section; the script keeps them.
+* the **description cell** (the markdown cell above the solution cell) must hold a ``### Exercise N: ...``
+  heading; the script rewrites it with the exercise's number and title and writes the line under it that
+  tells students its kind, points and estimated time (``*Derivation · 2 points · about 15 minutes*``).
 
 A cell that carries nbgrader metadata but is no longer an exercise cell loses it. The notebooks keep their JSON
 format (indent 1, UTF-8 text, and the trailing newline each file had).
@@ -33,6 +36,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,94 +45,112 @@ BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 HIDDEN_NOTE = "# The same checks on cases students do not see; a failure here raises anywhere."
 CHECK_CALL = re.compile(r"\bex\.(check_\w+)\(([^()]*)\)")
 
-# Points, estimated minutes and a short title of each exercise, by the first check its test cell calls (the
-# instructors page's table is generated from the metadata these become). A new exercise must be listed here:
-# the script refuses a test cell it cannot score.
-EXERCISES: dict[str, tuple[int, int, str]] = {
+KINDS = ("prediction", "derivation", "debugging", "experiment", "kernel", "transcription")
+# The kinds that make a student think rather than type what the chapter printed (conventions: at least half
+# of a chapter's points). "kernel" is writing a Triton kernel; "transcription" is coding a formula or
+# algorithm the chapter states.
+THINKING = ("prediction", "derivation", "debugging", "experiment")
+
+
+class Exercise(NamedTuple):
+    points: int
+    minutes: int
+    kind: str
+    title: str
+
+
+# Points, estimated minutes, kind and a short title of each exercise, by the first check its test cell calls
+# (the exercise's heading line and the instructors page's table are generated from them). A new exercise must
+# be listed here: the script refuses a test cell it cannot score.
+_EXERCISES: dict[str, tuple[int, int, str, str]] = {
     # 01 KV cache
-    "check_gqa_bytes": (1, 10, "KV-cache bytes of a GQA model"),
-    "check_v3_crossover": (2, 15, "predict where DeepSeek-V3's cache outweighs its weights"),
-    "check_reservation_waste": (1, 10, "waste of max-length reservation"),
-    "check_mla_equivalent_heads": (2, 15, "derive MLA's equivalent number of K/V heads"),
-    "check_kv_store_kernel": (3, 25, "a masked copy into cache slots, as a Triton kernel"),
+    "check_gqa_bytes": (1, 10, "transcription", "KV-cache bytes of a GQA model"),
+    "check_v3_crossover": (2, 15, "prediction", "predict where DeepSeek-V3's cache outweighs its weights"),
+    "check_reservation_waste": (1, 10, "derivation", "waste of max-length reservation"),
+    "check_mla_equivalent_heads": (2, 15, "derivation", "derive MLA's equivalent number of K/V heads"),
+    "check_kv_store_kernel": (3, 25, "kernel", "a masked copy into cache slots, as a Triton kernel"),
     # 02 lab bench
-    "check_parameter_count": (3, 25, "count a Llama's parameters"),
-    "check_effective_context_length": (2, 15, "effective context length"),
-    "check_bucket_perplexity": (2, 15, "perplexity by position bucket"),
-    "check_pareto_front": (2, 20, "the Pareto front"),
-    "check_keys_needed": (3, 20, "how many keys a clear pass needs"),
+    "check_parameter_count": (3, 25, "derivation", "count a Llama's parameters"),
+    "check_effective_context_length": (2, 15, "transcription", "effective context length"),
+    "check_bucket_perplexity": (2, 15, "transcription", "perplexity by position bucket"),
+    "check_pareto_front": (2, 20, "transcription", "the Pareto front"),
+    "check_keys_needed": (3, 20, "experiment", "how many keys a clear pass needs"),
     # 03 FlashAttention
-    "check_merge": (3, 25, "merge two partial softmax results"),
-    "check_naive_bytes": (2, 15, "bytes moved by naive attention"),
-    "check_tiled_causal_bytes": (3, 25, "predict, then measure, the bytes of tiled causal attention"),
-    "check_key_tile": (2, 15, "find the bug in a masked load (Triton)"),
-    "check_online_softmax_kernel": (5, 40, "the online-softmax update of one key block (Triton kernel)"),
+    "check_merge": (3, 25, "transcription", "merge two partial softmax results"),
+    "check_naive_bytes": (2, 15, "derivation", "bytes moved by naive attention"),
+    "check_tiled_causal_bytes": (3, 25, "prediction",
+                                 "predict, then measure, the bytes of tiled causal attention"),
+    "check_key_tile": (2, 15, "debugging", "find the bug in a masked load (Triton)"),
+    "check_online_softmax_kernel": (5, 40, "kernel", "the online-softmax update of one key block (Triton kernel)"),
     # 04 RoPE
-    "check_wavelength": (1, 10, "wavelength of a RoPE pair"),
-    "check_position_interpolation": (1, 10, "position interpolation"),
-    "check_ntk_base": (2, 15, "the NTK-aware base"),
-    "check_yarn_unscaled": (3, 25, "which pairs YaRN leaves alone"),
-    "check_unseen_pairs": (2, 20, "predict the pairs that leave the trained range"),
-    "check_rope_kernel": (3, 30, "rotate one head in a Triton kernel"),
+    "check_wavelength": (1, 10, "transcription", "wavelength of a RoPE pair"),
+    "check_position_interpolation": (1, 10, "transcription", "position interpolation"),
+    "check_ntk_base": (2, 15, "transcription", "the NTK-aware base"),
+    "check_yarn_unscaled": (3, 25, "transcription", "which pairs YaRN leaves alone"),
+    "check_unseen_pairs": (2, 20, "prediction", "predict the pairs that leave the trained range"),
+    "check_rope_kernel": (3, 30, "kernel", "rotate one head in a Triton kernel"),
     # 05 KV quantization
-    "check_scale_zero": (1, 10, "step and zero point of a group"),
-    "check_mse_ratio": (2, 20, "predict the gain of normalisation"),
-    "check_cache_bytes": (2, 20, "bytes of a KVarN cache"),
-    "check_unpack_kernel": (3, 30, "INT4 unpack and dequantize (Triton)"),
+    "check_scale_zero": (1, 10, "transcription", "step and zero point of a group"),
+    "check_mse_ratio": (2, 20, "prediction", "predict the gain of normalisation"),
+    "check_cache_bytes": (2, 20, "derivation", "bytes of a KVarN cache"),
+    "check_unpack_kernel": (3, 30, "kernel", "INT4 unpack and dequantize (Triton)"),
     # 06 eviction (the last two cells each check two functions)
-    "check_scores": (2, 20, "value-aware scores"),
-    "check_lru_keep": (3, 30, "the token LRU wrongly drops"),
-    "check_probabilities": (3, 30, "the budget correction (capped probabilities, systematic sampling)"),
-    "check_ever_kept": (3, 20, "predict, then measure: what a draw keeps that top-K never does"),
+    "check_scores": (2, 20, "transcription", "value-aware scores"),
+    "check_lru_keep": (3, 30, "debugging", "the token LRU wrongly drops"),
+    "check_probabilities": (3, 30, "transcription",
+                            "the budget correction (capped probabilities, systematic sampling)"),
+    "check_ever_kept": (3, 20, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
     # 09 serving
-    "check_slot_mapping": (1, 10, "slot mapping from a block table"),
-    "check_cow_append": (3, 25, "append with copy-on-write"),
-    "check_admission": (2, 15, "the scheduler's admission test"),
-    "check_prefix_hash": (2, 15, "find the bug in a colliding prefix hash"),
-    "check_gather_kernel": (3, 30, "gather a sequence through its block table (Triton)"),
+    "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table"),
+    "check_cow_append": (3, 25, "transcription", "append with copy-on-write"),
+    "check_admission": (2, 15, "transcription", "the scheduler's admission test"),
+    "check_prefix_hash": (2, 15, "debugging", "find the bug in a colliding prefix hash"),
+    "check_gather_kernel": (3, 30, "kernel", "gather a sequence through its block table (Triton)"),
     # 14 memory and retrieval
-    "check_memory_topk_merge": (2, 15, "merge two partial kNN searches"),
-    "check_overlap_chunks": (2, 15, "chunks with overlap, so a fact is never split"),
-    "check_gated_memory_mix": (3, 25, "the Memorizing Transformer's gated mix of two softmaxes"),
-    "check_retrieved_rows_kernel": (4, 35, "attention over retrieved rows (Triton kernel)"),
+    "check_memory_topk_merge": (2, 15, "transcription", "merge two partial kNN searches"),
+    "check_overlap_chunks": (2, 15, "transcription", "chunks with overlap, so a fact is never split"),
+    "check_gated_memory_mix": (3, 25, "transcription", "the Memorizing Transformer's gated mix of two softmaxes"),
+    "check_retrieved_rows_kernel": (4, 35, "kernel", "attention over retrieved rows (Triton kernel)"),
     # 08 linear attention
-    "check_association_costs": (1, 10, "the cost of the two association orders"),
-    "check_delta_step": (2, 15, "one step of the gated delta rule"),
-    "check_chunk_output": (3, 25, "one chunk's output: intra-chunk plus the carried state"),
-    "check_features_needed": (2, 20, "how many random features meet an error bound"),
-    "check_recurrent_kernel": (3, 30, "recurrent linear attention with decay (Triton kernel)"),
+    "check_association_costs": (1, 10, "derivation", "the cost of the two association orders"),
+    "check_delta_step": (2, 15, "transcription", "one step of the gated delta rule"),
+    "check_chunk_output": (3, 25, "transcription", "one chunk's output: intra-chunk plus the carried state"),
+    "check_features_needed": (2, 20, "experiment", "how many random features meet an error bound"),
+    "check_recurrent_kernel": (3, 30, "kernel", "recurrent linear attention with decay (Triton kernel)"),
     # 07 state-space models and scans
-    "check_zoh_diagonal": (2, 15, "derive zero-order hold for a diagonal A"),
-    "check_scan_combine": (2, 15, "the scan's associative combine operator"),
-    "check_ssd_chunk_state": (3, 25, "one chunk of SSD's inter-chunk state passing"),
-    "check_scan_kernel": (4, 35, "a blocked linear-scan kernel with its carry (Triton)"),
+    "check_zoh_diagonal": (2, 15, "derivation", "derive zero-order hold for a diagonal A"),
+    "check_scan_combine": (2, 15, "transcription", "the scan's associative combine operator"),
+    "check_ssd_chunk_state": (3, 25, "transcription", "one chunk of SSD's inter-chunk state passing"),
+    "check_scan_kernel": (4, 35, "kernel", "a blocked linear-scan kernel with its carry (Triton)"),
     # 12 weight quantization
-    "check_wq_group_params": (1, 10, "step and zero point of a weight group"),
-    "check_mxfp4_block": (2, 20, "one MXFP4 block by hand (E8M0 scale, E2M1 rounding)"),
-    "check_gptq_column_update": (2, 20, "one GPTQ column update"),
-    "check_awq_search": (3, 25, "AWQ's scale search"),
-    "check_int4_gemv_kernel": (4, 40, "an INT4 GEMV straight from packed weights (Triton kernel)"),
+    "check_wq_group_params": (1, 10, "transcription", "step and zero point of a weight group"),
+    "check_mxfp4_block": (2, 20, "transcription", "one MXFP4 block by hand (E8M0 scale, E2M1 rounding)"),
+    "check_gptq_column_update": (2, 20, "transcription", "one GPTQ column update"),
+    "check_awq_search": (3, 25, "transcription", "AWQ's scale search"),
+    "check_int4_gemv_kernel": (4, 40, "kernel", "an INT4 GEMV straight from packed weights (Triton kernel)"),
     # 10 speculative decoding
-    "check_spec_residual": (2, 15, "the residual distribution after a rejection"),
-    "check_spec_expected_tokens": (2, 15, "expected tokens per target call"),
-    "check_spec_tree_mask": (2, 20, "a tree mask from a parents array"),
-    "check_spec_cache_keep": (2, 20, "the cache rollback that keeps greedy output identical"),
-    "check_spec_residual_kernel": (4, 35, "the residual distribution as a Triton kernel"),
+    "check_spec_residual": (2, 15, "transcription", "the residual distribution after a rejection"),
+    "check_spec_expected_tokens": (2, 15, "derivation", "expected tokens per target call"),
+    "check_spec_tree_mask": (2, 20, "transcription", "a tree mask from a parents array"),
+    "check_spec_cache_keep": (2, 20, "debugging", "the cache rollback that keeps greedy output identical"),
+    "check_spec_residual_kernel": (4, 35, "kernel", "the residual distribution as a Triton kernel"),
     # 11 pipeline decoding
-    "check_pipeline_bubble": (1, 10, "the bubble fraction of a pipeline timeline"),
-    "check_pipeline_balance": (2, 20, "balance measured layer times over pipeline stages"),
-    "check_pipeline_plain_time": (2, 20, "derive the plain schedule's time per token"),
-    "check_pipeline_verify_kernel": (3, 30, "greedy verification of a window (Triton kernel)"),
+    "check_pipeline_bubble": (1, 10, "transcription", "the bubble fraction of a pipeline timeline"),
+    "check_pipeline_balance": (2, 20, "transcription", "balance measured layer times over pipeline stages"),
+    "check_pipeline_plain_time": (2, 20, "derivation", "derive the plain schedule's time per token"),
+    "check_pipeline_verify_kernel": (3, 30, "kernel", "greedy verification of a window (Triton kernel)"),
     # 13 distillation
-    "check_kd_loss_by_hand": (2, 15, "the KD loss by hand, padding ignored"),
-    "check_kd_soft_gradient": (2, 20, "the soft term's gradient in closed form"),
-    "check_tinybert_layer_map": (1, 10, "TinyBERT's layer mapping"),
-    "check_kd_kl_kernel": (4, 35, "the KL between temperature softmaxes in a Triton kernel"),
+    "check_kd_loss_by_hand": (2, 15, "transcription", "the KD loss by hand, padding ignored"),
+    "check_kd_soft_gradient": (2, 20, "derivation", "the soft term's gradient in closed form"),
+    "check_tinybert_layer_map": (1, 10, "transcription", "TinyBERT's layer mapping"),
+    "check_kd_kl_kernel": (4, 35, "kernel", "the KL between temperature softmaxes in a Triton kernel"),
     # 15 the architecture frontier
-    "check_diff_lambda": (2, 15, "the DIFF Transformer's lambda for one layer"),
-    "check_mod_capacity_topk": (2, 20, "Mixture-of-Depths' capacity top-k, ties and order"),
-    "check_diff_softmax_kernel": (4, 35, "differential attention's two softmaxes in one Triton kernel"),
+    "check_diff_lambda": (2, 15, "transcription", "the DIFF Transformer's lambda for one layer"),
+    "check_mod_capacity_topk": (2, 20, "transcription", "Mixture-of-Depths' capacity top-k, ties and order"),
+    "check_diff_softmax_kernel": (4, 35, "kernel", "differential attention's two softmaxes in one Triton kernel"),
 }
+EXERCISES = {name: Exercise(*row) for name, row in _EXERCISES.items()}
+assert all(e.kind in KINDS for e in EXERCISES.values()), "an exercise's kind must be one of KINDS"
 
 
 def source_of(cell: dict) -> str:
@@ -165,6 +187,40 @@ def test_source(source: str) -> tuple[str, list[str]]:
     return "\n".join([visible, BEGIN_HIDDEN, *hidden, END_HIDDEN]), [name for name, _ in calls]
 
 
+# How the heading line names each kind to students.
+KIND_LABELS = {"prediction": "Prediction", "derivation": "Derivation", "debugging": "Debugging",
+               "experiment": "Experiment", "kernel": "Triton kernel", "transcription": "Implementation"}
+HEADING = re.compile(r"^### Exercise \d+\b.*$", re.MULTILINE)
+TAG_LINE = re.compile(r"^\*(?:" + "|".join(KIND_LABELS.values()) + r") · .*\*$")
+
+
+def tag_line(ex: Exercise) -> str:
+    """The line under an exercise's heading: its kind, points and estimated time."""
+    points = f"{ex.points} point{'s' if ex.points != 1 else ''}"
+    return f"*{KIND_LABELS[ex.kind]} · {points} · about {ex.minutes} minutes*"
+
+
+def with_heading(text: str, number: int, ex: Exercise, name: str) -> str:
+    """The exercise's description cell with its last ``### Exercise`` heading rewritten from ``EXERCISES``
+    (number and title) and the tag line under it (kind, points, minutes) written or refreshed."""
+    found = list(HEADING.finditer(text))
+    if not found:
+        raise ValueError(f"{name}: exercise {number}'s description has no '### Exercise {number}: ...' heading")
+    head = found[-1]
+    before, after = text[:head.start()], text[head.end():]
+    lines = after.split("\n")  # lines[0] is the rest of the heading's line: empty
+    rest = lines[1:]
+    while rest and not rest[0].strip():
+        rest = rest[1:]
+    if rest and TAG_LINE.match(rest[0]):
+        rest = rest[1:]
+        while rest and not rest[0].strip():
+            rest = rest[1:]
+    body = "\n".join(rest)
+    block = f"### Exercise {number}: {ex.title}\n\n{tag_line(ex)}"
+    return before + block + ("\n\n" + body if body else "")
+
+
 def nbgrader_meta(grade_id: str, *, solution: bool, points: int = 0) -> dict:
     meta = {"grade": not solution, "grade_id": grade_id, "locked": not solution}
     if not solution:
@@ -175,7 +231,8 @@ def nbgrader_meta(grade_id: str, *, solution: bool, points: int = 0) -> dict:
 
 def annotate(nb: dict, name: str = "notebook") -> list[dict]:
     """Set the exercise cells' metadata and hidden sections in ``nb`` (in place); return one row per exercise:
-    ``{"grade_id", "solution_id", "checks", "points", "minutes", "title"}``."""
+    ``{"grade_id", "solution_id", "checks", "points", "minutes", "title", "kind"}``. The description cell
+    above each solution cell gets its heading and tag line (``with_heading``)."""
     cells = nb["cells"]
     exercise_cells, rows = set(), []
     for i, cell in enumerate(cells):
@@ -188,22 +245,28 @@ def annotate(nb: dict, name: str = "notebook") -> list[dict]:
         new_source, checks = test_source(source_of(cells[j]))
         if checks[0] not in EXERCISES:
             raise ValueError(f"{name}: {checks[0]} has no points; add it to EXERCISES in {Path(__file__).name}")
-        points, minutes, title = EXERCISES[checks[0]]
+        exercise = EXERCISES[checks[0]]
+        points, minutes, title = exercise.points, exercise.minutes, exercise.title
+        describe = next((k for k in range(i - 1, -1, -1) if cells[k]["cell_type"] == "markdown"), None)
+        if describe is None:
+            raise ValueError(f"{name}: the solution cell {cell.get('id', i)} has no description cell above it")
+        text = with_heading(source_of(cells[describe]), len(rows) + 1, exercise, name)
+        cells[describe]["source"] = same_form(text, cells[describe]["source"])
         grade_id = checks[0]
         solution_id = "solution_" + grade_id.removeprefix("check_")
         cell["metadata"]["nbgrader"] = nbgrader_meta(solution_id, solution=True)
         test = cells[j]
         test["source"] = same_form(new_source, test["source"])
         test["metadata"]["nbgrader"] = nbgrader_meta(grade_id, solution=False, points=points)
-        test["metadata"]["lab"] = {"minutes": minutes, "title": title}
+        test["metadata"]["lab"] = {"minutes": minutes, "title": title, "kind": exercise.kind}
         exercise_cells |= {i, j}
         rows.append({"grade_id": grade_id, "solution_id": solution_id, "checks": checks, "points": points,
-                     "minutes": minutes, "title": title})
+                     "minutes": minutes, "title": title, "kind": exercise.kind})
     for i, cell in enumerate(cells):
         if i not in exercise_cells:
             cell["metadata"].pop("nbgrader", None)
             lab = cell["metadata"].get("lab", {})
-            for key in ("minutes", "title"):
+            for key in ("minutes", "title", "kind"):
                 lab.pop(key, None)
             if "lab" in cell["metadata"] and not lab:
                 cell["metadata"].pop("lab")
