@@ -13,8 +13,8 @@ keeps its per-sample results, so the slice must match sample for sample.
 
 A stored curve records what made it: ``command`` (every option spelled out), ``code_version`` (a digest of the
 source of the functions that score it, :func:`source_version`), ``samples_digest`` (of the probe samples it
-scored, :func:`samples_digest`), ``model_digest`` (of the checkpoint's weights, :func:`model_digest`) and the
-machine. A test recomputes the digests from the code, the probes and the shipped checkpoint, so a stored curve
+scored, :func:`samples_digest`), ``models`` (digests of the checkpoints' weights,
+:func:`labsrc.models.stored_runs.models_stamp`) and the machine. A test recomputes the digests from the code, the probes and the shipped checkpoint, so a stored curve
 cannot outlive what made it unnoticed.
 
 :func:`sweep` writes the file after every point and, given the same header, resumes where an interrupted run
@@ -42,23 +42,6 @@ def source_version(*objects) -> str:
         raise ValueError("give at least one function, class or module")
     parts = [inspect.getsource(o) for o in objects]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-
-
-def model_digest(name_or_path) -> str:
-    """First 16 hex digits of a SHA-256 over a checkpoint's weight files (``*.safetensors``, sorted by name):
-    a shipped model's name (``"lab-target"``) or a checkpoint folder."""
-    from labsrc.models.train import CHECKPOINTS
-
-    folder = Path(name_or_path)
-    if not folder.is_dir():
-        folder = CHECKPOINTS / str(name_or_path)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {folder}")
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
 
 
 def samples_digest(samples) -> str:

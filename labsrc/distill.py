@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from labsrc.models.stored_runs import models_stamp
+
 __all__ = ["soft_kl", "kd_loss", "generalized_jsd", "expected_acceptance", "token_mask", "cosine_hidden_loss",
            "distilbert_loss", "tinybert_layer_map", "tinybert_loss", "fit_unimodal", "STUDENT_CONFIG",
            "distill_run", "evaluate_student"]
@@ -537,7 +539,8 @@ def experiment(steps: int, sweep_steps: int, temps=(1.0, 2.0, 4.0, 8.0), out: Pa
 
     tokenizer = load_tokenizer()
     teacher, _ = load("lab-target")
-    results = {"steps": steps, "sweep_steps": sweep_steps, "methods": {}, "sweep": {},
+    results = {"steps": steps, "sweep_steps": sweep_steps, "models": models_stamp("lab-target", "lab-draft"),
+               "methods": {}, "sweep": {},
                "teacher": evaluate_student(teacher, teacher, tokenizer)}
     t_all = time.time()
     for m in methods:
@@ -602,7 +605,7 @@ def save_student(student, log, info, out: Path, teacher, tokenizer) -> dict:
     tokenizer.save_pretrained(out)
     t0 = time.time()
     model, _ = load(str(out))
-    card = {"name": "lab-draft-distilled", "teacher": "lab-target",
+    card = {"name": "lab-draft-distilled", "teacher": "lab-target", "models": models_stamp("lab-target"),
             "parameters": sum(p.numel() for p in model.parameters()), "trained_context": info["train_config"]["seq_len"],
             **info, "final_train_loss": log[-1]["loss"],
             "command": f"python -m labsrc.distill ship --method {method} --steps {steps} --T {T}"}

@@ -799,6 +799,7 @@ def main(argv=None) -> None:
 
     import labsrc
     from labsrc.models import load
+    from labsrc.models.stored_runs import models_stamp
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--profile", default=labsrc.PROFILE, choices=("cpu", "gpu"))
@@ -812,7 +813,7 @@ def main(argv=None) -> None:
     rows: list[dict] = []
 
     def save(done: bool):
-        out = dict(stamp=info, profile=args.profile, lengths=list(S.compare_lengths), n=S.compare_n,
+        out = dict(stamp=info, models=models_stamp("lab-target"), profile=args.profile, lengths=list(S.compare_lengths), n=S.compare_n,
                    window=S.window, chunk=S.chunk, top_ks=list(S.top_ks), seconds=time.perf_counter() - t0,
                    complete=done, command=f"python -m labsrc.memory --profile {args.profile}", rows=rows)
         results_path(args.profile).write_text(json.dumps(out, indent=1))

@@ -1418,7 +1418,8 @@ def main(argv=None):
     out = EARLY_EXIT_DIR / f"lab-target-L{layer}.safetensors"
     res = train_early_exit_head(target, tok, layer, steps=args.steps, seq_len=args.seq_len,
                                 batch_size=args.batch_size, lr=args.lr, out=str(out), log=sys.stdout)
-    card = {"target": "lab-target", "layer": layer, "steps": args.steps, "seq_len": args.seq_len,
+    from labsrc.models.stored_runs import models_stamp
+    card = {"target": "lab-target", "models": models_stamp("lab-target"), "layer": layer, "steps": args.steps, "seq_len": args.seq_len,
             "batch_size": args.batch_size, "lr": args.lr, "seconds": round(res["seconds"], 1),
             "torch_threads": torch.get_num_threads(), "kl_first": res["losses"][0],
             "kl_last_25_mean": sum(res["losses"][-25:]) / len(res["losses"][-25:]),

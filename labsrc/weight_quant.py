@@ -891,6 +891,8 @@ def main(argv=None) -> None:
     import json
     from pathlib import Path
 
+    from labsrc.models.stored_runs import models_stamp
+
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--out", default=str(RESULTS_PATH))
     parser.add_argument("--eval-windows", type=int, default=24)
@@ -909,6 +911,7 @@ def main(argv=None) -> None:
                             log=lambda m: print(m, flush=True), reuse=reuse)
     result["command"] = (f"python -m labsrc.weight_quant --eval-windows {args.eval_windows} --probe-n "
                          f"{args.probe_n} --calib-windows {args.calib_windows} --qat-steps {args.qat_steps}")
+    result["models"] = models_stamp("lab-target")  # labsrc.models.stored_runs: tells a stale file
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")

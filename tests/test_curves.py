@@ -5,6 +5,7 @@ import json
 import pytest
 
 from labsrc import claims, curves
+from labsrc.models.stored_runs import model_digest
 
 
 def fake_score(table):
@@ -104,12 +105,6 @@ def test_digests_change_with_what_they_cover(tmp_path):
     assert a == curves.samples_digest([S([1, 2, 3], [(1, 2)])])
     assert a != curves.samples_digest([S([1, 2, 4], [(1, 2)])])
     assert a != curves.samples_digest([S([1, 2, 3], [(1, 3)])])
-    (tmp_path / "w.safetensors").write_bytes(b"abc")
-    d = curves.model_digest(tmp_path)
-    (tmp_path / "w.safetensors").write_bytes(b"abd")
-    assert curves.model_digest(tmp_path) != d
-    with pytest.raises(FileNotFoundError):
-        curves.model_digest(tmp_path / "nowhere")
 
 
 def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
@@ -123,7 +118,7 @@ def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
     assert stored["command"].startswith("python -m labsrc.sweeps.evict --n 2 --probes passkey --kept 0.3")
     assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("fifo", 0.3), ("h2o", 0.3)}
     assert stored["code_version"] == curves.source_version(*sweep_evict.scoring_code())
-    assert stored["model_digest"] == curves.model_digest("lab-target")
+    assert stored["models"] == {"lab-target": model_digest("lab-target")}
     assert result["rows"] == stored["rows"]
     from labsrc import models
     model, tok = models.load("lab-target")

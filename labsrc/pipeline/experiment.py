@@ -19,6 +19,8 @@ import platform
 import time
 from pathlib import Path
 
+from labsrc.models.stored_runs import models_stamp
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
             if row["rep"] == 0 and res["k"] == s.live_k:
                 timelines.append(dict(stages=P, k=res["k"], schedule=res["schedule"], depth=res["depth"],
                                       wall=res["wall"], timelines=res["timelines"], discarded=res["discarded"]))
-    out = dict(meta=dict(profile=runtime.PROFILE, device=str(runtime.DEVICE), machine=platform.machine(),
+    out = dict(models=models_stamp("lab-target"), meta=dict(profile=runtime.PROFILE, device=str(runtime.DEVICE), machine=platform.machine(),
                          cores=os.cpu_count(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
                          load_before=list(load_before), load_after=list(os.getloadavg()),
                          prompts=len(prompts), new_tokens=s.new_tokens, verify="reference",

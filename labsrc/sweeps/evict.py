@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from labsrc import curves, evict as ev, tasks
+from labsrc.models.stored_runs import models_stamp
 
 POLICIES = ("fifo", "lru", "h2o", "streamingllm", "scissorhands", "value_aware")
 KEPT = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -66,7 +67,7 @@ def scoring_code() -> list:
 
 def header(scorer: Scorer, model_name: str, probes, command: str) -> dict:
     """What the stored curve depends on; a test recomputes it to tell a stale file."""
-    return {"command": command, "model": model_name, "model_digest": curves.model_digest(model_name),
+    return {"command": command, "model": model_name, "models": models_stamp(model_name),
             "code_version": curves.source_version(*scoring_code()), "context_len": scorer.context_len,
             "n": scorer.n, "samples_digest": {p: curves.samples_digest(scorer.samples(p)) for p in probes}}
 
