@@ -123,11 +123,12 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_ssd_chunk_state": (3, 25, "transcription", "one chunk of SSD's inter-chunk state passing"),
     "check_scan_kernel": (4, 35, "kernel", "a blocked linear-scan kernel with its carry (Triton)"),
     # 12 weight quantization
-    "check_wq_group_params": (1, 10, "transcription", "step and zero point of a weight group"),
-    "check_mxfp4_block": (2, 20, "transcription", "one MXFP4 block by hand (E8M0 scale, E2M1 rounding)"),
-    "check_gptq_column_update": (2, 20, "transcription", "one GPTQ column update"),
-    "check_awq_search": (3, 25, "transcription", "AWQ's scale search"),
-    "check_int4_gemv_kernel": (4, 40, "kernel", "an INT4 GEMV straight from packed weights (Triton kernel)"),
+    "check_rtn_outlier_ratio": (2, 15, "prediction",
+                                "predict what one outlier costs a per-tensor step, then measure it"),
+    "check_mxfp4_worst_error": (2, 15, "derivation", "the worst error of an MXFP4 block's largest element"),
+    "check_gptq_fix": (3, 25, "debugging", "find the bug in a GPTQ pass"),
+    "check_cheapest_config": (2, 20, "experiment", "the cheapest RTN format that meets an error bound"),
+    "check_int4_gemv_kernel": (4, 40, "kernel", "an INT4 GEMV from codes packed eight to an int32 (Triton kernel)"),
     # 10 speculative decoding
     "check_spec_residual": (2, 15, "transcription", "the residual distribution after a rejection"),
     "check_spec_expected_tokens": (2, 15, "derivation", "expected tokens per target call"),
