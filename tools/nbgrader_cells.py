@@ -141,10 +141,10 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_pipeline_plain_time": (2, 20, "derivation", "derive the plain schedule's time per token"),
     "check_pipeline_verify_kernel": (3, 30, "kernel", "greedy verification of a window (Triton kernel)"),
     # 13 distillation
-    "check_kd_loss_by_hand": (2, 15, "transcription", "the KD loss by hand, padding ignored"),
-    "check_kd_soft_gradient": (2, 20, "derivation", "the soft term's gradient in closed form"),
-    "check_tinybert_layer_map": (1, 10, "transcription", "TinyBERT's layer mapping"),
-    "check_kd_kl_kernel": (4, 35, "kernel", "the KL between temperature softmaxes in a Triton kernel"),
+    "check_jsd_fix": (2, 20, "debugging", "find the bug in GKD's divergence"),
+    "check_reverse_kl_gradient": (2, 20, "derivation", "derive the reverse KL's gradient"),
+    "check_fit_acceptance": (3, 25, "prediction", "forward or reverse KL: predict which draft is accepted more"),
+    "check_kd_row_kernel": (4, 35, "kernel", "the whole KD loss of a token in one Triton kernel"),
     # 15 the architecture frontier
     "check_diff_lambda": (2, 15, "transcription", "the DIFF Transformer's lambda for one layer"),
     "check_mod_capacity_topk": (2, 20, "transcription", "Mixture-of-Depths' capacity top-k, ties and order"),
