@@ -34,11 +34,10 @@ __all__ = ["outlier_weight", "check_rtn_outlier_ratio", "check_mxfp4_worst_error
            "config_candidates", "check_cheapest_config", "pack_int32", "check_int4_gemv_kernel"]
 
 _OWN = "write it yourself from the definition in the text."
-_NOT_SOLVED = "Fill in the function above, then run this cell again."
 
 
-def _not_solved(title: str) -> Result:
-    return _report(Result(title, NOT_SOLVED, _NOT_SOLVED))
+def _not_solved(title: str, what: str = "function") -> Result:
+    return _report(Result(title, NOT_SOLVED, f"Fill in the {what} above, then run this cell again."))
 
 
 def _trials_and_seed(trials: int, seed: int) -> tuple[int, int]:
@@ -438,7 +437,7 @@ def check_int4_gemv_kernel(kernel) -> Result:
         try:
             kernel()
         except NotImplementedError:
-            return _not_solved(GEMV_KERNEL)
+            return _not_solved(GEMV_KERNEL, "kernel")
         except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
             pass
         return _report(Result(GEMV_KERNEL, FAILED, "expected a Triton kernel (a function decorated with "
@@ -459,7 +458,7 @@ def check_int4_gemv_kernel(kernel) -> Result:
             got = _launch_gemv(kernel, qw, x)
         except Exception as err:  # noqa: BLE001 - a student's kernel may fail in many ways; report which
             if _unsolved(err):
-                return _not_solved(GEMV_KERNEL)
+                return _not_solved(GEMV_KERNEL, "kernel")
             return _report(Result(GEMV_KERNEL, FAILED, _with_hint(
                 f"{where}: the launch raised {type(err).__name__}: "
                 f"{str(err).splitlines()[0][:160] if str(err) else ''}", hint)))
