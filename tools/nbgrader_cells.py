@@ -123,11 +123,12 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_ssd_chunk_state": (3, 25, "transcription", "one chunk of SSD's inter-chunk state passing"),
     "check_scan_kernel": (4, 35, "kernel", "a blocked linear-scan kernel with its carry (Triton)"),
     # 12 weight quantization
-    "check_wq_group_params": (1, 10, "transcription", "step and zero point of a weight group"),
-    "check_mxfp4_block": (2, 20, "transcription", "one MXFP4 block by hand (E8M0 scale, E2M1 rounding)"),
-    "check_gptq_column_update": (2, 20, "transcription", "one GPTQ column update"),
-    "check_awq_search": (3, 25, "transcription", "AWQ's scale search"),
-    "check_int4_gemv_kernel": (4, 40, "kernel", "an INT4 GEMV straight from packed weights (Triton kernel)"),
+    "check_rtn_outlier_ratio": (2, 15, "prediction",
+                                "predict what one outlier costs a per-tensor step, then measure it"),
+    "check_mxfp4_worst_error": (2, 15, "derivation", "the worst error of an MXFP4 block's largest element"),
+    "check_gptq_fix": (3, 25, "debugging", "find the bug in a GPTQ pass"),
+    "check_cheapest_config": (2, 20, "experiment", "the cheapest RTN format that meets an error bound"),
+    "check_int4_gemv_kernel": (4, 40, "kernel", "an INT4 GEMV from codes packed eight to an int32 (Triton kernel)"),
     # 10 speculative decoding
     "check_spec_residual": (2, 15, "transcription", "the residual distribution after a rejection"),
     "check_spec_expected_tokens": (2, 15, "derivation", "expected tokens per target call"),
@@ -140,10 +141,10 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_pipeline_plain_time": (2, 20, "derivation", "derive the plain schedule's time per token"),
     "check_pipeline_verify_kernel": (3, 30, "kernel", "greedy verification of a window (Triton kernel)"),
     # 13 distillation
-    "check_kd_loss_by_hand": (2, 15, "transcription", "the KD loss by hand, padding ignored"),
-    "check_kd_soft_gradient": (2, 20, "derivation", "the soft term's gradient in closed form"),
-    "check_tinybert_layer_map": (1, 10, "transcription", "TinyBERT's layer mapping"),
-    "check_kd_kl_kernel": (4, 35, "kernel", "the KL between temperature softmaxes in a Triton kernel"),
+    "check_jsd_fix": (2, 20, "debugging", "find the bug in GKD's divergence"),
+    "check_reverse_kl_gradient": (2, 20, "derivation", "derive the reverse KL's gradient"),
+    "check_fit_acceptance": (3, 25, "prediction", "forward or reverse KL: predict which draft is accepted more"),
+    "check_kd_row_kernel": (4, 35, "kernel", "the whole KD loss of a token in one Triton kernel"),
     # 15 the architecture frontier
     "check_diff_lambda": (2, 15, "transcription", "the DIFF Transformer's lambda for one layer"),
     "check_mod_capacity_topk": (2, 20, "transcription", "Mixture-of-Depths' capacity top-k, ties and order"),
