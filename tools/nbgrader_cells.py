@@ -107,10 +107,10 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_prefix_hash": (2, 15, "debugging", "find the bug in a colliding prefix hash"),
     "check_gather_kernel": (3, 30, "kernel", "gather a sequence through its block table (Triton)"),
     # 14 memory and retrieval
-    "check_memory_topk_merge": (2, 15, "transcription", "merge two partial kNN searches"),
-    "check_overlap_chunks": (2, 15, "transcription", "chunks with overlap, so a fact is never split"),
-    "check_gated_memory_mix": (3, 25, "transcription", "the Memorizing Transformer's gated mix of two softmaxes"),
-    "check_retrieved_rows_kernel": (4, 35, "kernel", "attention over retrieved rows (Triton kernel)"),
+    "check_sharded_recall": (3, 20, "prediction", "predict the recall of a sharded search"),
+    "check_smallest_nprobe": (2, 20, "experiment", "the smallest nprobe that meets a recall target"),
+    "check_fixed_chunks": (3, 20, "debugging", "the chunker that splits facts"),
+    "check_gathered_rows_kernel": (4, 35, "kernel", "attention over rows gathered by id (Triton kernel)"),
     # 08 linear attention
     "check_association_costs": (1, 10, "derivation", "the cost of the two association orders"),
     "check_delta_step": (2, 15, "transcription", "one step of the gated delta rule"),
@@ -146,9 +146,11 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_fit_acceptance": (3, 25, "prediction", "forward or reverse KL: predict which draft is accepted more"),
     "check_kd_row_kernel": (4, 35, "kernel", "the whole KD loss of a token in one Triton kernel"),
     # 15 the architecture frontier
-    "check_diff_lambda": (2, 15, "transcription", "the DIFF Transformer's lambda for one layer"),
-    "check_mod_capacity_topk": (2, 20, "transcription", "Mixture-of-Depths' capacity top-k, ties and order"),
-    "check_diff_softmax_kernel": (4, 35, "kernel", "differential attention's two softmaxes in one Triton kernel"),
+    "check_distractor_weights": (3, 20, "prediction", "predict a distractor's weight under differential attention"),
+    "check_mod_block_fraction": (2, 20, "derivation", "derive the FLOPs a Mixture-of-Depths block does"),
+    "check_yoco_kv_bytes": (2, 15, "derivation", "derive the KV bytes of a YOCO-style model"),
+    "check_diff_norm_kernel": (4, 40, "kernel",
+                               "differential attention with its per-head norm, in one Triton kernel"),
 }
 EXERCISES = {name: Exercise(*row) for name, row in _EXERCISES.items()}
 assert all(e.kind in KINDS for e in EXERCISES.values()), "an exercise's kind must be one of KINDS"
