@@ -62,7 +62,7 @@ __all__ = ["soft_kl", "kd_loss", "generalized_jsd", "expected_acceptance", "tv_l
            "cosine_hidden_loss", "distilbert_loss", "tinybert_layer_map", "tinybert_loss", "fit_unimodal",
            "STUDENT_CONFIG", "distill_run", "evaluate_student", "prose_windows", "window_figures",
            "FINETUNE_METHODS", "FinetuneConfig", "FinetuneEval", "finetune_run", "finetune_figures",
-           "summarize_finetune", "ship_decision", "finetune_experiment", "ship_finetuned"]
+           "summarize_finetune", "finetune_table", "ship_decision", "finetune_experiment", "ship_finetuned"]
 
 RESULTS = Path(__file__).resolve().parent / "data" / "distill_results.json"
 
@@ -1024,6 +1024,34 @@ def summarize_finetune(results: dict) -> dict:
     return summary
 
 
+_TABLE = (("alpha_prose", "α prose", 3), ("kl", "KL(t‖d)", 3), ("alpha_probe", "α probes", 3),
+          ("alpha_probe_answer", "α answers", 3), ("tokens_per_call", "tokens / call", 2),
+          ("wall_speedup", "wall speedup", 2))
+
+
+def finetune_table(results: dict) -> str:
+    """The experiment's table in Markdown: each method's mean over seeds with its 95% interval (lab-draft's
+    over the held-out windows and probe samples), first row lab-draft; from the stored numbers, never typed."""
+    summ = summarize_finetune(results)
+
+    def cell(e, digits):
+        if e["lo"] is None:
+            return f"{e['value']:.{digits}f}"
+        return f"{e['value']:.{digits}f} [{e['lo']:.{digits}f}, {e['hi']:.{digits}f}]"
+
+    order = ["lab-draft"] + [m for m in summ if m != "lab-draft"]
+    head = "| draft | seeds | " + " | ".join(label for _, label, _ in _TABLE) + " | training (min) |"
+    lines = [head, "|" + "---|" * (len(_TABLE) + 3)]
+    for m in order:
+        if m not in summ:
+            continue
+        s = summ[m]
+        seeds = "-" if m == "lab-draft" else str(s["alpha_prose"]["n"])
+        train = "-" if m == "lab-draft" else f"{s['train_seconds']['value'] / 60:.1f}"
+        lines.append(f"| {m} | {seeds} | " + " | ".join(cell(s[k], d) for k, _, d in _TABLE) + f" | {train} |")
+    return "\n".join(lines)
+
+
 def ship_decision(results: dict, method: str, metric: str = "alpha_prose", min_seeds: int = 3) -> tuple[bool, str]:
     """Whether ``method``'s fine-tuned drafts beat lab-draft on ``metric`` (higher is better) with intervals
     that separate: the Student-t 95% interval of its mean over at least ``min_seeds`` seeds lies wholly above
@@ -1176,6 +1204,9 @@ def ship_finetuned(method: str, results_path: Path = FINETUNE_RESULTS, seed: int
         return None
     seeds = sorted({r["seed"] for r in results["rows"] if r["method"] == method})
     seed = seeds[0] if seed is None else seed
+    row = next((r for r in results["rows"] if r["method"] == method and r["seed"] == seed), None)
+    if row is None:
+        raise ValueError(f"seed must be one of the seeds the results ran for {method}, {seeds}; got {seed!r}")
     cfg = FinetuneConfig(**results["config"])
     folder = Path(out or CHECKPOINTS / "lab-draft-distilled")
     if not overwrite:
@@ -1184,9 +1215,6 @@ def ship_finetuned(method: str, results_path: Path = FINETUNE_RESULTS, seed: int
     tokenizer = load_tokenizer()
     teacher, _ = load("lab-target")
     draft, _ = load("lab-draft")
-    row = next((r for r in results["rows"] if r["method"] == method and r["seed"] == seed), None)
-    if row is None:
-        raise ValueError(f"seed must be one of the seeds the results ran for {method}, {seeds}; got {seed!r}")
     student, log, info = finetune_run(method, cfg, seed, teacher=teacher, draft=draft, tokenizer=tokenizer,
                                       threads=row["train"].get("threads", 1), progress=True)
     # deterministic from the seed: the retrained draft's losses are the measured run's (threads alike)
@@ -1273,8 +1301,9 @@ def main(argv=None):
                           probe_len=args.probe_len, prompts=args.prompts)
         command = command_line("labsrc.distill", f, args).replace(
             "python -m labsrc.distill", "python -m labsrc.distill finetune-experiment", 1)
-        finetune_experiment(args.methods, args.seeds, cfg, ev, out=args.out, command=command,
-                            threads=args.threads, save_dir=args.save_dir)
+        results = finetune_experiment(args.methods, args.seeds, cfg, ev, out=args.out, command=command,
+                                      threads=args.threads, save_dir=args.save_dir)
+        print(finetune_table(results))
         return 0
     if args.cmd == "ship-finetuned":
         card = ship_finetuned(args.method, args.results, seed=args.seed, metric=args.metric, out=args.out,

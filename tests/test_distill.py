@@ -314,9 +314,16 @@ def test_shipped_distilled_draft_and_its_eval_card():
     from labsrc import models
 
     card = models.eval_card("lab-draft-distilled")
-    assert card["teacher"] == "lab-target" and card["method"] in distill.METHODS[1:]
-    assert card["command"] == (f"python -m labsrc.distill ship --method {card['method']} "
-                               f"--steps {card['steps']} --T {card['T']}")
+    assert card["teacher"] == "lab-target"
+    if card.get("start") == "lab-draft":  # shipped by ship-finetuned: lab-draft fine-tuned (issue #33)
+        assert card["method"] in distill.FINETUNE_METHODS and card["shipped_at"] and "separate" in card["decision"]
+        assert card["command"] == (f"python -m labsrc.distill ship-finetuned --method {card['method']} "
+                                   f"--seed {card['seed']} --metric {card['metric']}")
+        assert set(card["models"]) == {"lab-target", "lab-draft"}
+    else:                                 # shipped by ship: a student trained from scratch
+        assert card["method"] in distill.METHODS[1:]
+        assert card["command"] == (f"python -m labsrc.distill ship --method {card['method']} "
+                                   f"--steps {card['steps']} --T {card['T']}")
     assert card["parameters"] == models.eval_card("lab-draft")["parameters"]
     d = card["distillation"]
     assert 0 < d["expected_acceptance"] < 1 and d["kl_teacher_student"] > 0 and d["tokens"] > 1000
