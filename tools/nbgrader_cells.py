@@ -94,12 +94,11 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_mse_ratio": (2, 20, "prediction", "predict the gain of normalisation"),
     "check_cache_bytes": (2, 20, "derivation", "bytes of a KVarN cache"),
     "check_unpack_kernel": (3, 30, "kernel", "INT4 unpack and dequantize (Triton)"),
-    # 06 eviction (the last two cells each check two functions)
+    # 06 eviction (the LRU cell checks two functions)
     "check_scores": (2, 20, "transcription", "value-aware scores"),
-    "check_lru_keep": (3, 30, "debugging", "the token LRU wrongly drops"),
-    "check_probabilities": (3, 30, "transcription",
-                            "the budget correction (capped probabilities, systematic sampling)"),
-    "check_ever_kept": (3, 20, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
+    "check_lru_keep": (4, 30, "debugging", "fix a buggy LRU, then find the token it wrongly drops"),
+    "check_attention_sums_kernel": (3, 30, "kernel", "attention sums from the log-sum-exp (Triton kernel)"),
+    "check_ever_kept": (2, 15, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
     # 09 serving
     "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table"),
     "check_cow_append": (3, 25, "transcription", "append with copy-on-write"),
