@@ -84,11 +84,9 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_online_softmax_kernel": (5, 40, "kernel", "the online-softmax update of one key block (Triton kernel)"),
     # 04 RoPE
     "check_wavelength": (1, 10, "transcription", "wavelength of a RoPE pair"),
-    "check_position_interpolation": (1, 10, "transcription", "position interpolation"),
-    "check_ntk_base": (2, 15, "transcription", "the NTK-aware base"),
-    "check_yarn_unscaled": (3, 25, "transcription", "which pairs YaRN leaves alone"),
-    "check_unseen_pairs": (2, 20, "prediction", "predict the pairs that leave the trained range"),
-    "check_rope_kernel": (3, 30, "kernel", "rotate one head in a Triton kernel"),
+    "check_first_new_angle": (3, 25, "prediction", "predict when PI and NTK first meet a new angle"),
+    "check_rotate_new_tokens": (3, 25, "debugging", "fix a decode step's rotation"),
+    "check_rope_kernel": (3, 30, "kernel", "the interleaved RoPE layout in a Triton kernel"),
     # 05 KV quantization
     "check_scale_zero": (1, 10, "transcription", "step and zero point of a group"),
     "check_mse_ratio": (2, 20, "prediction", "predict the gain of normalisation"),
