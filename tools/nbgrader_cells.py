@@ -89,9 +89,9 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_rope_kernel": (3, 30, "kernel", "the interleaved RoPE layout in a Triton kernel"),
     # 05 KV quantization
     "check_scale_zero": (1, 10, "transcription", "step and zero point of a group"),
-    "check_mse_ratio": (2, 20, "prediction", "predict the gain of normalisation"),
-    "check_cache_bytes": (2, 20, "derivation", "bytes of a KVarN cache"),
-    "check_unpack_kernel": (3, 30, "kernel", "INT4 unpack and dequantize (Triton)"),
+    "check_fp16_params": (3, 25, "debugging", "fix an fp16 step and zero point that miss the group"),
+    "check_group_size": (2, 20, "experiment", "the largest group an error budget affords"),
+    "check_unpack_kernel": (3, 30, "kernel", "INT4 unpack with KIVI's per-channel steps (Triton)"),
     # 06 eviction (the LRU cell checks two functions)
     "check_scores": (2, 20, "transcription", "value-aware scores"),
     "check_lru_keep": (4, 30, "debugging", "fix a buggy LRU, then find the token it wrongly drops"),
