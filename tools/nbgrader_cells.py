@@ -84,22 +84,19 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_online_softmax_kernel": (5, 40, "kernel", "the online-softmax update of one key block (Triton kernel)"),
     # 04 RoPE
     "check_wavelength": (1, 10, "transcription", "wavelength of a RoPE pair"),
-    "check_position_interpolation": (1, 10, "transcription", "position interpolation"),
-    "check_ntk_base": (2, 15, "transcription", "the NTK-aware base"),
-    "check_yarn_unscaled": (3, 25, "transcription", "which pairs YaRN leaves alone"),
-    "check_unseen_pairs": (2, 20, "prediction", "predict the pairs that leave the trained range"),
-    "check_rope_kernel": (3, 30, "kernel", "rotate one head in a Triton kernel"),
+    "check_first_new_angle": (3, 25, "prediction", "predict when PI and NTK first meet a new angle"),
+    "check_rotate_new_tokens": (3, 25, "debugging", "fix a decode step's rotation"),
+    "check_rope_kernel": (3, 30, "kernel", "the interleaved RoPE layout in a Triton kernel"),
     # 05 KV quantization
     "check_scale_zero": (1, 10, "transcription", "step and zero point of a group"),
-    "check_mse_ratio": (2, 20, "prediction", "predict the gain of normalisation"),
-    "check_cache_bytes": (2, 20, "derivation", "bytes of a KVarN cache"),
-    "check_unpack_kernel": (3, 30, "kernel", "INT4 unpack and dequantize (Triton)"),
-    # 06 eviction (the last two cells each check two functions)
+    "check_fp16_params": (3, 25, "debugging", "fix an fp16 step and zero point that miss the group"),
+    "check_group_size": (2, 20, "experiment", "the largest group an error budget affords"),
+    "check_unpack_kernel": (3, 30, "kernel", "INT4 unpack with KIVI's per-channel steps (Triton)"),
+    # 06 eviction (the LRU cell checks two functions)
     "check_scores": (2, 20, "transcription", "value-aware scores"),
-    "check_lru_keep": (3, 30, "debugging", "the token LRU wrongly drops"),
-    "check_probabilities": (3, 30, "transcription",
-                            "the budget correction (capped probabilities, systematic sampling)"),
-    "check_ever_kept": (3, 20, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
+    "check_lru_keep": (4, 30, "debugging", "fix a buggy LRU, then find the token it wrongly drops"),
+    "check_attention_sums_kernel": (3, 30, "kernel", "attention sums from the log-sum-exp (Triton kernel)"),
+    "check_ever_kept": (2, 15, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
     # 09 serving
     "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table"),
     "check_cow_append": (3, 25, "transcription", "append with copy-on-write"),
