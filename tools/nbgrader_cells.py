@@ -76,12 +76,12 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_pareto_front": (2, 20, "transcription", "the Pareto front"),
     "check_keys_needed": (3, 20, "experiment", "how many keys a clear pass needs"),
     # 03 FlashAttention
-    "check_merge": (3, 25, "transcription", "merge two partial softmax results"),
-    "check_naive_bytes": (2, 15, "derivation", "bytes moved by naive attention"),
+    "check_merge": (2, 20, "debugging", "fix a merge of two partial softmax results"),
+    "check_naive_bytes": (1, 10, "transcription", "bytes moved by naive attention"),
     "check_tiled_causal_bytes": (3, 25, "prediction",
                                  "predict, then measure, the bytes of tiled causal attention"),
     "check_key_tile": (2, 15, "debugging", "find the bug in a masked load (Triton)"),
-    "check_online_softmax_kernel": (5, 40, "kernel", "the online-softmax update of one key block (Triton kernel)"),
+    "check_dq_kernel": (4, 40, "kernel", "the backward pass's dQ (Triton kernel)"),
     # 04 RoPE
     "check_wavelength": (1, 10, "transcription", "wavelength of a RoPE pair"),
     "check_position_interpolation": (1, 10, "transcription", "position interpolation"),
