@@ -65,10 +65,10 @@ class Exercise(NamedTuple):
 _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     # 01 KV cache
     "check_gqa_bytes": (1, 10, "transcription", "KV-cache bytes of a GQA model"),
-    "check_v3_crossover": (2, 15, "prediction", "predict where DeepSeek-V3's cache outweighs its weights"),
-    "check_reservation_waste": (1, 10, "derivation", "waste of max-length reservation"),
+    "check_decode_rate_ceiling": (2, 20, "derivation", "the decode ceiling when memory caps the batch"),
+    "check_paged_utilisation": (2, 15, "prediction", "predict, then measure, the utilisation of a paged cache"),
     "check_mla_equivalent_heads": (2, 15, "derivation", "derive MLA's equivalent number of K/V heads"),
-    "check_kv_store_kernel": (3, 25, "kernel", "a masked copy into cache slots, as a Triton kernel"),
+    "check_kv_store_kernel": (3, 30, "kernel", "a store into a head-major cache, as a Triton kernel"),
     # 02 lab bench
     "check_parameter_count": (3, 25, "derivation", "count a Llama's parameters"),
     "check_effective_context_length": (2, 15, "transcription", "effective context length"),
