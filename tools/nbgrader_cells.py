@@ -71,10 +71,10 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_kv_store_kernel": (3, 30, "kernel", "a store into a head-major cache, as a Triton kernel"),
     # 02 lab bench
     "check_parameter_count": (3, 25, "derivation", "count a Llama's parameters"),
-    "check_effective_context_length": (2, 15, "transcription", "effective context length"),
-    "check_bucket_perplexity": (2, 15, "transcription", "perplexity by position bucket"),
+    "check_probe_size": (3, 25, "experiment", "how many samples a probe needs"),
+    "check_bucket_perplexity": (2, 15, "debugging", "find the bugs in a perplexity by position bucket"),
     "check_pareto_front": (2, 20, "transcription", "the Pareto front"),
-    "check_keys_needed": (3, 20, "experiment", "how many keys a clear pass needs"),
+    "check_keys_needed": (3, 20, "derivation", "how many keys a clear pass needs"),
     # 03 FlashAttention
     "check_merge": (2, 20, "debugging", "fix a merge of two partial softmax results"),
     "check_naive_bytes": (1, 10, "transcription", "bytes moved by naive attention"),
