@@ -65,23 +65,23 @@ class Exercise(NamedTuple):
 _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     # 01 KV cache
     "check_gqa_bytes": (1, 10, "transcription", "KV-cache bytes of a GQA model"),
-    "check_v3_crossover": (2, 15, "prediction", "predict where DeepSeek-V3's cache outweighs its weights"),
-    "check_reservation_waste": (1, 10, "derivation", "waste of max-length reservation"),
+    "check_decode_rate_ceiling": (2, 20, "derivation", "the decode ceiling when memory caps the batch"),
+    "check_paged_utilisation": (2, 15, "prediction", "predict, then measure, the utilisation of a paged cache"),
     "check_mla_equivalent_heads": (2, 15, "derivation", "derive MLA's equivalent number of K/V heads"),
-    "check_kv_store_kernel": (3, 25, "kernel", "a masked copy into cache slots, as a Triton kernel"),
+    "check_kv_store_kernel": (3, 30, "kernel", "a store into a head-major cache, as a Triton kernel"),
     # 02 lab bench
     "check_parameter_count": (3, 25, "derivation", "count a Llama's parameters"),
-    "check_effective_context_length": (2, 15, "transcription", "effective context length"),
-    "check_bucket_perplexity": (2, 15, "transcription", "perplexity by position bucket"),
+    "check_probe_size": (3, 25, "experiment", "how many samples a probe needs"),
+    "check_bucket_perplexity": (2, 15, "debugging", "find the bugs in a perplexity by position bucket"),
     "check_pareto_front": (2, 20, "transcription", "the Pareto front"),
-    "check_keys_needed": (3, 20, "experiment", "how many keys a clear pass needs"),
+    "check_keys_needed": (3, 20, "derivation", "how many keys a clear pass needs"),
     # 03 FlashAttention
-    "check_merge": (3, 25, "transcription", "merge two partial softmax results"),
-    "check_naive_bytes": (2, 15, "derivation", "bytes moved by naive attention"),
+    "check_merge": (2, 20, "debugging", "fix a merge of two partial softmax results"),
+    "check_naive_bytes": (1, 10, "transcription", "bytes moved by naive attention"),
     "check_tiled_causal_bytes": (3, 25, "prediction",
                                  "predict, then measure, the bytes of tiled causal attention"),
     "check_key_tile": (2, 15, "debugging", "find the bug in a masked load (Triton)"),
-    "check_online_softmax_kernel": (5, 40, "kernel", "the online-softmax update of one key block (Triton kernel)"),
+    "check_dq_kernel": (4, 40, "kernel", "the backward pass's dQ (Triton kernel)"),
     # 04 RoPE
     "check_wavelength": (1, 10, "transcription", "wavelength of a RoPE pair"),
     "check_first_new_angle": (3, 25, "prediction", "predict when PI and NTK first meet a new angle"),
