@@ -118,10 +118,10 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_features_needed": (2, 20, "experiment", "how many random features meet an error bound"),
     "check_recurrent_kernel": (3, 30, "kernel", "recurrent linear attention with decay (Triton kernel)"),
     # 07 state-space models and scans
-    "check_zoh_diagonal": (2, 15, "derivation", "derive zero-order hold for a diagonal A"),
-    "check_scan_combine": (2, 15, "transcription", "the scan's associative combine operator"),
-    "check_ssd_chunk_state": (3, 25, "transcription", "one chunk of SSD's inter-chunk state passing"),
-    "check_scan_kernel": (4, 35, "kernel", "a blocked linear-scan kernel with its carry (Triton)"),
+    "check_zoh_diagonal": (1, 10, "transcription", "zero-order hold for a diagonal A (warm-up)"),
+    "check_mamba_cache_bytes": (3, 20, "prediction", "predict, then measure, the cache of a Mamba-2"),
+    "check_chunk_state_reset": (3, 25, "debugging", "find the bug in a chunk state that breaks on a reset"),
+    "check_scan_grad_kernel": (4, 40, "kernel", "the scan's gradient as a reverse blocked scan (Triton)"),
     # 12 weight quantization
     "check_wq_group_params": (1, 10, "transcription", "step and zero point of a weight group"),
     "check_mxfp4_block": (2, 20, "transcription", "one MXFP4 block by hand (E8M0 scale, E2M1 rounding)"),
