@@ -182,8 +182,8 @@ def check_mamba_cache_bytes(fn) -> Result:
             return _report(unsolved)
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
-        shape = ", ".join(f"{f}={getattr(config, f)}" for f in _CACHE_FIELDS)
-        case = f"trial {trial + 1} ({shape}, expand={config.expand}, batch={batch})"
+        shape = ", ".join(f"{f} {getattr(config, f)}" for f in _CACHE_FIELDS)
+        case = f"trial {trial + 1} ({shape}, expand {config.expand}; {batch} sequence(s))"
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             return _report(Result(name, FAILED, f"{case}: expected a number of bytes, got {type(got).__name__}. "
                                                 f"Hint: {hint}"))
