@@ -101,11 +101,12 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
                             "the budget correction (capped probabilities, systematic sampling)"),
     "check_ever_kept": (3, 20, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
     # 09 serving
-    "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table"),
-    "check_cow_append": (3, 25, "transcription", "append with copy-on-write"),
-    "check_admission": (2, 15, "transcription", "the scheduler's admission test"),
+    "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table (warm-up)"),
+    "check_fork_blocks": (3, 20, "prediction", "predict the blocks and copies of parallel samples"),
+    "check_admission": (2, 15, "debugging", "find the bug in an admission test that over-admits"),
     "check_prefix_hash": (2, 15, "debugging", "find the bug in a colliding prefix hash"),
-    "check_gather_kernel": (3, 30, "kernel", "gather a sequence through its block table (Triton)"),
+    "check_packed_gather_kernel": (4, 35, "kernel",
+                                   "gather many sequences into one packed tensor (Triton)"),
     # 14 memory and retrieval
     "check_memory_topk_merge": (2, 15, "transcription", "merge two partial kNN searches"),
     "check_overlap_chunks": (2, 15, "transcription", "chunks with overlap, so a fact is never split"),
