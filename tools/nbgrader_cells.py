@@ -114,8 +114,8 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_retrieved_rows_kernel": (4, 35, "kernel", "attention over retrieved rows (Triton kernel)"),
     # 08 linear attention
     "check_association_costs": (1, 10, "derivation", "the cost of the two association orders"),
-    "check_delta_step": (2, 15, "transcription", "one step of the gated delta rule"),
-    "check_chunk_output": (3, 25, "transcription", "one chunk's output: intra-chunk plus the carried state"),
+    "check_read_after_two_writes": (2, 20, "derivation", "derive what the delta rule reads after two writes"),
+    "check_chunked_attention": (3, 25, "debugging", "find the bug in chunked attention with decay"),
     "check_features_needed": (2, 20, "experiment", "how many random features meet an error bound"),
     "check_recurrent_kernel": (3, 30, "kernel", "recurrent linear attention with decay (Triton kernel)"),
     # 07 state-space models and scans
