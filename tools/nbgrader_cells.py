@@ -98,11 +98,12 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_attention_sums_kernel": (3, 30, "kernel", "attention sums from the log-sum-exp (Triton kernel)"),
     "check_ever_kept": (2, 15, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
     # 09 serving
-    "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table"),
-    "check_cow_append": (3, 25, "transcription", "append with copy-on-write"),
-    "check_admission": (2, 15, "transcription", "the scheduler's admission test"),
+    "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table (warm-up)"),
+    "check_fork_blocks": (3, 20, "prediction", "predict the blocks and copies of parallel samples"),
+    "check_admission": (2, 15, "debugging", "find the bug in an admission test that over-admits"),
     "check_prefix_hash": (2, 15, "debugging", "find the bug in a colliding prefix hash"),
-    "check_gather_kernel": (3, 30, "kernel", "gather a sequence through its block table (Triton)"),
+    "check_packed_gather_kernel": (4, 35, "kernel",
+                                   "gather many sequences into one packed tensor (Triton)"),
     # 14 memory and retrieval
     "check_sharded_recall": (3, 20, "prediction", "predict the recall of a sharded search"),
     "check_smallest_nprobe": (2, 20, "experiment", "the smallest nprobe that meets a recall target"),
@@ -110,15 +111,15 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_gathered_rows_kernel": (4, 35, "kernel", "attention over rows gathered by id (Triton kernel)"),
     # 08 linear attention
     "check_association_costs": (1, 10, "derivation", "the cost of the two association orders"),
-    "check_delta_step": (2, 15, "transcription", "one step of the gated delta rule"),
-    "check_chunk_output": (3, 25, "transcription", "one chunk's output: intra-chunk plus the carried state"),
+    "check_read_after_two_writes": (2, 20, "derivation", "derive what the delta rule reads after two writes"),
+    "check_chunked_attention": (3, 25, "debugging", "find the bug in chunked attention with decay"),
     "check_features_needed": (2, 20, "experiment", "how many random features meet an error bound"),
     "check_recurrent_kernel": (3, 30, "kernel", "recurrent linear attention with decay (Triton kernel)"),
     # 07 state-space models and scans
-    "check_zoh_diagonal": (2, 15, "derivation", "derive zero-order hold for a diagonal A"),
-    "check_scan_combine": (2, 15, "transcription", "the scan's associative combine operator"),
-    "check_ssd_chunk_state": (3, 25, "transcription", "one chunk of SSD's inter-chunk state passing"),
-    "check_scan_kernel": (4, 35, "kernel", "a blocked linear-scan kernel with its carry (Triton)"),
+    "check_zoh_diagonal": (1, 10, "transcription", "zero-order hold for a diagonal A (warm-up)"),
+    "check_mamba_cache_bytes": (3, 20, "prediction", "predict, then measure, the cache of a Mamba-2"),
+    "check_chunk_state_reset": (3, 25, "debugging", "find the bug in a chunk state that breaks on a reset"),
+    "check_scan_grad_kernel": (4, 40, "kernel", "the scan's gradient as a reverse blocked scan (Triton)"),
     # 12 weight quantization
     "check_rtn_outlier_ratio": (2, 15, "prediction",
                                 "predict what one outlier costs a per-tensor step, then measure it"),
