@@ -356,7 +356,7 @@ def check_attention_sums_kernel(kernel) -> Result:
     name = "attention sums from the log-sum-exp (Triton)"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("re-read 'Why this chapter has no kernel' and compute, for the failing sizes, one key's sum by "
+    hint = ("re-read 'Why the library has no eviction kernel' and compute, for the failing sizes, one key's sum by "
             "hand from the queries that can see it; a message about writes or NaN points at the masks.")
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of cdiv(N, BLOCK_N) programs")) is not None:
         return _report(unlaunchable)
