@@ -129,11 +129,12 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_awq_search": (3, 25, "transcription", "AWQ's scale search"),
     "check_int4_gemv_kernel": (4, 40, "kernel", "an INT4 GEMV straight from packed weights (Triton kernel)"),
     # 10 speculative decoding
-    "check_spec_residual": (2, 15, "transcription", "the residual distribution after a rejection"),
-    "check_spec_expected_tokens": (2, 15, "derivation", "expected tokens per target call"),
+    "check_spec_acceptance": (2, 20, "prediction", "predict, then measure: the acceptance of three drafts"),
+    "check_spec_tokens_by_position": (2, 15, "derivation",
+                                      "tokens per call when acceptance depends on the position"),
     "check_spec_tree_mask": (2, 20, "transcription", "a tree mask from a parents array"),
-    "check_spec_cache_keep": (2, 20, "debugging", "the cache rollback that keeps greedy output identical"),
-    "check_spec_residual_kernel": (4, 35, "kernel", "the residual distribution as a Triton kernel"),
+    "check_spec_rollback": (3, 25, "debugging", "find the bug in a cache rollback"),
+    "check_spec_residual_sample_kernel": (4, 35, "kernel", "sample from the residual in a Triton kernel"),
     # 11 pipeline decoding
     "check_pipeline_bubble": (1, 10, "transcription", "the bubble fraction of a pipeline timeline"),
     "check_pipeline_balance": (2, 20, "transcription", "balance measured layer times over pipeline stages"),
