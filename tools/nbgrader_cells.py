@@ -137,9 +137,9 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_spec_residual_sample_kernel": (4, 35, "kernel", "sample from the residual in a Triton kernel"),
     # 11 pipeline decoding
     "check_pipeline_bubble": (1, 10, "transcription", "the bubble fraction of a pipeline timeline"),
-    "check_pipeline_balance": (2, 20, "transcription", "balance measured layer times over pipeline stages"),
-    "check_pipeline_plain_time": (2, 20, "derivation", "derive the plain schedule's time per token"),
-    "check_pipeline_verify_kernel": (3, 30, "kernel", "greedy verification of a window (Triton kernel)"),
+    "check_pipeline_predicted_bubble": (2, 20, "prediction", "predict, then simulate: the bubble of a schedule"),
+    "check_pipeline_split": (3, 25, "experiment", "choose the stage split by measurement"),
+    "check_pipeline_lenient_kernel": (3, 30, "kernel", "lenient verification of a window (Triton kernel)"),
     # 13 distillation
     "check_kd_loss_by_hand": (2, 15, "transcription", "the KD loss by hand, padding ignored"),
     "check_kd_soft_gradient": (2, 20, "derivation", "the soft term's gradient in closed form"),
