@@ -45,6 +45,10 @@ VERDICTS = ("reproduced", "reproduced in trend only", "not reproduced", "inconcl
 BASES = ("exact", "measured", "reading")
 """How a row knows what it says: exact arithmetic, a sampled measurement, or a reading of the text/paper."""
 
+OFF_SCALE_RULE = ("Measured off the text's scale or metric: a success is reproduced in trend only, a failure "
+                  "inconclusive.")
+"""The symmetric rule, added to the stated rule of every row measured off the text's scale or metric."""
+
 Z95 = NormalDist().inv_cdf(0.975)  # 1.95996...: the two-sided 95% normal quantile
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _REQUIRED = ("id", "claim", "section", "measured", "verdict", "notebook", "rule", "basis", "profile")
@@ -466,7 +470,8 @@ def render_markdown(rows: list[dict]) -> str:
                 "|---|---|---|---|---|"]
         for r in by_chapter[notebook]:
             where = f"{{ref}}`{_cell(r['section'])} <{r['anchor']}>`" if r.get("anchor") else _cell(r["section"])
+            rule = r["rule"] + (" " + OFF_SCALE_RULE if r.get("lab_scale") or r.get("lab_metric") else "")
             out.append(f"| {_cell(r['claim'])} | {where} | {_cell(r['measured'])} | {_evidence(r)}. "
-                       f"*Rule:* {_cell(r['rule'])} | {_verdict_cell(r)} |")
+                       f"*Rule:* {_cell(rule)} | {_verdict_cell(r)} |")
         out.append("")
     return "\n".join(out)

@@ -290,6 +290,7 @@ def test_a_judged_row_keeps_its_scope_and_reason(ledger):
     assert "**inconclusive**: the claim failed off the text's scale" in table
     assert "*Text's figure:* Llama-2-70B on A100 GPUs, end-to-end throughput. *Lab:* the 9M-parameter" in table
     assert "| measured | 1 |" in table, "counts by basis"
+    assert claims.OFF_SCALE_RULE in table, "an off-scale row's rule states the symmetric rule"
 
 
 @pytest.mark.parametrize("verdict, scope, message", [
