@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from labsrc import distill
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
                                    _with_hint, as_number, check_function, exercise, hidden, randint,
                                    refuse_library)
@@ -332,11 +332,7 @@ def check_kd_row_kernel(kernel) -> Result:
         try:
             out, problem = _run_kernel(kernel, s, t, labels, T, alpha)
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={R}, V={V}): the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, f"trial {trial + 1} (R={R}, V={V})", hint))
         if problem is None:
             expected = _kd_rows_ref(s, t, labels, T, alpha)
             if torch.isnan(out).any():

@@ -23,8 +23,8 @@ import numbers
 import torch
 
 from labsrc import evict as ev
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _call, _report,
-                                   _with_hint, check_function, exercise, hidden, not_a_kernel,
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, PASSED, Result, _call, _report,
+                                   _with_hint, check_function, exercise, hidden, launch_failed, not_a_kernel,
                                    refuse_library, skipped_without_triton)
 
 __all__ = ["hand_case", "check_scores", "reasoning_chain", "check_lru_keep", "check_wrongly_dropped",
@@ -376,11 +376,7 @@ def check_attention_sums_kernel(kernel) -> Result:
             kernel[(triton.cdiv(n, block_n),)](q, k, lse, out, n, w, d, 1.0 / d ** 0.5,
                                               BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d))
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"{where}: the launch raised {type(cause or err).__name__}: "
-                                                f"{cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, where, hint))
         expected = attention_sums_ref(q, k, lse)
         problem = None
         if not bool(torch.isnan(torch.cat([store[:_SUM_GUARD], store[-_SUM_GUARD:]])).all()):

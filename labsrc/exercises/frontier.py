@@ -24,8 +24,8 @@ import math
 import torch
 
 from labsrc import frontier, kvmath
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, as_number,
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, PASSED, Result, _report, as_number,
                                    check_function, exercise, hidden, randint, refuse_library, tolerance)
 from labsrc.kernels import frontier as kfr
 
@@ -261,11 +261,7 @@ def check_diff_norm_kernel(kernel) -> Result:
             kernel[(1,)](*ins, out, lam, 1 / math.sqrt(D), lam_init, _EPS, T=T, D=D,
                          BLOCK_T=max(16, triton.next_power_of_2(T)), BLOCK_D=block_d)
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, D={D}): the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, f"trial {trial + 1} (T={T}, D={D})", hint))
         guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
         problem = None
         if not bool(torch.isnan(guards).all()):

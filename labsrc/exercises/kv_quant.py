@@ -23,7 +23,7 @@ import torch
 
 from labsrc import kvquant, runtime
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, _with_hint, as_number, check_function,
-                                   exercise, hidden, randint, refuse_library, triton_missing)
+                                   exercise, hidden, launch_failed, randint, refuse_library, triton_missing)
 
 
 # ------------------------------------------------------------------------------------------- own work only
@@ -271,15 +271,6 @@ def _launch_unpack(kernel, packed, scale, zero, t, d, group) -> torch.Tensor:
     return out.cpu()
 
 
-def _unsolved_cause(err: BaseException) -> bool:
-    """True when ``err`` (possibly the interpreter's wrapper) comes from ``raise NotImplementedError``."""
-    while err is not None:
-        if isinstance(err, NotImplementedError):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
 def _explain_unpack(got, codes, scale, zero, group) -> str:
     """Recognise a kernel that reads one step per token group (the chapter's layout) instead of one per channel."""
     rows = torch.arange(codes.shape[0]) // group
@@ -331,12 +322,7 @@ def check_unpack_kernel(kernel) -> Result:
         try:
             got = _launch_unpack(kernel, packed, scale, zero, t, d, g)
         except Exception as err:  # noqa: BLE001 - a student's kernel may fail in many ways; report which
-            if _unsolved_cause(err):
-                return _report(Result(UNPACK_KERNEL, NOT_SOLVED,
-                                      "Fill in the kernel above, then run this cell again."))
-            return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
-                f"{where}: the launch raised "
-                f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}", hint)))
+            return _report(launch_failed(UNPACK_KERNEL, err, where, hint))
         expected = per_channel_unpack_ref(codes, scale, zero, g)
         if torch.isnan(got).any():
             return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(

@@ -24,7 +24,7 @@ import numbers
 import torch
 
 from labsrc import linear_attention as la, runtime
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
                                    check_function, diagnose_number, exercise, hidden, randint, refuse_library)
 
@@ -352,11 +352,7 @@ def check_recurrent_kernel(kernel) -> Result:
             kernel[(q.shape[0],)](q, k, v, out, T, K, V, decay, BLOCK_K=triton.next_power_of_2(K),
                                   BLOCK_V=triton.next_power_of_2(V))
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, K={K}, V={V}): the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, f"trial {trial + 1} (T={T}, K={K}, V={V})", hint))
         guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
         problem = None
         if not bool(torch.isnan(guards).all()):

@@ -24,7 +24,7 @@ import math
 import torch
 
 from labsrc import memory
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
                                    check_function, exercise, hidden, randint, refuse_library, tolerance)
 
@@ -294,11 +294,7 @@ def check_gathered_rows_kernel(kernel) -> Result:
             kernel[(T,)](qg, kg, vg, ids, out, scale, K=K, D=D, BLOCK_K=triton.next_power_of_2(K),
                          BLOCK_D=triton.next_power_of_2(D))
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, K={K}, D={D}): the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, f"trial {trial + 1} (T={T}, K={K}, D={D})", hint))
         guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
         want = _gathered_ref(q, keys, values, ids, scale)
         problem = None

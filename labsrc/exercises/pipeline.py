@@ -26,7 +26,7 @@ import math
 import torch
 
 from labsrc import runtime
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, exercise,
                                    hidden, randint, refuse_library)
 from labsrc.kernels import verify as kverify
@@ -378,11 +378,7 @@ def check_pipeline_lenient_kernel(kernel) -> Result:
         try:
             accepted, next_token, problem = _run_lenient(kernel, logits, drafts, delta)
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"{where}: the launch raised {type(cause or err).__name__}: "
-                                                f"{cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, where, hint))
         if problem is None:
             want_a, want_n = lenient_verify_ref(logits, drafts, delta)
             if not (torch.equal(accepted, want_a) and torch.equal(next_token, want_n)):

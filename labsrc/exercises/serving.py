@@ -25,8 +25,8 @@ import math
 import torch
 
 from labsrc import runtime
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _call, _report,
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, PASSED, Result, _call, _report,
                                    diagnose_number, exercise, hidden, randint, refuse_library)
 from labsrc.serving import blocks as _blocks
 
@@ -326,11 +326,7 @@ def check_packed_gather_kernel(kernel) -> Result:
             kernel[grid](pool, tables, cu, out, page, tables.shape[1], ROW=row, BLOCK_T=block_t,
                          BLOCK_R=triton.next_power_of_2(row))
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1}: the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, f"trial {trial + 1}", hint))
         problem = None
         got = out[:total]
         expected = packed_gather_reference(pool, tables, lens)

@@ -23,7 +23,7 @@ import math
 import torch
 
 from labsrc import speculative
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
                                    check_function, exercise, hidden, randint, refuse_library)
 
@@ -419,11 +419,7 @@ def check_spec_residual_sample_kernel(kernel) -> Result:
         try:
             kernel[(rows,)](p, q, u, out, v, BLOCK=triton.next_power_of_2(v))
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"{where}: the launch raised {type(cause or err).__name__}: "
-                                                f"{cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, where, hint))
         guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
         if not bool((guards == _POISON).all()):
             return _report(Result(name, FAILED, f"{where}: the kernel wrote outside the output tensor. "

@@ -28,7 +28,7 @@ import torch
 from labsrc import runtime
 from labsrc import weight_quant as wq
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   _with_hint, exercise, hidden, randint, refuse_library, triton_missing)
+                                   _with_hint, exercise, hidden, launch_failed, randint, refuse_library, triton_missing)
 
 __all__ = ["outlier_weight", "check_rtn_outlier_ratio", "check_mxfp4_worst_error", "gptq_buggy", "check_gptq_fix",
            "config_candidates", "check_cheapest_config", "pack_int32", "check_int4_gemv_kernel"]
@@ -391,14 +391,6 @@ def _launch_gemv(kernel, qw, x):
     return y.cpu()
 
 
-def _unsolved(err):
-    while err is not None:
-        if isinstance(err, NotImplementedError):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
 def _gemv_slips(qw, x) -> list[tuple[str, torch.Tensor]]:
     """What a kernel with a typical slip would return, to name the slip: the top code of a word read with its
     sign, or the codes of a word in reverse order."""
@@ -457,11 +449,7 @@ def check_int4_gemv_kernel(kernel) -> Result:
         try:
             got = _launch_gemv(kernel, qw, x)
         except Exception as err:  # noqa: BLE001 - a student's kernel may fail in many ways; report which
-            if _unsolved(err):
-                return _not_solved(GEMV_KERNEL, "kernel")
-            return _report(Result(GEMV_KERNEL, FAILED, _with_hint(
-                f"{where}: the launch raised {type(err).__name__}: "
-                f"{str(err).splitlines()[0][:160] if str(err) else ''}", hint)))
+            return _report(launch_failed(GEMV_KERNEL, err, where, hint))
         expected = (wq.dequantize(qw).double() @ x.double()).float()
         if torch.isnan(got).any():
             return _report(Result(GEMV_KERNEL, FAILED, _with_hint(
