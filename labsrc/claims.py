@@ -16,6 +16,13 @@ Every row says how it knows what it says (its *basis*) and by which rule its ver
 
 The verdict rule (``rule``) is stated in words with the row, and it is the rule the notebook's code applied:
 a verdict is computed from the measurement, never typed.
+
+A measured row also declares its :class:`Scope`: the scale and metric the text's figure is about (a 70B model
+on A100s, end-to-end throughput) and, where the lab measured something else, the lab's scale and metric (the
+9M-parameter lab model on a CPU, tokens per simulated step). :func:`judge` reads the verdict symmetrically
+from it: at another scale or metric a success is only *reproduced in trend only* and a failure is only
+*inconclusive*, with the difference stated as the row's ``reason``. Only a measurement at the text's own scale
+and metric can give a plain *reproduced* or *not reproduced*; :func:`record` refuses a row that breaks this.
 """
 from __future__ import annotations
 
@@ -38,9 +45,14 @@ VERDICTS = ("reproduced", "reproduced in trend only", "not reproduced", "inconcl
 BASES = ("exact", "measured", "reading")
 """How a row knows what it says: exact arithmetic, a sampled measurement, or a reading of the text/paper."""
 
+OFF_SCALE_RULE = ("Measured off the text's scale or metric: a success is reproduced in trend only, a failure "
+                  "inconclusive.")
+"""The symmetric rule, added to the stated rule of every row measured off the text's scale or metric."""
+
 Z95 = NormalDist().inv_cdf(0.975)  # 1.95996...: the two-sided 95% normal quantile
 REPO_ROOT = Path(__file__).resolve().parents[1]
 _REQUIRED = ("id", "claim", "section", "measured", "verdict", "notebook", "rule", "basis", "profile")
+_SCOPE_FIELDS = ("text_scale", "text_metric", "lab_scale", "lab_metric")
 
 
 def claims_dir() -> Path:
@@ -161,19 +173,92 @@ def compare(a: Estimate, b: Estimate) -> int:
     return 0
 
 
-def judge(holds: bool, *, separable: bool = True, trend_only: bool = False) -> str:
-    """The verdict of a measured claim from what the measurement found.
+@dataclass(frozen=True)
+class Scope:
+    """The scale and metric a claim's figure is about, and those the lab measured it at.
 
-    ``separable=False`` (the data cannot tell the cases apart: overlapping intervals, a probe every method
-    fails) gives ``"inconclusive"`` whatever ``holds`` says. Otherwise a claim that holds is ``"reproduced"``,
-    or ``"reproduced in trend only"`` when the lab can only test its direction (``trend_only``: a different
-    model or scale), and one that does not hold is ``"not reproduced"``.
+    ``text_scale`` and ``text_metric`` say what the source's figure is about ("Llama-2 13B and 70B on A100
+    GPUs", "end-to-end throughput"). ``lab_scale`` and ``lab_metric`` say what this run measured instead, and
+    stay ``None`` where the lab measured at the text's own scale or with its own metric (a property of a
+    formula holds at any size; a random-matrix check of an identity is the identity).
+
+    A measurement off the text's scale or metric can show a direction, never the text's number: its success
+    is "reproduced in trend only" and its failure "inconclusive" (:func:`judge`).
     """
+
+    text_scale: str
+    text_metric: str
+    lab_scale: str | None = None
+    lab_metric: str | None = None
+
+    def __post_init__(self):
+        for name in ("text_scale", "text_metric"):
+            _text(f"Scope.{name}", getattr(self, name))
+        for name in ("lab_scale", "lab_metric"):
+            value = getattr(self, name)
+            if value is not None:
+                _text(f"Scope.{name} (None when the lab measured the text's own)", value)
+
+    @property
+    def at_text_scale(self) -> bool:
+        """True when the lab measured at the text's scale and with the text's metric."""
+        return self.lab_scale is None and self.lab_metric is None
+
+    def difference(self) -> str:
+        """What separates the lab's measurement from the text's figure, in words ("" when nothing does)."""
+        parts = []
+        if self.lab_scale is not None:
+            parts.append(f"measured on {self.lab_scale}, while the text's figure is about {self.text_scale}")
+        if self.lab_metric is not None:
+            parts.append(f"measured as {self.lab_metric}, while the text's figure is {self.text_metric}")
+        return "; ".join(parts)
+
+    def fields(self) -> dict:
+        return {name: getattr(self, name) for name in _SCOPE_FIELDS}
+
+
+class Verdict(str):
+    """A verdict (one of :data:`VERDICTS`, usable as a plain string) with the reason :func:`judge` gave it.
+
+    :func:`record` stores the reason with the row, so an "inconclusive" or "trend only" row says why.
+    """
+
+    reason: str | None
+
+    def __new__(cls, verdict: str, reason: str | None = None):
+        if verdict not in VERDICTS:
+            raise ValueError(f"verdict must be one of {VERDICTS}, got {verdict!r}")
+        self = super().__new__(cls, verdict)
+        self.reason = reason
+        return self
+
+
+def judge(holds: bool, *, scope: Scope, separable: bool = True) -> Verdict:
+    """The verdict of a measured claim from what the measurement found, read symmetrically against its scope.
+
+    Args:
+        holds: the claim held in this measurement (by the rule stated before it ran).
+        scope: the :class:`Scope` of the claim: the text's scale and metric and, where they differ, the lab's.
+        separable: False when the data cannot tell the cases apart (overlapping intervals, a probe every
+            method fails); the verdict is then "inconclusive" whatever ``holds`` says.
+
+    At the text's own scale and metric a claim that holds is "reproduced" and one that fails is "not
+    reproduced". Off them the rule is symmetric: a success is "reproduced in trend only" (the direction holds;
+    the text's number is untested) and a failure is "inconclusive", because a 9M-parameter model on a CPU
+    failing to show an effect says nothing about the 70B model on GPUs that the text's figure is about. The
+    returned :class:`Verdict` carries the reason, which :func:`record` stores with the row.
+    """
+    if not isinstance(scope, Scope):
+        raise TypeError(f"scope must be a labsrc.claims.Scope, got {type(scope).__name__}")
     if not separable:
-        return "inconclusive"
+        return Verdict("inconclusive", "the measurement cannot separate the cases the claim compares "
+                                       "(see the rule)")
+    if scope.at_text_scale:
+        return Verdict("reproduced" if holds else "not reproduced")
     if holds:
-        return "reproduced in trend only" if trend_only else "reproduced"
-    return "not reproduced"
+        return Verdict("reproduced in trend only", "the direction holds; " + scope.difference())
+    return Verdict("inconclusive", "the claim failed off the text's scale or metric, which cannot refute it: "
+                                   + scope.difference())
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -225,6 +310,29 @@ def _validate(row: dict, where: str) -> dict:
                 or interval[0] > interval[1]):
             raise ValueError(f"{where}: a measured row needs interval, a finite [lo, hi] 95% interval, "
                              f"got {interval!r}")
+    for name in _SCOPE_FIELDS + ("reason",):
+        value = row.get(name)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ValueError(f"{where}: {name} must be a non-empty string or None, got {value!r}")
+    if row["basis"] == "measured" and not (row.get("text_scale") and row.get("text_metric")):
+        raise ValueError(f"{where}: a measured row needs its scope: the scale and metric the text's figure is "
+                         "about (scope=claims.Scope(text_scale=..., text_metric=...))")
+    off_scale = bool(row.get("lab_scale") or row.get("lab_metric"))
+    if off_scale and row["verdict"] == "not reproduced":
+        raise ValueError(f"{where}: a failure measured at another scale or metric than the text's cannot refute "
+                         "it: the verdict is 'inconclusive' (claims.judge gives it)")
+    if off_scale and row["verdict"] == "reproduced" and row["basis"] == "measured":
+        raise ValueError(f"{where}: a success measured at another scale or metric than the text's is "
+                         "'reproduced in trend only' (claims.judge gives it)")
+    if row["basis"] == "measured" and row["verdict"] == "reproduced in trend only" and not off_scale:
+        raise ValueError(f"{where}: 'reproduced in trend only' says the lab measured at another scale or "
+                         "metric: give it as lab_scale or lab_metric in the row's Scope")
+    if row["basis"] == "exact" and row["verdict"] == "reproduced in trend only":
+        raise ValueError(f"{where}: exact arithmetic either gives the text's figure or it does not: never "
+                         "'reproduced in trend only'")
+    if row["verdict"] == "inconclusive" and off_scale and not row.get("reason"):
+        raise ValueError(f"{where}: an inconclusive row measured off the text's scale or metric must say so in "
+                         "its reason (claims.judge gives it)")
     if row["basis"] == "reading" and not row.get("cite"):
         raise ValueError(f"{where}: a reading row must cite the paper it reads (cite=<bibtex key>)")
     if row["verdict"] == "misattributed" and row["basis"] != "reading":
@@ -235,7 +343,7 @@ def _validate(row: dict, where: str) -> dict:
 def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: str, notebook: str, rule: str,
            basis: str, estimate: Estimate | None = None, n: int | None = None,
            interval: tuple[float, float] | None = None, cite: str | list[str] | None = None,
-           anchor: str | None = None) -> dict:
+           anchor: str | None = None, scope: Scope | None = None, reason: str | None = None) -> dict:
     """Record one row of the claims ledger and return it.
 
     Args:
@@ -252,6 +360,10 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
         n, interval: the sample size and 95% interval, when no single :class:`Estimate` says them.
         cite: bibtex key(s) of the paper(s) a ``"reading"`` row checks the text against.
         anchor: a MyST label in the chapter (``(kv-quant-table-10-5)=``) that the claims page links to.
+        scope: the :class:`Scope` the verdict was judged against; required for ``basis="measured"`` (the
+            same one given to :func:`judge`).
+        reason: why the verdict is what it is, in a sentence; taken from ``verdict`` when it is a
+            :class:`Verdict` from :func:`judge` (give one or the other).
 
     The runtime profile (``cpu`` or ``gpu``) is recorded with every row.
     """
@@ -263,14 +375,22 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
         if n is not None or interval is not None:
             raise ValueError("give either estimate or n/interval, not both")
         n, interval = estimate.n, (estimate.lo, estimate.hi)
+    if scope is not None and not isinstance(scope, Scope):
+        raise TypeError(f"scope must be a labsrc.claims.Scope, got {type(scope).__name__}")
+    judged = getattr(verdict, "reason", None)
+    if judged is not None and reason is not None:
+        raise ValueError("give the reason through judge's Verdict or as reason=, not both")
+    reason = judged if judged is not None else reason
     if isinstance(cite, str):
         cite = [cite]
     if anchor is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", str(anchor)):
         raise ValueError(f"anchor must be a lowercase MyST label like 'kv-quant-table', got {anchor!r}")
-    row = Row(id=claim_id, claim=claim, section=section, measured=measured, verdict=verdict, notebook=notebook,
-               rule=rule, basis=basis, profile=runtime.PROFILE, n=n,
-               interval=[float(interval[0]), float(interval[1])] if interval is not None else None,
-               cite=list(cite) if cite else None, anchor=anchor)
+    row = Row(id=claim_id, claim=claim, section=section, measured=measured,
+              verdict=str(verdict) if isinstance(verdict, str) else verdict, notebook=notebook,
+              rule=rule, basis=basis, profile=runtime.PROFILE, n=n,
+              interval=[float(interval[0]), float(interval[1])] if interval is not None else None,
+              cite=list(cite) if cite else None, anchor=anchor,
+              **(scope.fields() if scope is not None else dict.fromkeys(_SCOPE_FIELDS)), reason=reason)
     _validate(row, f"claim {claim_id!r}")
     folder = claims_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -316,7 +436,18 @@ def _evidence(r: dict) -> str:
     if r["basis"] == "reading":
         return "reading of " + ", ".join(f"{{cite:p}}`{k}`" for k in r["cite"])
     lo, hi = r["interval"]
-    return f"measured, {r['profile']} profile, n = {r['n']}, 95% CI {lo:.3g} to {hi:.3g}"
+    out = f"measured, {r['profile']} profile, n = {r['n']}, 95% CI {lo:.3g} to {hi:.3g}"
+    if r.get("text_scale"):
+        out += (f". *Text's figure:* {r['text_scale']}, {r['text_metric']}. *Lab:* "
+                f"{r.get('lab_scale') or 'the same scale'}, {r.get('lab_metric') or 'the same metric'}")
+    return out
+
+
+def _verdict_cell(r: dict) -> str:
+    """The verdict in bold, then its reason where it has one (why inconclusive, why only a trend)."""
+    if r.get("reason"):
+        return f"**{r['verdict']}**: {_cell(r['reason'])}"
+    return f"**{r['verdict']}**"
 
 
 def render_markdown(rows: list[dict]) -> str:
@@ -324,8 +455,11 @@ def render_markdown(rows: list[dict]) -> str:
     if not rows:
         return "*No claims have been recorded yet: execute the chapters (`make book`) to fill this table.*\n"
     counts = Counter(r["verdict"] for r in rows)
+    bases = Counter(r["basis"] for r in rows)
     out = [f"{len(rows)} claims checked.", "", "| Verdict | Claims |", "|---|---|"]
     out += [f"| {v} | {counts[v]} |" for v in VERDICTS]
+    out += ["", "| Basis | Claims |", "|---|---|"]
+    out += [f"| {b} | {bases[b]} |" for b in BASES]
     out.append("")
     by_chapter: dict[str, list[dict]] = {}
     for r in rows:
@@ -336,7 +470,8 @@ def render_markdown(rows: list[dict]) -> str:
                 "|---|---|---|---|---|"]
         for r in by_chapter[notebook]:
             where = f"{{ref}}`{_cell(r['section'])} <{r['anchor']}>`" if r.get("anchor") else _cell(r["section"])
+            rule = r["rule"] + (" " + OFF_SCALE_RULE if r.get("lab_scale") or r.get("lab_metric") else "")
             out.append(f"| {_cell(r['claim'])} | {where} | {_cell(r['measured'])} | {_evidence(r)}. "
-                       f"*Rule:* {_cell(r['rule'])} | **{r['verdict']}** |")
+                       f"*Rule:* {_cell(rule)} | {_verdict_cell(r)} |")
         out.append("")
     return "\n".join(out)

@@ -1,6 +1,7 @@
 import json
 import math
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -25,7 +26,8 @@ def test_record_load_and_render(ledger):
     claims.record("kv-b", claim="x | y", section="10.3.14", measured="z", verdict="wrong in the text",
                   notebook="01_kv_cache", **EXACT)
     claims.record("kv-c", claim="c", section="10.1.2", measured="z", verdict="not reproduced", notebook="04_rope",
-                  basis="measured", rule="r", estimate=Estimate.accuracy(3, 20), anchor="rope-probe")
+                  basis="measured", rule="r", estimate=Estimate.accuracy(3, 20), anchor="rope-probe",
+                  scope=claims.Scope(text_scale="a 9M model", text_metric="pass-key accuracy"))
     claims.record("kv-d", claim="d", section="10.3.1", measured="the paper quantizes keys per channel",
                   verdict="misattributed", notebook="05_kv_quant", basis="reading", rule="r", cite="liu2024kivi")
     rows = claims.load()
@@ -55,6 +57,7 @@ def test_empty_ledger_says_so(ledger):
     (dict(rule=""), "rule"),
     (dict(basis="vibes"), "basis"),
     (dict(basis="measured"), "n, a positive int"),
+    (dict(basis="measured", n=10, interval=(0.1, 0.2)), "needs its scope"),
     (dict(basis="measured", n=10), "interval"),
     (dict(basis="measured", n=10, interval=(0.5, float("nan"))), "interval"),
     (dict(basis="measured", n=10, interval=(0.9, 0.1)), "interval"),
@@ -78,6 +81,9 @@ def test_record_rejects_a_non_estimate(ledger):
     with pytest.raises(TypeError, match="estimate"):
         claims.record("ok", claim="c", section="1", measured="m", verdict="reproduced", notebook="01_kv",
                       basis="measured", rule="r", estimate=(0.5, 0.1, 0.9))
+    with pytest.raises(TypeError, match="scope must be a labsrc.claims.Scope"):
+        claims.record("ok", claim="c", section="1", measured="m", verdict="reproduced", notebook="01_kv",
+                      scope="70B", **EXACT)
 
 
 def test_load_names_the_file_of_a_bad_row(ledger):
@@ -221,13 +227,199 @@ def test_overlapping_intervals_cannot_separate():
         claims.compare(0.9, full)
 
 
-@pytest.mark.parametrize("holds, separable, trend_only, verdict", [
-    (True, True, False, "reproduced"),
-    (True, True, True, "reproduced in trend only"),
-    (False, True, False, "not reproduced"),
-    (False, True, True, "not reproduced"),
-    (True, False, False, "inconclusive"),
-    (False, False, True, "inconclusive"),
+TEXT = claims.Scope(text_scale="Llama-2-70B on A100 GPUs", text_metric="end-to-end throughput")
+TOY = claims.Scope(text_scale="Llama-2-70B on A100 GPUs", text_metric="end-to-end throughput",
+                   lab_scale="the 9M-parameter lab model on a CPU")
+PROXY = claims.Scope(text_scale="any model", text_metric="wall-clock speedup",
+                     lab_metric="tokens accepted per draft cycle")
+
+
+@pytest.mark.parametrize("holds, separable, scope, verdict", [
+    (True, True, TEXT, "reproduced"),
+    (False, True, TEXT, "not reproduced"),
+    (True, True, TOY, "reproduced in trend only"),
+    (False, True, TOY, "inconclusive"),
+    (True, True, PROXY, "reproduced in trend only"),
+    (False, True, PROXY, "inconclusive"),
+    (True, False, TEXT, "inconclusive"),
+    (False, False, TOY, "inconclusive"),
 ])
-def test_judge(holds, separable, trend_only, verdict):
-    assert claims.judge(holds, separable=separable, trend_only=trend_only) == verdict
+def test_judge(holds, separable, scope, verdict):
+    assert claims.judge(holds, separable=separable, scope=scope) == verdict
+
+
+def test_the_verdict_rule_is_symmetric():
+    """Off the text's scale or metric a success and a failure are both scoped: neither is a plain verdict.
+
+    At the text's scale the two outcomes are "reproduced" and "not reproduced"; at lab scale they are "trend
+    only" and "inconclusive", each with a reason naming both scales, never a bare refutation."""
+    for off in (TOY, PROXY):
+        yes, no = claims.judge(True, scope=off), claims.judge(False, scope=off)
+        assert (yes, no) == ("reproduced in trend only", "inconclusive")
+        for v in (yes, no):
+            assert v.reason and off.difference() in v.reason, "the reason names the lab's and the text's scope"
+        assert "Llama-2-70B" in TOY.difference() and "9M-parameter" in TOY.difference()
+    plain = claims.judge(True, scope=TEXT), claims.judge(False, scope=TEXT)
+    assert plain == ("reproduced", "not reproduced") and plain[0].reason is None
+    assert "cannot separate" in claims.judge(True, separable=False, scope=TEXT).reason
+
+
+def test_judge_and_scope_reject_bad_arguments():
+    with pytest.raises(TypeError, match="scope must be a labsrc.claims.Scope"):
+        claims.judge(True, scope="70B")
+    with pytest.raises(TypeError, match="scope"):
+        claims.judge(True)
+    with pytest.raises(ValueError, match="text_metric"):
+        claims.Scope(text_scale="70B", text_metric=" ")
+    with pytest.raises(ValueError, match="lab_scale"):
+        claims.Scope(text_scale="70B", text_metric="m", lab_scale="")
+    with pytest.raises(ValueError, match="verdict must be one of"):
+        claims.Verdict("sort of")
+
+
+MEASURED = dict(basis="measured", rule="r", estimate=Estimate.accuracy(3, 20))
+
+
+def test_a_judged_row_keeps_its_scope_and_reason(ledger):
+    row = claims.record("toy", claim="c", section="10.5.2", measured="m", notebook="09_serving",
+                        verdict=claims.judge(False, scope=TOY), scope=TOY, **MEASURED)
+    assert row["verdict"] == "inconclusive" and type(row["verdict"]) is str
+    assert row["reason"].endswith(TOY.difference())
+    assert (row["text_scale"], row["lab_scale"], row["lab_metric"]) == (TOY.text_scale, TOY.lab_scale, None)
+    table = claims.render_markdown(claims.load())
+    assert "**inconclusive**: the claim failed off the text's scale" in table
+    assert "*Text's figure:* Llama-2-70B on A100 GPUs, end-to-end throughput. *Lab:* the 9M-parameter" in table
+    assert "| measured | 1 |" in table, "counts by basis"
+    assert claims.OFF_SCALE_RULE in table, "an off-scale row's rule states the symmetric rule"
+
+
+@pytest.mark.parametrize("verdict, scope, message", [
+    ("not reproduced", TOY, "cannot refute"),
+    ("not reproduced", PROXY, "cannot refute"),
+    ("reproduced", TOY, "'reproduced in trend only'"),
+    ("reproduced in trend only", TEXT, "give it as lab_scale or lab_metric"),
+    ("inconclusive", TOY, "must say so in its reason"),
+    ("reproduced", None, "needs its scope"),
+])
+def test_record_refuses_an_unscoped_or_one_sided_verdict(ledger, verdict, scope, message):
+    with pytest.raises(ValueError, match=message):
+        claims.record("bad", claim="c", section="10.5.2", measured="m", notebook="09_serving", verdict=verdict,
+                      scope=scope, **MEASURED)
+    assert not list(ledger.glob("*.json"))
+
+
+def test_exact_arithmetic_is_never_trend_only(ledger):
+    with pytest.raises(ValueError, match="never 'reproduced in trend only'"):
+        claims.record("x", claim="c", section="1", measured="m", verdict="reproduced in trend only",
+                      notebook="01_kv", **EXACT)
+
+
+# --- the chapters' claims cells -----------------------------------------------------------------------------
+def _module_level(tree):
+    """Every node of a cell outside function and class bodies (a function's locals are not the cell's)."""
+    import ast
+
+    todo = list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _record_calls():
+    """(notebook, call, assignments) for every ``claims.record`` call in a chapter's code cells, where
+    ``assignments`` maps each name the notebook assigns to the expressions assigned to it."""
+    import ast
+    from pathlib import Path
+
+    out = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "chapters").glob("*.ipynb")):
+        nb = json.loads(path.read_text())
+        trees = [ast.parse("".join(c["source"])) for c in nb["cells"] if c["cell_type"] == "code"]
+        assigned: dict[str, list] = {"<returns judge>": [
+            f.name for tree in trees for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+            and any(isinstance(r, ast.Return) and r.value is not None and any(
+                isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "judge" for c in ast.walk(r.value))
+                for r in ast.walk(f))]}
+        for tree in trees:
+            for node in _module_level(tree):
+                if isinstance(node, ast.Assign):
+                    for target in node.targets:
+                        for name in ast.walk(target):
+                            if isinstance(name, ast.Name):
+                                assigned.setdefault(name.id, []).append(node.value)
+        for tree in trees:
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "record" and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "claims"):
+                    out.append((path.stem, node, assigned))
+    return out
+
+
+def _kw(call, name):
+    return next((k.value for k in call.keywords if k.arg == name), None)
+
+
+def _calls_judge(expr, assigned) -> bool:
+    """Whether ``expr`` is a ``judge(...)`` call (or a call of a notebook function that returns one), or a name
+    assigned from one (``verdict = claims.judge(...)``; ``v, tested = verdict_for(...)``)."""
+    import ast
+
+    def is_judge(node):
+        if not isinstance(node, ast.Call):
+            return False
+        name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        return name == "judge" or name in assigned.get("<returns judge>", ())
+
+    def judged(value):
+        return is_judge(value) or (isinstance(value, ast.Tuple) and any(is_judge(e) for e in value.elts))
+
+    if is_judge(expr):
+        return True
+    return isinstance(expr, ast.Name) and bool(assigned.get(expr.id)) and all(
+        judged(v) for v in assigned[expr.id])
+
+
+def test_chapters_record_claims():
+    assert len(_record_calls()) > 100, "the scan finds the chapters' record calls"
+
+
+def test_every_recorded_row_has_a_literal_basis():
+    import ast
+
+    bad = [(nb, ast.unparse(c.args[0]) if c.args else "?") for nb, c, _ in _record_calls()
+           if not (isinstance(_kw(c, "basis"), ast.Constant) and _kw(c, "basis").value in claims.BASES)]
+    assert not bad, f"record calls without a basis from {claims.BASES}: {bad}"
+
+
+def test_no_claim_id_is_recorded_twice():
+    import ast
+
+    ids = Counter()
+    for nb, call, _ in _record_calls():
+        assert call.args and isinstance(call.args[0], ast.Constant), f"{nb}: a claim id must be a literal"
+        ids[call.args[0].value] += 1
+    twice = sorted(i for i, k in ids.items() if k > 1)
+    assert not twice, f"claim ids recorded more than once across the chapters: {twice}"
+
+
+def test_measured_and_exact_verdicts_are_computed_not_typed():
+    """A measured row's verdict comes from judge (so the symmetric scope rule applies); an exact row's is
+    computed from the arithmetic. Only a reading row, a judgement with its citation, may type a verdict."""
+    import ast
+
+    literal, unjudged, unscoped = [], [], []
+    for nb, call, assigned in _record_calls():
+        basis, verdict = _kw(call, "basis").value, _kw(call, "verdict")
+        name = f"{nb}:{call.args[0].value}"
+        if basis in ("measured", "exact") and isinstance(verdict, ast.Constant):
+            literal.append(name)
+        if basis == "measured" and not _calls_judge(verdict, assigned):
+            unjudged.append(name)
+        if basis == "measured" and _kw(call, "scope") is None:
+            unscoped.append(name)
+    assert not literal, f"literal verdicts on computed rows: {literal}"
+    assert not unjudged, f"measured rows whose verdict does not come from claims.judge: {unjudged}"
+    assert not unscoped, f"measured rows without the scope judge read them against: {unscoped}"

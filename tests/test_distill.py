@@ -83,6 +83,23 @@ def test_kd_loss_fused_equals_unfused_in_value_and_gradient():
     torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-7)
 
 
+def test_the_kernel_modules_reference_is_soft_kl():
+    """labsrc.kernels.distill writes its reference out (it must not import this module, which imports it):
+    the same numbers as soft_kl, bit for bit in float32, and float64 in float64 out."""
+    from labsrc.kernels.distill import kd_kl_ref
+
+    gen = torch.Generator().manual_seed(21)
+    s, t = logits(gen, 3, 4, V), logits(gen, 3, 4, V)
+    t[0, 0, :3] = float("-inf")  # a padded vocabulary: no teacher mass there
+    for T in (1.0, 2.5):
+        assert torch.equal(kd_kl_ref(s, t, T), distill.soft_kl(s, t, T))
+        got = kd_kl_ref(s.double(), t.double(), T)
+        assert got.dtype == torch.float64
+        pt, qs = F.softmax(t.double() / T, -1), F.softmax(s.double() / T, -1)
+        want = torch.where(pt > 0, pt * (pt.log() - qs.log()), torch.zeros_like(pt)).sum(-1)  # 0 log 0 = 0
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 def test_t_squared_keeps_the_soft_gradient_scale_at_large_t():
     """d(T² KL_T)/ds = T (q_T - p_T) -> (centred(s) - centred(t)) / V as T grows: a limit independent of T.
     Without the T², the gradient shrinks as 1/T²."""
@@ -297,9 +314,16 @@ def test_shipped_distilled_draft_and_its_eval_card():
     from labsrc import models
 
     card = models.eval_card("lab-draft-distilled")
-    assert card["teacher"] == "lab-target" and card["method"] in distill.METHODS[1:]
-    assert card["command"] == (f"python -m labsrc.distill ship --method {card['method']} "
-                               f"--steps {card['steps']} --T {card['T']}")
+    assert card["teacher"] == "lab-target"
+    if card.get("start") == "lab-draft":  # shipped by ship-finetuned: lab-draft fine-tuned (issue #33)
+        assert card["method"] in distill.FINETUNE_METHODS and card["shipped_at"] and "separate" in card["decision"]
+        assert card["command"] == (f"python -m labsrc.distill ship-finetuned --method {card['method']} "
+                                   f"--seed {card['seed']} --metric {card['metric']}")
+        assert set(card["models"]) == {"lab-target", "lab-draft"}
+    else:                                 # shipped by ship: a student trained from scratch
+        assert card["method"] in distill.METHODS[1:]
+        assert card["command"] == (f"python -m labsrc.distill ship --method {card['method']} "
+                                   f"--steps {card['steps']} --T {card['T']}")
     assert card["parameters"] == models.eval_card("lab-draft")["parameters"]
     d = card["distillation"]
     assert 0 < d["expected_acceptance"] < 1 and d["kl_teacher_student"] > 0 and d["tokens"] > 1000

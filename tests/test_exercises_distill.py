@@ -1,7 +1,10 @@
 """The distillation chapter's exercise checks keep the contract (right passes, wrong fails with a hint, the stub
-is "not solved yet", hidden cases raise), refuse answers that call the labsrc.distill function they ask for, and
-the kernel exercise catches a missing mask and says it is skipped without Triton."""
+is "not solved yet", hidden cases raise), name the typical wrong answer without giving the answer, refuse answers
+that call the labsrc.distill function that computes what they ask for, and the kernel exercise catches padded
+rows and a missing maximum and says it is skipped without Triton."""
 import labsrc  # noqa: F401
+
+import math
 
 import pytest
 import torch
@@ -17,126 +20,189 @@ from labsrc.exercises import distill as ex
 from labsrc.kernels._triton import tl, triton
 
 
-def kd_right(s, t, labels, T, alpha):
-    keep = labels != -100
-    ce = F.cross_entropy(s[keep], labels[keep])
-    p, log_p = F.softmax(t / T, -1), F.log_softmax(t / T, -1)
-    kl = (p * (log_p - F.log_softmax(s / T, -1))).sum(-1)[keep].mean()
-    return float(alpha * ce + (1 - alpha) * T * T * kl)
+# ------------------------------------------------------------------------------------------- right and wrong
+def _jsd(s, t, beta, T, mix_logs=False, swap=False):
+    log_q, log_p = F.log_softmax(s / T, -1), F.log_softmax(t / T, -1)
+    b = 1 - beta if swap else beta
+    if mix_logs:
+        log_m = (1 - b) * log_q + b * log_p
+    else:
+        log_m = torch.logsumexp(torch.stack([log_q + math.log(1 - b), log_p + math.log(b)]), 0)
+    kl_p = (log_p.exp() * (log_p - log_m)).sum(-1)
+    kl_q = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return float((b * kl_p + (1 - b) * kl_q).mean())
 
 
-def kd_wrong_no_t_squared(s, t, labels, T, alpha):
-    keep = labels != -100
-    ce = F.cross_entropy(s[keep], labels[keep])
-    p, log_p = F.softmax(t / T, -1), F.log_softmax(t / T, -1)
-    kl = (p * (log_p - F.log_softmax(s / T, -1))).sum(-1)[keep].mean()
-    return float(alpha * ce + (1 - alpha) * kl)
+def jsd_right(s, t, beta, T):
+    return _jsd(s, t, beta, T)
 
 
-def kd_wrong_padding_counted(s, t, labels, T, alpha):
-    ce = F.cross_entropy(s, labels.clamp_min(0))
-    p, log_p = F.softmax(t / T, -1), F.log_softmax(t / T, -1)
-    kl = (p * (log_p - F.log_softmax(s / T, -1))).sum(-1).mean()
-    return float(alpha * ce + (1 - alpha) * T * T * kl)
+def jsd_wrong_as_given(s, t, beta, T):
+    return _jsd(s, t, beta, T, mix_logs=True)    # the buggy function typed out (calling it is refused)
+
+
+def jsd_wrong_weights_swapped(s, t, beta, T):
+    return _jsd(s, t, beta, T, swap=True)
 
 
 def grad_right(s, t, T):
+    log_q, log_p = F.log_softmax(s / T, -1), F.log_softmax(t / T, -1)
+    q = log_q.exp()
+    return T * q * (log_q - log_p - (q * (log_q - log_p)).sum())
+
+
+def grad_wrong_forward(s, t, T):
     return T * (torch.softmax(s / T, -1) - torch.softmax(t / T, -1))
 
 
-def grad_wrong_sign(s, t, T):
-    return T * (torch.softmax(t / T, -1) - torch.softmax(s / T, -1))
-
-
 def grad_wrong_one_over_t(s, t, T):
-    return (torch.softmax(s / T, -1) - torch.softmax(t / T, -1)) / T
+    return grad_right(s, t, T) / T
 
 
-def map_right(N, M):
-    return [m * N // M for m in range(M + 1)]
+def _bump(mu, sd):
+    b = torch.exp(-0.5 * ((ex.GRID.double() - mu) / sd) ** 2)
+    return b / b.sum()
 
 
-def map_wrong_first_layers(N, M):
-    return list(range(M + 1))
+def accept_right(w, mu1, sd1, mu2, sd2):
+    p = ex.bimodal_teacher(w, mu1, sd1, mu2, sd2)
+    mean = w * mu1 + (1 - w) * mu2
+    var = w * (sd1**2 + mu1**2) + (1 - w) * (sd2**2 + mu2**2) - mean**2
+    heavy = _bump(mu1, sd1) if w >= 0.5 else _bump(mu2, sd2)
+    return (float(torch.minimum(p, _bump(mean, math.sqrt(var))).sum()), float(torch.minimum(p, heavy).sum()))
 
 
-def map_wrong_no_embedding(N, M):
-    return [(m + 1) * N // M for m in range(M)]
-
-
-@triton.jit
-def kernel_right(s_ptr, t_ptr, out_ptr, V, inv_T, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < V
-    a = tl.load(t_ptr + r * V + cols, mask=mask, other=float("-inf")) * inv_T
-    b = tl.load(s_ptr + r * V + cols, mask=mask, other=float("-inf")) * inv_T
-    ea = tl.exp(a - tl.max(a, 0))
-    eb = tl.exp(b - tl.max(b, 0))
-    za, zb = tl.sum(ea, 0), tl.sum(eb, 0)
-    lse_a = tl.max(a, 0) + tl.log(za)
-    lse_b = tl.max(b, 0) + tl.log(zb)
-    d = tl.where(mask, a, 0.0) - tl.where(mask, b, 0.0)   # no -inf - -inf in the padded lanes
-    tl.store(out_ptr + r, tl.sum(ea * d, 0) / za - lse_a + lse_b)
-
-
-@triton.jit
-def kernel_no_max(s_ptr, t_ptr, out_ptr, V, inv_T, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < V
-    a = tl.load(t_ptr + r * V + cols, mask=mask, other=float("-inf")) * inv_T
-    b = tl.load(s_ptr + r * V + cols, mask=mask, other=float("-inf")) * inv_T
-    ea, eb = tl.exp(a), tl.exp(b)            # overflows for large logits
-    za, zb = tl.sum(ea, 0), tl.sum(eb, 0)
-    d = tl.where(mask, a - b, 0.0)
-    tl.store(out_ptr + r, tl.sum(ea * d, 0) / za - tl.log(za) + tl.log(zb))
-
-
-@triton.jit
-def kernel_padding_counted(s_ptr, t_ptr, out_ptr, V, inv_T, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < V
-    a = tl.load(t_ptr + r * V + cols, mask=mask, other=0.0) * inv_T   # padded lanes count as logit 0
-    b = tl.load(s_ptr + r * V + cols, mask=mask, other=0.0) * inv_T
-    ea = tl.exp(a - tl.max(a, 0))
-    eb = tl.exp(b - tl.max(b, 0))
-    za, zb = tl.sum(ea, 0), tl.sum(eb, 0)
-    lse_a = tl.max(a, 0) + tl.log(za)
-    lse_b = tl.max(b, 0) + tl.log(zb)
-    tl.store(out_ptr + r, tl.sum(ea * (a - b), 0) / za - lse_a + lse_b)
+def accept_wrong_lighter_mode(w, mu1, sd1, mu2, sd2):
+    """Reverse KL's bump put on the lighter mode."""
+    forward, _ = accept_right(w, mu1, sd1, mu2, sd2)
+    return forward, min(w, 1 - w)
 
 
 CASES = [
-    (ex.check_kd_loss_by_hand, kd_right, kd_wrong_no_t_squared),
-    (ex.check_kd_loss_by_hand, kd_right, kd_wrong_padding_counted),
-    (ex.check_kd_soft_gradient, grad_right, grad_wrong_sign),
-    (ex.check_kd_soft_gradient, grad_right, grad_wrong_one_over_t),
-    (ex.check_tinybert_layer_map, map_right, map_wrong_first_layers),
-    (ex.check_tinybert_layer_map, map_right, map_wrong_no_embedding),
+    (ex.check_jsd_fix, jsd_right, jsd_wrong_as_given),
+    (ex.check_jsd_fix, jsd_right, jsd_wrong_weights_swapped),
+    (ex.check_reverse_kl_gradient, grad_right, grad_wrong_forward),
+    (ex.check_reverse_kl_gradient, grad_right, grad_wrong_one_over_t),
+    (ex.check_fit_acceptance, accept_right, accept_wrong_lighter_mode),
 ]
-if runtime.HAS_TRITON:   # without Triton the kernel check only says it is skipped (tested below)
-    CASES += [(ex.check_kd_kl_kernel, kernel_right, kernel_no_max),
-              (ex.check_kd_kl_kernel, kernel_right, kernel_padding_counted)]
 
 
-def test_kernel_check_says_skipped_without_triton(monkeypatch, capsys):
-    assert_kernel_check_skips_without_triton(ex.check_kd_kl_kernel, kernel_right, monkeypatch, capsys)
+# ------------------------------------------------------------------------------------- what the hints say
+def test_the_jsd_check_names_the_given_function_and_swapped_weights(lenient, capsys):
+    assert "what the buggy one does" in ex.check_jsd_fix(jsd_wrong_as_given).message
+    assert "weights swapped" in ex.check_jsd_fix(jsd_wrong_weights_swapped).message
+
+
+def test_the_given_jsd_breaks_the_bound_the_exercise_states():
+    """What the exercise says of the buggy function: 0 when the two agree, never negative, and far above log 2
+    when they put their mass on different tokens; the fixed one stays below."""
+    s = torch.tensor([[20.0, 0.0, 0.0]])
+    t = torch.tensor([[0.0, 0.0, 20.0]])
+    assert ex.jsd_buggy(s, s, 0.5, 1.0) == pytest.approx(0.0, abs=1e-6)
+    assert ex.jsd_buggy(s, t, 0.5, 1.0) > 4 * math.log(2)
+    assert 0 < jsd_right(s, t, 0.5, 1.0) <= math.log(2)
+
+
+def test_the_gradient_check_names_the_forward_kl(lenient, capsys):
+    assert "forward KL" in ex.check_reverse_kl_gradient(grad_wrong_forward).message
+    assert "0.5 times" not in ex.check_reverse_kl_gradient(grad_wrong_forward).message
+    assert "times the right one" in ex.check_reverse_kl_gradient(grad_wrong_one_over_t).message
+
+
+def test_the_acceptance_check_says_which_prediction_is_off(lenient, capsys):
+    message = ex.check_fit_acceptance(accept_wrong_lighter_mode).message
+    assert "reverse-KL student's acceptance is too low" in message and "forward" not in message.split("Hint")[0]
+
+
+def test_the_prediction_is_judged_against_the_fits_and_the_reasoning_lands_well_inside():
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        case = ex._fit_case(gen)
+        measured = ex._measured_acceptance(*case)
+        for mine, real in zip(accept_right(*case), measured):
+            assert abs(mine - real) < ex.ACCEPT_ATOL / 2
 
 
 @pytest.mark.parametrize("check,answer,called", [
-    (ex.check_kd_loss_by_hand, lambda s, t, y, T, a: float(distill.kd_loss(s, t, y, T=T, alpha=a)), "kd_loss"),
-    (ex.check_kd_soft_gradient, lambda s, t, T: T * T * distill.soft_kl(s, t, T), "soft_kl"),
-    (ex.check_tinybert_layer_map, lambda N, M: distill.tinybert_layer_map(N, M), "tinybert_layer_map"),
+    (ex.check_jsd_fix, lambda s, t, b, T: float(distill.generalized_jsd(s, t, beta=b, T=T)), "generalized_jsd"),
+    (ex.check_jsd_fix, lambda s, t, b, T: ex.jsd_buggy(s, t, b, T), "jsd_buggy"),
+    (ex.check_reverse_kl_gradient, lambda s, t, T: T * T * distill.soft_kl(t, s, T), "soft_kl"),
+    (ex.check_fit_acceptance, lambda *a: distill.fit_unimodal(ex.bimodal_teacher(*a), ex.GRID, 0.0), "fit_unimodal"),
 ])
 def test_checks_refuse_a_call_to_the_library_function(check, answer, called, lenient, capsys):
     result = check(answer)
     assert result.status == "failed" and called in result.message and "Hint:" in result.message
 
 
-def test_kd_message_does_not_leak_the_answer(lenient, capsys):
-    ex.check_kd_loss_by_hand(kd_wrong_no_t_squared)
-    out = capsys.readouterr().out
-    args = ex._kd_inputs(torch.Generator().manual_seed(131))
-    assert f"{ex._kd_reference(*args):.4f}"[:6] not in out
+# ------------------------------------------------------------------------------------------- the kernel
+@triton.jit
+def kernel_right(s_ptr, t_ptr, y_ptr, out_ptr, V, inv_T, alpha, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < V
+    s = tl.load(s_ptr + r * V + cols, mask=mask, other=float("-inf"))
+    t = tl.load(t_ptr + r * V + cols, mask=mask, other=float("-inf"))
+    y = tl.load(y_ptr + r)
+    m1 = tl.max(s, 0)
+    ce = m1 + tl.log(tl.sum(tl.exp(s - m1), 0)) - tl.sum(tl.where(cols == y, s, 0.0), 0)
+    a, b = t * inv_T, s * inv_T
+    ma, mb = tl.max(a, 0), tl.max(b, 0)
+    ea = tl.exp(a - ma)
+    za, zb = tl.sum(ea, 0), tl.sum(tl.exp(b - mb), 0)
+    d = tl.where(mask, a, 0.0) - tl.where(mask, b, 0.0)
+    kl = tl.sum(ea * d, 0) / za - (ma + tl.log(za)) + (mb + tl.log(zb))
+    loss = alpha * ce + (1 - alpha) * kl / (inv_T * inv_T)
+    tl.store(out_ptr + r, tl.where(y == -100, 0.0, loss))
+
+
+@triton.jit
+def kernel_padding_counted(s_ptr, t_ptr, y_ptr, out_ptr, V, inv_T, alpha, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < V
+    s = tl.load(s_ptr + r * V + cols, mask=mask, other=float("-inf"))
+    t = tl.load(t_ptr + r * V + cols, mask=mask, other=float("-inf"))
+    y = tl.load(y_ptr + r)
+    m1 = tl.max(s, 0)
+    ce = m1 + tl.log(tl.sum(tl.exp(s - m1), 0)) - tl.sum(tl.where(cols == y, s, 0.0), 0)
+    a, b = t * inv_T, s * inv_T
+    ma, mb = tl.max(a, 0), tl.max(b, 0)
+    ea = tl.exp(a - ma)
+    za, zb = tl.sum(ea, 0), tl.sum(tl.exp(b - mb), 0)
+    d = tl.where(mask, a, 0.0) - tl.where(mask, b, 0.0)
+    kl = tl.sum(ea * d, 0) / za - (ma + tl.log(za)) + (mb + tl.log(zb))
+    tl.store(out_ptr + r, alpha * ce + (1 - alpha) * kl / (inv_T * inv_T))   # label -100 not written as 0
+
+
+@triton.jit
+def kernel_no_max(s_ptr, t_ptr, y_ptr, out_ptr, V, inv_T, alpha, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < V
+    s = tl.load(s_ptr + r * V + cols, mask=mask, other=float("-inf"))
+    t = tl.load(t_ptr + r * V + cols, mask=mask, other=float("-inf"))
+    y = tl.load(y_ptr + r)
+    ce = tl.log(tl.sum(tl.exp(s), 0)) - tl.sum(tl.where(cols == y, s, 0.0), 0)   # overflows for large logits
+    a, b = t * inv_T, s * inv_T
+    ea = tl.exp(a)
+    za, zb = tl.sum(ea, 0), tl.sum(tl.exp(b), 0)
+    d = tl.where(mask, a, 0.0) - tl.where(mask, b, 0.0)
+    kl = tl.sum(ea * d, 0) / za - tl.log(za) + tl.log(zb)
+    loss = alpha * ce + (1 - alpha) * kl / (inv_T * inv_T)
+    tl.store(out_ptr + r, tl.where(y == -100, 0.0, loss))
+
+
+if runtime.HAS_TRITON:   # without Triton the kernel check only says it is skipped (tested below)
+    CASES += [(ex.check_kd_row_kernel, kernel_right, kernel_padding_counted),
+              (ex.check_kd_row_kernel, kernel_right, kernel_no_max)]
+
+
+@pytest.mark.skipif(not runtime.HAS_TRITON, reason="the kernel exercise needs Triton")
+def test_the_kernel_check_names_the_padded_rows_and_large_logits(lenient, capsys):
+    assert "label is -100 should hold 0" in ex.check_kd_row_kernel(kernel_padding_counted).message
+    message = ex.check_kd_row_kernel(kernel_no_max).message
+    assert "large logits" in message or "NaN" in message
+
+
+def test_kernel_check_says_skipped_without_triton(monkeypatch, capsys):
+    assert_kernel_check_skips_without_triton(ex.check_kd_row_kernel, kernel_right, monkeypatch, capsys)

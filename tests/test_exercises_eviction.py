@@ -82,47 +82,11 @@ def student_probabilities(scores, budget):
         capped |= p > 1
 
 
-def test_check_probabilities():
-    assert ex.check_probabilities(student_probabilities).passed
-    naive = lambda s, k: torch.clamp(k * s / s.sum(), max=1.0)  # noqa: E731
-    assert ex.check_probabilities(naive).status == "failed"
-    assert ex.check_probabilities(lambda s, k: student_probabilities(s, k).float()).passed
-    assert ex.check_probabilities(stub).status == "not solved yet"
-
-
-def unclamped_systematic(p, u):
-    c = torch.cumsum(p.double(), 0)
-    hits = torch.floor(c - u) - torch.floor(torch.cat([torch.zeros(1, dtype=c.dtype), c[:-1]]) - u)
-    return torch.nonzero(hits > 0).flatten()
-
-
-def student_systematic(p, u):
-    c = torch.cumsum(p.double(), 0)
-    k = round(float(c[-1]))
-    c = c * (k / float(c[-1]))
-    upper = torch.floor(c - u).clamp(max=k - 1 if u > 0 else k)
-    lower = torch.cat([torch.tensor([float(math.floor(-u))], dtype=c.dtype), upper[:-1]])
-    return torch.nonzero(upper > lower).flatten()
-
-
-def test_check_systematic():
-    assert ex.check_systematic(student_systematic).passed
-    off_by_u = lambda p, u: student_systematic(p, 0.5 * u)  # noqa: E731
-    assert ex.check_systematic(off_by_u).status == "failed"
-    # The formula without the cap keeps K + 1 items for a tiny u: the check's edge offsets catch it.
-    p = ev.inclusion_probabilities(torch.tensor([1.0, 1.2, 1.1, 1.3, 1.05, 1.15], dtype=torch.float64), 2)
-    assert unclamped_systematic(p, 1e-300).numel() == 3
-    result = ex.check_systematic(unclamped_systematic)
-    assert result.status == "failed" and "Hint:" in result.message
-    assert ex.check_systematic(lambda p, u: torch.topk(p, round(float(p.sum()))).indices.sort().values).status == "failed"
-    assert ex.check_systematic(stub).status == "not solved yet"
-
-
 def test_strict_mode_raises(monkeypatch):
     monkeypatch.setenv("LAB_EXERCISES", "strict")
     from labsrc.exercises.core import ExerciseFailed
     with pytest.raises(ExerciseFailed):
-        ex.check_probabilities(lambda s, k: torch.clamp(k * s / s.sum(), max=1.0))
+        ex.check_ever_kept(lambda s, k, r: torch.clamp(k * s / s.sum(), max=1.0))
 
 
 def test_checks_never_print_the_answer(capsys):
@@ -172,11 +136,7 @@ def test_ever_kept_prediction_matches_simulation():
     (ex.check_scores, lambda a, v, al, be, ga, la: ev.value_aware_scores(a, v, al, be, ga, la), None),
     (ex.check_lru_keep, lambda attn, b, thr: ev.LRU(threshold=thr).select(
         ev.TokenStats.from_attention(attn[None], torch.ones(attn.shape[1], 1), threshold=thr), b), None),
-    (ex.check_probabilities, ev.inclusion_probabilities, None),
-    (ex.check_probabilities, lambda s, k: ev.inclusion_probabilities(s, k).clone(), None),
-    (ex.check_systematic, ev.systematic_indices, None),
-    (ex.check_systematic, lambda p, u: ev.systematic_indices(p, u), None),
-    (ex.check_ever_kept, lambda s, k, r: 1 - (1 - ev.inclusion_probabilities(s, k)) ** r, None),
+    (ex.check_ever_kept, lambda s, k, r: ev.retention_frequencies(ev.stochastic_keep, s, k, draws=200), None),
 ])
 def test_checks_refuse_a_call_to_the_library_function(check, library, args, capsys):
     result = check(library)
@@ -184,14 +144,157 @@ def test_checks_refuse_a_call_to_the_library_function(check, library, args, caps
 
 
 def test_nested_helper_calling_the_library_is_refused():
-    def answer(p, u):
-        def helper(q):
-            return ev.systematic_indices(q, u)
-        return helper(p)
-    assert ex.check_systematic(answer).status == "failed"
+    def answer(scores, budget, rounds):
+        def helper(s):
+            return ev.retention_frequencies(ev.stochastic_keep, s, budget, draws=100)
+        return helper(scores)
+    assert ex.check_ever_kept(answer).status == "failed"
 
 
-def test_refusal_does_not_leak_the_answer(capsys):
-    ex.check_systematic(ev.systematic_indices)
-    out = capsys.readouterr().out
-    assert "floor" not in out.split("Hint:")[0] and "clamp" not in out
+def test_ever_kept_may_use_one_draws_library_probabilities():
+    """The prediction is about independent draws; the capped probabilities of one draw come from the library."""
+    assert ex.check_ever_kept(lambda s, k, r: 1 - (1 - ev.inclusion_probabilities(s, k)) ** r).passed
+
+
+# ------------------------------------------------------------------------------ the buggy LRU of Exercise 2
+def buggy_lru(attn, budget, threshold):          # the exercise's given version, both bugs
+    t, n_tok = attn.shape
+    qpos = torch.arange(n_tok - t, n_tok)
+    used = torch.where(attn > threshold, qpos[:, None].expand(t, n_tok), torch.full((t, n_tok), -1))
+    last = used.max(0).values
+    order = torch.argsort(last, descending=True, stable=True)
+    return torch.sort(order[:budget]).values
+
+
+def lru_arrival_fixed_only(attn, budget, threshold):   # ties still go to the older token
+    t, n_tok = attn.shape
+    qpos = torch.arange(n_tok - t, n_tok)
+    used = torch.where(attn > threshold, qpos[:, None].expand(t, n_tok), torch.full((t, n_tok), -1))
+    last = torch.maximum(used.max(0).values, torch.arange(n_tok))
+    order = torch.argsort(last, descending=True, stable=True)
+    return torch.sort(order[:budget]).values
+
+
+def lru_ties_fixed_only(attn, budget, threshold):      # arrival still not counted as a use
+    t, n_tok = attn.shape
+    qpos = torch.arange(n_tok - t, n_tok)
+    used = torch.where(attn > threshold, qpos[:, None].expand(t, n_tok), torch.full((t, n_tok), -1))
+    last = used.max(0).values
+    order = torch.argsort(last.flip(0), descending=True, stable=True)
+    return torch.sort(n_tok - 1 - order[:budget]).values
+
+
+@pytest.mark.parametrize("wrong, said", [
+    (buggy_lru, "two slips"),
+    (lru_arrival_fixed_only, "keeps the older one"),
+    (lru_ties_fixed_only, "what the task counts as a use"),
+])
+def test_lru_check_names_each_bug_that_is_left(wrong, said):
+    result = ex.check_lru_keep(wrong)
+    assert result.status == "failed" and said in result.message and "Hint:" in result.message
+
+
+# ------------------------------------------------------------------------- the kernel of Exercise 3
+from exercise_contract import (  # noqa: E402,F401 (collected here, run over this module's CASES)
+    assert_kernel_check_skips_without_triton, test_hidden_cases_pass_right_and_raise_on_wrong_and_stub_in_any_mode,
+    test_right_answer_passes, test_strict_mode_passes_right_and_raises_on_wrong_and_stub,
+    test_stub_is_not_solved_yet, test_wrong_answer_fails_with_hint)
+from labsrc import runtime  # noqa: E402
+from labsrc.kernels._triton import tl, triton  # noqa: E402
+
+
+@triton.jit
+def sums_right(q_ptr, k_ptr, lse_ptr, out_ptr, N, W, D, scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n, mask_d = offs_n < N, offs_d < D
+    keys = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for w in range(W):
+        q = tl.load(q_ptr + w * D + offs_d, mask=mask_d, other=0.0)
+        s = tl.sum(keys * q[None, :], axis=1) * scale
+        acc += tl.where(mask_n & (offs_n <= N - W + w), tl.exp(s - tl.load(lse_ptr + w)), 0.0)
+    tl.store(out_ptr + offs_n, acc, mask=mask_n)
+
+
+@triton.jit
+def sums_not_causal(q_ptr, k_ptr, lse_ptr, out_ptr, N, W, D, scale, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n, mask_d = offs_n < N, offs_d < D
+    keys = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for w in range(W):
+        q = tl.load(q_ptr + w * D + offs_d, mask=mask_d, other=0.0)
+        s = tl.sum(keys * q[None, :], axis=1) * scale
+        acc += tl.where(mask_n, tl.exp(s - tl.load(lse_ptr + w)), 0.0)      # every key visible
+    tl.store(out_ptr + offs_n, acc, mask=mask_n)
+
+
+@triton.jit
+def sums_store_unmasked(q_ptr, k_ptr, lse_ptr, out_ptr, N, W, D, scale, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n, mask_d = offs_n < N, offs_d < D
+    keys = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for w in range(W):
+        q = tl.load(q_ptr + w * D + offs_d, mask=mask_d, other=0.0)
+        s = tl.sum(keys * q[None, :], axis=1) * scale
+        acc += tl.where(mask_n & (offs_n <= N - W + w), tl.exp(s - tl.load(lse_ptr + w)), 0.0)
+    tl.store(out_ptr + offs_n, acc)                                           # lanes past N spill
+
+
+@triton.jit
+def sums_raw_exp(q_ptr, k_ptr, lse_ptr, out_ptr, N, W, D, scale, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_n, mask_d = offs_n < N, offs_d < D
+    keys = tl.load(k_ptr + offs_n[:, None] * D + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for w in range(W):
+        q = tl.load(q_ptr + w * D + offs_d, mask=mask_d, other=0.0)
+        s = tl.sum(keys * q[None, :], axis=1) * scale
+        acc += tl.where(mask_n & (offs_n <= N - W + w), tl.exp(s), 0.0)       # lse forgotten
+    tl.store(out_ptr + offs_n, acc, mask=mask_n)
+
+
+def ever_kept_one_draw(scores, budget, rounds):   # forgets that the draws repeat
+    return student_probabilities(scores, budget)
+
+
+CASES = [(ex.check_lru_keep, student_lru, buggy_lru), (ex.check_ever_kept, student_ever_kept, ever_kept_one_draw)]
+if runtime.HAS_TRITON:   # without Triton the kernel check only says it is skipped (tested below)
+    CASES += [(ex.check_attention_sums_kernel, sums_right, sums_not_causal),
+              (ex.check_attention_sums_kernel, sums_right, sums_store_unmasked)]
+
+needs_triton = pytest.mark.skipif(not runtime.HAS_TRITON, reason="the kernel exercise needs Triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("wrong, said", [(sums_not_causal, "after its own position"),
+                                         (sums_store_unmasked, "outside the output"),
+                                         (sums_raw_exp, "ignores lse")])
+def test_kernel_check_names_what_is_wrong(wrong, said):
+    result = ex.check_attention_sums_kernel(wrong)
+    assert result.status == "failed" and said in result.message
+
+
+def test_kernel_check_says_skipped_without_triton(monkeypatch, capsys):
+    assert_kernel_check_skips_without_triton(ex.check_attention_sums_kernel, sums_right, monkeypatch, capsys)
+
+
+def test_attention_sums_reference_is_the_window_statistic_of_the_library():
+    """The kernel's quantity is H2O's accumulated attention: the library's TokenStats over the same window."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, lse = ex._sum_case(gen, (4, 11, 6))
+    probs = torch.softmax(ex._masked_logits(q, k), -1).float()
+    stats = ev.TokenStats.from_attention(probs[None], torch.ones(11, 1))
+    torch.testing.assert_close(ex.attention_sums_ref(q, k, lse), probs.sum(0))
+    torch.testing.assert_close(stats.acc.float(), ex.attention_sums_ref(q, k, lse))

@@ -1,7 +1,8 @@
-"""Tests of chapter 5's newer exercise checks: the INT4 unpack kernel exercise (a real ``@triton.jit`` kernel
-launched under the interpreter) and the refusal of answers that call the library function they should write.
+"""Tests of chapter 5's exercise checks: the fp16 debugging task, the group-size experiment, the INT4 unpack
+kernel with per-channel steps (a real ``@triton.jit`` kernel launched under the interpreter), and the refusal of
+answers that call the library function they should write.
 
-The contract cases of the older checks (scale/zero, MSE ratio, cache bytes) run in ``tests/test_kvquant.py``.
+The contract cases of the scale/zero check run in ``tests/test_kvquant.py``.
 """
 import pytest
 import torch
@@ -30,10 +31,11 @@ def right_kernel(p_ptr, scale_ptr, zero_ptr, out_ptr, T, DP, GROUP, BLOCK_T: tl.
     mask_t = offs_t < T
     mask = mask_t[:, None] & (offs_c < DP)[None, :]
     byte = tl.load(p_ptr + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
-    s = tl.load(scale_ptr + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
-    z = tl.load(zero_ptr + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
-    lo = (byte & 15).to(tl.float32) * s[:, None] + z[:, None]
-    hi = ((byte >> 4) & 15).to(tl.float32) * s[:, None] + z[:, None]
+    prm = (offs_t // GROUP)[:, None] * (2 * DP) + offs_c[None, :]
+    lo = (byte & 15).to(tl.float32) * tl.load(scale_ptr + prm, mask=mask, other=0.0).to(tl.float32) \
+        + tl.load(zero_ptr + prm, mask=mask, other=0.0).to(tl.float32)
+    hi = ((byte >> 4) & 15).to(tl.float32) * tl.load(scale_ptr + prm + DP, mask=mask, other=0.0).to(tl.float32) \
+        + tl.load(zero_ptr + prm + DP, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_t[:, None] * 2 * DP + offs_c[None, :], lo, mask=mask)
     tl.store(out_ptr + offs_t[:, None] * 2 * DP + DP + offs_c[None, :], hi, mask=mask)
 
@@ -47,10 +49,11 @@ def wrong_kernel_swaps_nibbles(p_ptr, scale_ptr, zero_ptr, out_ptr, T, DP, GROUP
     mask_t = offs_t < T
     mask = mask_t[:, None] & (offs_c < DP)[None, :]
     byte = tl.load(p_ptr + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
-    s = tl.load(scale_ptr + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
-    z = tl.load(zero_ptr + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
-    lo = (byte & 15).to(tl.float32) * s[:, None] + z[:, None]
-    hi = ((byte >> 4) & 15).to(tl.float32) * s[:, None] + z[:, None]
+    prm = (offs_t // GROUP)[:, None] * (2 * DP) + offs_c[None, :]
+    lo = (byte & 15).to(tl.float32) * tl.load(scale_ptr + prm, mask=mask, other=0.0).to(tl.float32) \
+        + tl.load(zero_ptr + prm, mask=mask, other=0.0).to(tl.float32)
+    hi = ((byte >> 4) & 15).to(tl.float32) * tl.load(scale_ptr + prm + DP, mask=mask, other=0.0).to(tl.float32) \
+        + tl.load(zero_ptr + prm + DP, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_t[:, None] * 2 * DP + offs_c[None, :], hi, mask=mask)
     tl.store(out_ptr + offs_t[:, None] * 2 * DP + DP + offs_c[None, :], lo, mask=mask)
 
@@ -65,10 +68,11 @@ def wrong_kernel_skips_last_block(p_ptr, scale_ptr, zero_ptr, out_ptr, T, DP, GR
     mask_t = offs_t < (T // BLOCK_T) * BLOCK_T
     mask = mask_t[:, None] & (offs_c < DP)[None, :]
     byte = tl.load(p_ptr + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
-    s = tl.load(scale_ptr + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
-    z = tl.load(zero_ptr + offs_t // GROUP, mask=mask_t, other=0.0).to(tl.float32)
-    lo = (byte & 15).to(tl.float32) * s[:, None] + z[:, None]
-    hi = ((byte >> 4) & 15).to(tl.float32) * s[:, None] + z[:, None]
+    prm = (offs_t // GROUP)[:, None] * (2 * DP) + offs_c[None, :]
+    lo = (byte & 15).to(tl.float32) * tl.load(scale_ptr + prm, mask=mask, other=0.0).to(tl.float32) \
+        + tl.load(zero_ptr + prm, mask=mask, other=0.0).to(tl.float32)
+    hi = ((byte >> 4) & 15).to(tl.float32) * tl.load(scale_ptr + prm + DP, mask=mask, other=0.0).to(tl.float32) \
+        + tl.load(zero_ptr + prm + DP, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_t[:, None] * 2 * DP + offs_c[None, :], lo, mask=mask)
     tl.store(out_ptr + offs_t[:, None] * 2 * DP + DP + offs_c[None, :], hi, mask=mask)
 
@@ -117,45 +121,140 @@ def test_unpack_kernel_is_skipped_with_a_message_without_triton(monkeypatch, cap
     assert_kernel_check_skips_without_triton(ex.check_unpack_kernel, stub_kernel, monkeypatch, capsys)
 
 
+@triton.jit
+def wrong_kernel_one_step_per_group(p_ptr, scale_ptr, zero_ptr, out_ptr, T, DP, GROUP, BLOCK_T: tl.constexpr,
+                                    BLOCK_DP: tl.constexpr):
+    # The chapter's layout: one step per group of tokens, read from channel 0 of the group's row.
+    pid = tl.program_id(0)
+    offs_t = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, BLOCK_DP)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_c < DP)[None, :]
+    byte = tl.load(p_ptr + offs_t[:, None] * DP + offs_c[None, :], mask=mask, other=0).to(tl.int32)
+    s = tl.load(scale_ptr + (offs_t // GROUP) * 2 * DP, mask=mask_t, other=0.0).to(tl.float32)
+    z = tl.load(zero_ptr + (offs_t // GROUP) * 2 * DP, mask=mask_t, other=0.0).to(tl.float32)
+    lo = (byte & 15).to(tl.float32) * s[:, None] + z[:, None]
+    hi = ((byte >> 4) & 15).to(tl.float32) * s[:, None] + z[:, None]
+    tl.store(out_ptr + offs_t[:, None] * 2 * DP + offs_c[None, :], lo, mask=mask)
+    tl.store(out_ptr + offs_t[:, None] * 2 * DP + DP + offs_c[None, :], hi, mask=mask)
+
+
+@needs_triton
+def test_unpack_kernel_names_a_step_shared_by_the_channels():
+    result = ex.check_unpack_kernel(wrong_kernel_one_step_per_group)
+    assert result.status == "failed" and "channel 0 of its group" in result.message
+
+
+def test_per_channel_pack_round_trips_within_half_a_step():
+    """The check's own packing: unpacking the planar nibbles gives the codes, and the reconstruction is within
+    half a step of every element (the check compares kernels with it)."""
+    x = torch.randn(13, 10) * torch.linspace(0.1, 5, 10)
+    packed, scale, zero, codes = ex.per_channel_pack(x, 4)
+    assert torch.equal(torch.cat([packed & 15, packed >> 4], dim=1), codes)
+    rows = torch.arange(13) // 4
+    err = (ex.per_channel_unpack_ref(codes, scale, zero, 4) - x).abs()
+    assert bool((err <= scale[rows].float() / 2 + zero[rows].float().abs() * 2 ** -10 + 1e-3).all())
+
+
+# ----------------------------------------------------------------------------- fp16 step and zero point
+def fp16_buggy(group, bits):              # the exercise's given version
+    levels = 2 ** bits - 1
+    lo, hi = group.min(), group.max()
+    scale = ((hi - lo) / levels).half()
+    zero = lo.half()
+    return torch.round((group - zero.double()) / scale.double()).clamp(0, levels), scale, zero
+
+
+def fp16_fixed(group, bits):
+    levels = 2 ** bits - 1
+    lo, hi = group.min(), group.max()
+    zero = lo.half()
+    if zero.double() > lo:
+        zero = torch.nextafter(zero, torch.tensor(float("-inf"), dtype=torch.float16))
+    scale = ((hi - zero.double()) / levels).half()
+    if zero.double() + levels * scale.double() < hi:
+        scale = torch.nextafter(scale, torch.tensor(float("inf"), dtype=torch.float16))
+    return torch.round((group - zero.double()) / scale.double()).clamp(0, levels), scale, zero
+
+
+def fp16_library_margins(group, bits):    # the library's rule: a relative margin, not one fp16 step
+    levels = 2 ** bits - 1
+    lo, hi = group.min(), group.max()
+    zero = (lo - lo.abs() * 2 ** -10 - 2 ** -24).half()
+    scale = ((hi - zero.double()) / levels * (1 + 2 ** -10) + 2 ** -24).half()
+    return torch.round((group - zero.double()) / scale.double()).clamp(0, levels), scale, zero
+
+
+def fp16_too_wide(group, bits):           # safe, but pays a tenth of a step on every element
+    codes, scale, zero = fp16_fixed(group, bits)
+    wide = (scale.double() * 1.1).half()
+    return torch.round((group - zero.double()) / wide.double()).clamp(0, 2 ** bits - 1), wide, zero
+
+
+def fp16_float32_params(group, bits):     # right grid, but not stored as the cache stores it
+    codes, scale, zero = fp16_fixed(group, bits)
+    return codes, scale.float(), zero.float()
+
+
+def test_fp16_check_accepts_another_safe_rounding():
+    assert ex.check_fp16_params(fp16_library_margins).passed
+
+
+@pytest.mark.parametrize("wrong, said", [(fp16_buggy, "more than half a step"),
+                                         (fp16_too_wide, "wider than fp16 rounding needs"),
+                                         (fp16_float32_params, "torch.float16")])
+def test_fp16_check_names_what_is_wrong(wrong, said):
+    result = ex.check_fp16_params(wrong)
+    assert result.status == "failed" and said in result.message and "Hint:" in result.message
+
+
+# ------------------------------------------------------------------------------ the group-size experiment
+def largest_group_right(x, bits, max_ratio):
+    per_token = kq.mse(x, kq.quantize(x, bits, normalize=False, granularity="token").dequantize())
+    g = 1
+    while 2 * g <= x.shape[0] and float(kq.mse(x, kq.quantize(x, bits, 2 * g, normalize=False,
+                                                               granularity="group").dequantize()) / per_token) <= max_ratio:
+        g *= 2
+    return g
+
+
+def largest_group_one_short(x, bits, max_ratio):   # stops a doubling early
+    return max(1, largest_group_right(x, bits, max_ratio) // 2)
+
+
+def test_group_size_answers_vary_with_the_head_and_the_budget():
+    """The experiment is not answered by one constant: the drawn heads and budgets give different sizes."""
+    gen = torch.Generator().manual_seed(43)
+    sizes = {largest_group_right(*ex._head_inputs(gen)) for _ in range(8)}
+    assert len(sizes) >= 2
+
+
+def test_group_size_check_refuses_a_size_that_is_not_a_power_of_two():
+    result = ex.check_group_size(lambda x, bits, r: 3)
+    assert result.status == "failed" and "power of two" in result.message
+
+
+CASES = [(ex.check_fp16_params, fp16_fixed, fp16_buggy),
+         (ex.check_group_size, largest_group_right, largest_group_one_short)]
+if runtime.HAS_TRITON:
+    CASES += [(ex.check_unpack_kernel, right_kernel, wrong_kernel_swaps_nibbles)]
+
+from exercise_contract import (  # noqa: E402,F401 (collected here, run over this module's CASES)
+    test_hidden_cases_pass_right_and_raise_on_wrong_and_stub_in_any_mode, test_right_answer_passes,
+    test_strict_mode_passes_right_and_raises_on_wrong_and_stub, test_stub_is_not_solved_yet,
+    test_wrong_answer_fails_with_hint)
+
+
 def test_checks_refuse_answers_that_call_the_library():
-    def via_module(n, layers, heads, d, bits, g):
-        return kq.kv_bytes(n, layers, heads, d, bits=bits, group_size=g)
-
-    kv_bytes_alias = kq.kv_bytes
-
-    def via_alias(n, layers, heads, d, bits, g):
-        return kv_bytes_alias(n, layers, heads, d, bits=bits, group_size=g)
-
-    def via_ratio(var, per):
-        return kq.predicted_mse_ratio(var, per_channel_steps=per)
-
     def via_scale_zero(group, bits):
         return kq.scale_zero(group.min(), group.max(), bits)
 
-    for check, answer in ((ex.check_cache_bytes, via_module), (ex.check_cache_bytes, via_alias),
-                          (ex.check_mse_ratio, via_ratio), (ex.check_scale_zero, via_scale_zero)):
+    def via_quantize(group, bits):
+        q = kq.quantize(group.float()[None], bits, group.numel(), normalize=False)
+        return q.codes, q.scale, q.zero
+
+    for check, answer in ((ex.check_scale_zero, via_scale_zero), (ex.check_fp16_params, via_quantize)):
         result = check(answer)
         assert result.status == "failed" and "write it yourself" in result.message, check.__name__
         with pytest.raises(ExerciseFailed):
             check(answer, hidden=True)
-
-
-def test_hints_do_not_give_the_answer():
-    """The bytes hint names what to count, not the byte sizes of the formula."""
-    def wrong(n, layers, heads, d, bits, g):
-        return 1
-
-    message = ex.check_cache_bytes(wrong).message
-    assert "Hint:" in message
-    assert "2 + 2" not in message and "ceil(n / g)" not in message and "bits/8" not in message
-
-
-def test_a_students_own_function_of_the_same_name_is_not_refused():
-    """A helper the student wrote and named like the library's function is their own work."""
-    namespace = {}
-    exec("def kv_bytes(n, layers, heads, d, bits, g):\n"
-         "    return 2 * layers * heads * (-(-n * d * bits // 8) + -(-n // g) * 4 + 4 * d)\n"
-         "def answer(n, layers, heads, d, bits, g):\n"
-         "    return kv_bytes(n, layers, heads, d, bits, g)\n", namespace)
-    assert library_use(namespace["answer"], (kq.kv_bytes,)) == []
-    assert ex.check_cache_bytes(namespace["answer"]).passed

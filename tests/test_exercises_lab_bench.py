@@ -20,14 +20,47 @@ def params_ignoring_gqa(cfg):
     return vocab * h * (1 if cfg["tie_word_embeddings"] else 2) + layers * per_layer + h
 
 
-def ecl_ignoring_order(lengths, accuracy, threshold):
-    # Wrong on purpose: the longest passing length, even after a failure.
-    return max([n for n, a in zip(lengths, accuracy) if a >= threshold], default=0)
+def wilson_lower(k, n, z=1.959963984540054):
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * torch.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return torch.where(k == 0, 0.0, centre - half)
 
 
-def bucket_perplexity_of_means_wrong(nll, bucket):
-    # Wrong on purpose: mean of exponentials instead of exponential of the mean NLL.
-    return torch.stack([nll[..., s:s + bucket].exp().mean() for s in range(0, nll.shape[-1], bucket)])
+def probe_size(p_true, threshold, power):
+    """By simulation, as a student would: 4,000 probes of n samples at each n, counted as the table counts."""
+    gen = torch.Generator().manual_seed(0)
+    n = 10
+    while True:
+        k = torch.binomial(torch.full((4000,), float(n)), torch.full((4000,), p_true), generator=gen)
+        rate = float((wilson_lower(k.double(), n) > threshold).double().mean())
+        if rate >= power:
+            return n, rate
+        n += 10
+
+
+def probe_size_ignoring_chance(p_true, threshold, power):
+    # Wrong on purpose: the n at which a score of exactly p_true passes, as if the probe had no sampling noise.
+    n = 10
+    while wilson_lower(torch.tensor(p_true * n, dtype=torch.float64), n) <= threshold:
+        n += 10
+    return n, 1.0
+
+
+def bucket_perplexity_as_shown(nll, bucket):
+    """The buggy function the exercise shows: it drops a shorter last bucket and averages exp(loss)."""
+    out = []
+    for s in range(0, nll.shape[1] - bucket + 1, bucket):
+        out.append(nll[:, s:s + bucket].exp().mean())
+    return torch.stack(out)
+
+
+def bucket_perplexity_keeps_mean_of_exp(nll, bucket):
+    return torch.stack([nll[:, s:s + bucket].exp().mean() for s in range(0, nll.shape[1], bucket)])
+
+
+def bucket_perplexity_drops_last(nll, bucket):
+    return torch.stack([nll[:, s:s + bucket].mean() for s in range(0, nll.shape[1] - bucket + 1, bucket)]).exp()
 
 
 def pareto_all_points(points):
@@ -40,15 +73,6 @@ def parameter_count(cfg):
     kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * cfg["intermediate_size"] + 2 * h
     return cfg["vocab_size"] * h * (1 if cfg["tie_word_embeddings"] else 2) + layers * per_layer + h
-
-
-def effective_context_length(lengths, accuracy, threshold):
-    best = 0
-    for length, acc in sorted(zip(lengths, accuracy)):
-        if acc < threshold:
-            break
-        best = length
-    return best
 
 
 def bucket_perplexity(nll, bucket):
@@ -74,8 +98,8 @@ def keys_needed_normal_interval(threshold):
 
 CASES = [
     (ex.check_parameter_count, parameter_count, params_ignoring_gqa),
-    (ex.check_effective_context_length, effective_context_length, ecl_ignoring_order),
-    (ex.check_bucket_perplexity, bucket_perplexity, bucket_perplexity_of_means_wrong),
+    (ex.check_probe_size, probe_size, probe_size_ignoring_chance),
+    (ex.check_bucket_perplexity, bucket_perplexity, bucket_perplexity_as_shown),
     (ex.check_pareto_front, pareto_front, pareto_all_points),
     (ex.check_keys_needed, keys_needed, keys_needed_normal_interval),
 ]
@@ -129,7 +153,6 @@ def _via_model(cfg):
 
 @pytest.mark.parametrize("check,answer", [
     (ex.check_parameter_count, ex._llama_reference), (ex.check_parameter_count, _via_model),
-    (ex.check_effective_context_length, ex.effective_context_length_ref),
     (ex.check_bucket_perplexity, ex.bucket_perplexity_ref), (ex.check_bucket_perplexity, _via_tasks),
     (ex.check_pareto_front, ex._pareto_ref), (ex.check_pareto_front, _via_alias),
     (ex.check_keys_needed, ex.keys_needed_ref), (ex.check_keys_needed, _via_estimate),
@@ -138,3 +161,40 @@ def test_calling_the_library_function_is_refused(check, answer, capsys):
     result = check(answer)
     assert result.status == "failed" and "compute it yourself" in result.message
     assert "compute it yourself" in capsys.readouterr().out
+
+
+def test_pass_probability_is_the_binomial_sum_over_the_probe_tables_rule():
+    """The exact truth the probe-size check uses: Wilson's lower end as labsrc.claims computes it, a pass when it
+    lies above the threshold, summed over the binomial distribution of right answers."""
+    import math
+    from labsrc.claims import wilson
+    for n, p, t in ((20, 0.95, 0.856), (57, 0.9, 0.8), (130, 0.97, 0.856)):
+        exact = sum(math.comb(n, k) * p ** k * (1 - p) ** (n - k) for k in range(n + 1) if wilson(k, n)[0] > t)
+        assert abs(ex.pass_probability_ref(n, p, t) - exact) < 1e-12
+
+
+def test_probe_size_tells_which_part_of_the_answer_is_wrong():
+    def too_small(p_true, threshold, power):
+        n, _ = probe_size(p_true, threshold, power)
+        return n - 10 if n > 10 else n, ex.pass_probability_ref(max(10, n - 10), p_true, threshold)
+
+    def larger_than_needed(p_true, threshold, power):
+        n, _ = probe_size(p_true, threshold, power)
+        return 2 * n + 50, ex.pass_probability_ref(2 * n + 50, p_true, threshold)
+
+    def rate_not_measured(p_true, threshold, power):
+        return probe_size(p_true, threshold, power)[0], 1.0
+
+    said = {f.__name__: ex.check_probe_size(f).message for f in (too_small, larger_than_needed, rate_not_measured)}
+    assert all("Hint:" in m for m in said.values())
+    assert "not the smallest" in said["larger_than_needed"]
+    assert "measured" in said["rate_not_measured"]
+    assert "too small" in said["too_small"] or "off by more" in said["too_small"]
+    assert "not a positive multiple" in ex.check_probe_size(lambda *a: (15, 0.9)).message
+    assert "expected a pair" in ex.check_probe_size(lambda *a: 40).message
+
+
+def test_bucket_check_names_each_bug_of_the_shown_function():
+    assert "averages the per-token perplexities" in ex.check_bucket_perplexity(bucket_perplexity_keeps_mean_of_exp).message
+    message = ex.check_bucket_perplexity(bucket_perplexity_drops_last).message
+    assert "buckets, the last one holding" in message

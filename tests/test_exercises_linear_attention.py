@@ -1,7 +1,10 @@
 """The linear-attention chapter's exercise checks keep the contract (right passes, wrong fails with a hint, the
-stub is "not solved yet", hidden cases raise), refuse answers that call the labsrc function they ask for, and
-the kernel exercise catches a missing mask and says it is skipped without Triton."""
+stub is "not solved yet", hidden cases raise), refuse answers that call the labsrc function that would do them,
+say under which simplification a wrong read or a wrong chunked attention is right, and the kernel exercise catches
+a missing mask and says it is skipped without Triton."""
 import labsrc  # noqa: F401
+
+import math
 
 import pytest
 import torch
@@ -24,28 +27,49 @@ def costs_wrong(T, d, dv):          # forgets that phi(Q) (phi(K)^T V) is two pr
     return 2 * T * T * (d + dv), 2 * T * d * dv
 
 
-def delta_right(S, k, v, beta, g):
-    S = torch.exp(torch.tensor(g, dtype=S.dtype)) * S
-    return S + beta * torch.outer(k, v - S.T @ k)
+def read_right(beta1, beta2, g, key_norm):
+    r2 = key_norm ** 2
+    # first write: the state predicts beta1 r2 a for k; the decay scales it; the second write
+    # moves the prediction a fraction beta2 r2 of the way to b
+    first = math.exp(g) * beta1 * r2
+    return first * (1 - beta2 * r2), beta2 * r2
 
 
-def delta_wrong(S, k, v, beta, g):  # predicts with the state before the decay
-    return torch.exp(torch.tensor(g, dtype=S.dtype)) * S + beta * torch.outer(k, v - S.T @ k)
+def read_wrong_unit_key(beta1, beta2, g, key_norm):   # forgets that |k| enters the write and the read
+    return math.exp(g) * beta1 * (1 - beta2), beta2
 
 
-def chunk_right(q, k, v, gamma, S):
-    n = q.shape[0]
-    out = torch.zeros(n, v.shape[1], dtype=q.dtype)
-    for i in range(n):
-        out[i] = torch.exp(gamma[i]) * (q[i] @ S)
-        for j in range(i + 1):
-            out[i] += (q[i] @ k[j]) * torch.exp(gamma[i] - gamma[j]) * v[j]
-    return out
+def read_wrong_decay(beta1, beta2, g, key_norm):      # decays the first write after the second one's error
+    r2 = key_norm ** 2
+    return math.exp(g) * beta1 * r2 - beta2 * r2 * beta1 * r2, beta2 * r2
 
 
-def chunk_wrong(q, k, v, gamma, S):   # no causal mask inside the chunk
-    decay = torch.exp(gamma[:, None] - gamma[None, :])
-    return (q * gamma.exp()[:, None]) @ S + ((q @ k.T) * decay) @ v
+def chunked_right(q, k, v, g, chunk):
+    S = q.new_zeros(q.shape[1], v.shape[1])
+    out = []
+    for s in range(0, q.shape[0], chunk):
+        qc, kc, vc, gc = q[s:s + chunk], k[s:s + chunk], v[s:s + chunk], g[s:s + chunk]
+        gamma = torch.cumsum(gc, 0)
+        n = gamma.shape[0]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        decay = torch.exp(torch.where(causal, gamma[:, None] - gamma[None, :], -math.inf))
+        out.append((qc * torch.exp(gamma)[:, None]) @ S + ((qc @ kc.T) * decay) @ vc)
+        S = torch.exp(gamma[-1]) * S + (kc * torch.exp(gamma[-1] - gamma)[:, None]).T @ vc
+    return torch.cat(out)
+
+
+def chunked_buggy(q, k, v, g, chunk):       # the exercise's function: the state decayed to the token before
+    S = q.new_zeros(q.shape[1], v.shape[1])
+    out = []
+    for s in range(0, q.shape[0], chunk):
+        qc, kc, vc, gc = q[s:s + chunk], k[s:s + chunk], v[s:s + chunk], g[s:s + chunk]
+        gamma = torch.cumsum(gc, 0)
+        n = gamma.shape[0]
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        decay = torch.exp(torch.where(causal, gamma[:, None] - gamma[None, :], -math.inf))
+        out.append((qc * torch.exp(gamma - gc)[:, None]) @ S + ((qc @ kc.T) * decay) @ vc)
+        S = torch.exp(gamma[-1]) * S + (kc * torch.exp(gamma[-1] - gamma)[:, None]).T @ vc
+    return torch.cat(out)
 
 
 def features_right(q, k, v, make_proj, candidates, bound):
@@ -110,8 +134,9 @@ def kernel_no_store_mask(q_ptr, k_ptr, v_ptr, o_ptr, T, K, V, decay, BLOCK_K: tl
 
 CASES = [
     (ex.check_association_costs, costs_right, costs_wrong),
-    (ex.check_delta_step, delta_right, delta_wrong),
-    (ex.check_chunk_output, chunk_right, chunk_wrong),
+    (ex.check_read_after_two_writes, read_right, read_wrong_unit_key),
+    (ex.check_read_after_two_writes, read_right, read_wrong_decay),
+    (ex.check_chunked_attention, chunked_right, chunked_buggy),
     (ex.check_features_needed, features_right, features_wrong),
 ]
 if runtime.HAS_TRITON:
@@ -129,21 +154,41 @@ def test_kernel_check_says_skipped_without_triton(monkeypatch, capsys):
     assert_kernel_check_skips_without_triton(ex.check_recurrent_kernel, kernel_right, monkeypatch, capsys)
 
 
-def delta_calls_library(S, k, v, beta, g):
-    return ex.delta_step_reference(S, k, v, beta, g)
+def read_calls_library(beta1, beta2, g, key_norm):
+    return ex.read_measurement(beta1, beta2, g, key_norm)
 
 
-def chunk_calls_library(q, k, v, gamma, S):
-    g = torch.diff(gamma, prepend=gamma.new_zeros(1))
-    o, _ = la.lightning_attention(q[None, :, None], k[None, :, None], v[None, :, None], None, 64, 1.0,
-                                  S[None, None], False)
-    return o[0, :, 0] + 0 * g.sum()
+def chunked_calls_library(q, k, v, g, chunk):
+    o, _ = la.gated_delta_rule_chunked(q[None, :, None], k[None, :, None], v[None, :, None], g[None, :, None],
+                                       torch.zeros_like(g)[None, :, None], scale=1.0, chunk_size=chunk)
+    return o[0, :, 0]
 
 
 @pytest.mark.parametrize("check,answer,called", [
-    (ex.check_delta_step, delta_calls_library, "gated_delta_rule_recurrent"),
-    (ex.check_chunk_output, chunk_calls_library, "lightning_attention"),
+    (ex.check_read_after_two_writes, read_calls_library, "read_measurement"),
+    (ex.check_chunked_attention, chunked_calls_library, "gated_delta_rule_chunked"),
 ])
 def test_checks_refuse_a_call_to_the_library_function(check, answer, called, lenient, capsys):
     result = check(answer)
     assert result.status == "failed" and called in result.message and "Hint:" in result.message
+
+
+def test_the_measured_read_is_the_closed_form_on_a_grid():
+    """The recurrence the read is checked against has one closed form (so the exercise has one answer)."""
+    for beta1 in (0.0, 0.3, 1.0):
+        for beta2 in (0.0, 0.5, 1.0):
+            for g in (0.0, -0.7):
+                for norm in (1.0, 0.5, 1.7):
+                    got = ex.read_measurement(beta1, beta2, g, norm)
+                    assert all(math.isclose(x, y, abs_tol=1e-12) for x, y in zip(got, read_right(beta1, beta2, g, norm)))
+
+
+def test_read_check_says_what_the_answer_is_right_for(lenient, capsys):
+    result = ex.check_read_after_two_writes(read_wrong_unit_key)
+    assert result.status == "failed" and "right for a unit key" in result.message
+
+
+def test_chunked_check_says_the_buggy_function_is_right_without_decay_and_on_one_chunk(lenient, capsys):
+    result = ex.check_chunked_attention(chunked_buggy)
+    assert result.status == "failed" and "Without decay (g = 0) your output is right" in result.message
+    assert "one chunk holding the whole sequence it is right" in result.message

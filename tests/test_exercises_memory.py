@@ -1,6 +1,7 @@
 """The memory chapter's exercise checks keep the contract (right passes, wrong fails with a hint, the stub is
-"not solved yet", hidden cases raise), refuse answers that call the labsrc function they ask for, and the
-kernel exercise catches a missing mask and says it is skipped without Triton."""
+"not solved yet", hidden cases raise), refuse answers that call the labsrc function they ask for, name the
+typical slips (a prediction that ignores the shard, an nprobe that is not the smallest, the chunker's split
+fact, an id of -1 loaded as a row), and the kernel exercise says it is skipped without Triton."""
 import labsrc  # noqa: F401
 
 import math
@@ -18,140 +19,216 @@ from labsrc.exercises import memory as ex
 from labsrc.kernels._triton import tl, triton
 
 
-def merge_right(sa, ia, sb, ib, k):
-    s, i = torch.cat([sa, sb], 1), torch.cat([ia, ib], 1)
-    rows = []
-    for srow, irow in zip(s.tolist(), i.tolist()):
-        rows.append(sorted(zip(srow, irow), key=lambda p: (-p[0], p[1]))[:k])
-    return torch.tensor([[p[0] for p in r] for r in rows]), torch.tensor([[p[1] for p in r] for r in rows])
+# ----------------------------------------------------------------------------- the sharded search's recall
+def recall_right(k, shards, per_shard):
+    """The row of rank r survives iff fewer than per_shard of the r - 1 better rows share its shard."""
+    p = 1 / shards
+    return sum(sum(math.comb(r, j) * p ** j * (1 - p) ** (r - j) for j in range(min(per_shard, r + 1)))
+               for r in range(k)) / k
 
 
-def merge_wrong_ties(sa, ia, sb, ib, k):          # ties broken by position, not by id
-    s, i = torch.cat([sb, sa], 1), torch.cat([ib, ia], 1)
-    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k]
-    return s.gather(1, order), i.gather(1, order)
+def recall_wrong_proportional(k, shards, per_shard):     # "each shard returns per_shard of k/shards rows"
+    return min(1.0, per_shard * shards / k)
 
 
-def chunks_right(n, size, overlap):
+def simulated_recall(k, shards, per_shard, trials=4000, n=400):
+    """The measurement the notebook makes: random scores, random shards, each shard's top per_shard, merged."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(trials, n, generator=gen)
+    shard = torch.randint(0, shards, (trials, n), generator=gen)
+    truth = scores.topk(k, 1).indices
+    kept = torch.zeros(trials, n, dtype=torch.bool)
+    for s in range(shards):
+        top = scores.masked_fill(shard != s, float("-inf")).topk(per_shard, 1).indices
+        kept.scatter_(1, top, True)
+    merged = scores.masked_fill(~kept, float("-inf")).topk(k, 1).indices
+    hits = (merged[:, :, None] == truth[:, None, :]).any(1).sum()
+    return hits.item() / truth.numel()
+
+
+def test_the_sharded_reference_is_what_a_simulation_measures():
+    for k, shards, per_shard in ((16, 4, 4), (32, 8, 6), (10, 3, 2)):
+        assert abs(ex._sharded_recall_ref(k, shards, per_shard) - simulated_recall(k, shards, per_shard)) < 0.01
+
+
+def test_the_sharded_check_names_a_prediction_that_is_not_one_with_one_shard(lenient, capsys):
+    result = ex.check_sharded_recall(lambda k, s, p: p / k)
+    assert result.status == "failed" and "single shard" in result.message
+
+
+# ----------------------------------------------------------------------------- the smallest nprobe
+def nprobe_right(keys, queries, k, nlist, target):
+    exact = memory.KVMemory(keys.shape[1])
+    exact.add(keys, keys)
+    _, truth = exact.search_ids(queries, k)
+    for nprobe in range(1, nlist + 1):
+        ivf = memory.KVMemory(keys.shape[1], "faiss-ivf", nlist=nlist, nprobe=nprobe)
+        ivf.add(keys, keys)
+        if memory.recall_at_k(ivf.search_ids(queries, k)[1], truth) >= target:
+            return nprobe
+    return nlist
+
+
+def nprobe_wrong_all_cells(keys, queries, k, nlist, target):       # meets any target, and wastes the index
+    return nlist
+
+
+def test_the_nprobe_check_says_when_a_smaller_nprobe_meets_the_target(lenient, capsys):
+    result = ex.check_smallest_nprobe(nprobe_wrong_all_cells)
+    assert result.status == "failed" and "smaller nprobe" in result.message
+
+
+def test_the_nprobe_check_says_when_the_target_is_missed(lenient, capsys):
+    result = ex.check_smallest_nprobe(lambda *a: 1)
+    assert result.status == "failed" and "below the target" in result.message
+
+
+# ----------------------------------------------------------------------------- the chunker
+def chunks_buggy(n, size, overlap):      # the exercise's chunker: the remainder starts where the last span ends
     if n <= size:
         return [(0, n)] if n else []
-    step, spans, s = size - overlap, [], 0
-    while s + size < n:
-        spans.append((s, s + size))
-        s += step
+    spans, start = [], 0
+    while start + size <= n:
+        spans.append((start, start + size))
+        start += size - overlap
+    if spans[-1][1] < n:
+        spans.append((spans[-1][1], n))
+    return spans
+
+
+def chunks_fixed_by_rule(n, size, overlap):
+    if n <= size:
+        return [(0, n)] if n else []
+    spans, start = [], 0
+    while start + size < n:
+        spans.append((start, start + size))
+        start += size - overlap
     return spans + [(n - size, n)]
 
 
-def chunks_wrong_no_overlap(n, size, overlap):   # forgets the overlap: a fact at a boundary is split
-    return [(s, min(n, s + size)) for s in range(0, n, size)]
+def chunks_fixed_short_tail(n, size, overlap):   # another right fix: the remainder keeps the overlap
+    if n <= size:
+        return [(0, n)] if n else []
+    spans, start = [], 0
+    while start + size <= n:
+        spans.append((start, start + size))
+        start += size - overlap
+    if spans[-1][1] < n:
+        spans.append((start, n))
+    return spans
 
 
-def mix_right(q, kl, vl, mk, mv, gate):
-    B, H, T, D = q.shape
-    kl = kl.repeat_interleave(H // kl.shape[1], 1)
-    vl = vl.repeat_interleave(H // vl.shape[1], 1)
-    s = q @ kl.transpose(-1, -2) / math.sqrt(D)
-    Tk = kl.shape[2]
-    s = s.masked_fill(torch.ones(T, Tk, dtype=torch.bool).tril(Tk - T).logical_not(), float("-inf"))
-    local = torch.softmax(s, -1) @ vl
-    mem = torch.einsum("bhtk,bhtkd->bhtd", torch.softmax(torch.einsum("bhtd,bhtkd->bhtk", q, mk) / math.sqrt(D), -1),
-                       mv)
-    g = torch.sigmoid(gate)[None, :, None, None]
-    return g * mem + (1 - g) * local
+def test_the_chunker_check_accepts_any_right_fix(lenient, capsys):
+    assert ex.check_fixed_chunks(chunks_fixed_short_tail).passed
 
 
-def _joint(q, kl, vl, mk, mv, gate=None):   # the source's single softmax over both, no gate
-    B, H, T, D = q.shape
-    kl = kl.repeat_interleave(H // kl.shape[1], 1)
-    vl = vl.repeat_interleave(H // vl.shape[1], 1)
-    Tk = kl.shape[2]
-    s = (q @ kl.transpose(-1, -2) / math.sqrt(D)).masked_fill(
-        torch.ones(T, Tk, dtype=torch.bool).tril(Tk - T).logical_not(), float("-inf"))
-    sm = torch.einsum("bhtd,bhtkd->bhtk", q, mk) / math.sqrt(D)
-    p = torch.softmax(torch.cat([s, sm], -1), -1)
-    return p[..., :Tk] @ vl + torch.einsum("bhtk,bhtkd->bhtd", p[..., Tk:], mv)
+def test_the_chunker_check_names_the_split_run(lenient, capsys):
+    result = ex.check_fixed_chunks(chunks_buggy)
+    assert result.status == "failed" and "is split" in result.message
 
 
+def test_the_chunker_check_names_a_chunk_that_is_too_long(lenient, capsys):
+    result = ex.check_fixed_chunks(lambda n, size, overlap: [(0, n)] if n else [])
+    assert result.status == "failed" and "longer than size" in result.message
+
+
+# ----------------------------------------------------------------------------- the kernel
 @triton.jit
-def kernel_right(q_ptr, mk_ptr, mv_ptr, out_ptr, scale, K: tl.constexpr, D: tl.constexpr,
+def kernel_right(q_ptr, keys_ptr, values_ptr, ids_ptr, out_ptr, scale, K: tl.constexpr, D: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     k = tl.arange(0, BLOCK_K)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
-    km = k < K
+    ids = tl.load(ids_ptr + t * K + k, mask=k < K, other=-1)
+    found = ids >= 0
+    rows = tl.where(found, ids, 0)
+    m2 = found[:, None] & dm[None, :]
     q = tl.load(q_ptr + t * D + d, mask=dm, other=0.0)
-    tile = t * K * D + k[:, None] * D + d[None, :]
-    m2 = km[:, None] & dm[None, :]
-    rows = tl.load(mk_ptr + tile, mask=m2, other=0.0)
-    s = tl.sum(q[None, :] * rows, 1) * scale
-    s = tl.where(km, s, float("-inf"))
-    p = tl.exp(s - tl.max(s, 0))
-    p = p / tl.sum(p, 0)
-    vals = tl.load(mv_ptr + tile, mask=m2, other=0.0)
+    keys = tl.load(keys_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0.0)
+    s = tl.where(found, tl.sum(q[None, :] * keys, 1) * scale, float("-inf"))
+    p = tl.where(found, tl.exp(s - tl.max(s, 0)), 0.0)
+    p = p / tl.maximum(tl.sum(p, 0), 1e-30)
+    vals = tl.load(values_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0.0)
     tl.store(out_ptr + t * D + d, tl.sum(p[:, None] * vals, 0), mask=dm)
 
 
 @triton.jit
-def kernel_no_row_mask(q_ptr, mk_ptr, mv_ptr, out_ptr, scale, K: tl.constexpr, D: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def kernel_empty_row_nan(q_ptr, keys_ptr, values_ptr, ids_ptr, out_ptr, scale, K: tl.constexpr,
+                         D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     k = tl.arange(0, BLOCK_K)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
+    ids = tl.load(ids_ptr + t * K + k, mask=k < K, other=-1)
+    found = ids >= 0
+    m2 = found[:, None] & dm[None, :]
     q = tl.load(q_ptr + t * D + d, mask=dm, other=0.0)
-    tile = t * K * D + k[:, None] * D + d[None, :]
-    m2 = (k[:, None] < K) & dm[None, :]
-    rows = tl.load(mk_ptr + tile, mask=m2, other=0.0)
-    s = tl.sum(q[None, :] * rows, 1) * scale          # padded rows score 0 and take part in the softmax
-    p = tl.exp(s - tl.max(s, 0))
+    keys = tl.load(keys_ptr + ids[:, None] * D + d[None, :], mask=m2, other=0.0)
+    s = tl.where(found, tl.sum(q[None, :] * keys, 1) * scale, float("-inf"))
+    p = tl.exp(s - tl.max(s, 0))                     # all -inf when nothing was found: 0 / 0
     p = p / tl.sum(p, 0)
-    vals = tl.load(mv_ptr + tile, mask=m2, other=0.0)
+    vals = tl.load(values_ptr + ids[:, None] * D + d[None, :], mask=m2, other=0.0)
     tl.store(out_ptr + t * D + d, tl.sum(p[:, None] * vals, 0), mask=dm)
 
 
 @triton.jit
-def kernel_no_store_mask(q_ptr, mk_ptr, mv_ptr, out_ptr, scale, K: tl.constexpr, D: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
+def kernel_loads_missing_rows(q_ptr, keys_ptr, values_ptr, ids_ptr, out_ptr, scale, K: tl.constexpr,
+                              D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr):
     t = tl.program_id(0)
     k = tl.arange(0, BLOCK_K)
     d = tl.arange(0, BLOCK_D)
     dm = d < D
     km = k < K
+    ids = tl.load(ids_ptr + t * K + k, mask=km, other=0)
+    m2 = km[:, None] & dm[None, :]                  # an id of -1 reads the row before the memory
     q = tl.load(q_ptr + t * D + d, mask=dm, other=0.0)
-    tile = t * K * D + k[:, None] * D + d[None, :]
-    m2 = km[:, None] & dm[None, :]
-    s = tl.where(km, tl.sum(q[None, :] * tl.load(mk_ptr + tile, mask=m2, other=0.0), 1) * scale, float("-inf"))
+    keys = tl.load(keys_ptr + ids[:, None] * D + d[None, :], mask=m2, other=0.0)
+    s = tl.where(km, tl.sum(q[None, :] * keys, 1) * scale, float("-inf"))
     p = tl.exp(s - tl.max(s, 0))
     p = p / tl.sum(p, 0)
-    vals = tl.load(mv_ptr + tile, mask=m2, other=0.0)
-    tl.store(out_ptr + t * D + d, tl.sum(p[:, None] * vals, 0))     # lanes d >= D spill into the next row
+    vals = tl.load(values_ptr + ids[:, None] * D + d[None, :], mask=m2, other=0.0)
+    tl.store(out_ptr + t * D + d, tl.sum(p[:, None] * vals, 0), mask=dm)
+
+
+def test_the_gathered_reference_gives_zero_where_nothing_was_found():
+    q, keys = torch.randn(2, 4), torch.randn(5, 4)
+    ids = torch.tensor([[3, 1, -1], [-1, -1, -1]])
+    out = ex._gathered_ref(q, keys, keys, ids, 0.5)
+    want = torch.softmax(keys[[3, 1]] @ q[0] * 0.5, 0) @ keys[[3, 1]]
+    assert torch.allclose(out[0], want) and torch.equal(out[1], torch.zeros(4))
 
 
 CASES = [
-    (ex.check_memory_topk_merge, merge_right, merge_wrong_ties),
-    (ex.check_overlap_chunks, chunks_right, chunks_wrong_no_overlap),
-    (ex.check_gated_memory_mix, mix_right, _joint),
+    (ex.check_sharded_recall, recall_right, recall_wrong_proportional),
+    (ex.check_smallest_nprobe, nprobe_right, nprobe_wrong_all_cells),
+    (ex.check_fixed_chunks, chunks_fixed_by_rule, chunks_buggy),
 ]
 if runtime.HAS_TRITON:
-    CASES += [(ex.check_retrieved_rows_kernel, kernel_right, kernel_no_row_mask),
-              (ex.check_retrieved_rows_kernel, kernel_right, kernel_no_store_mask)]
+    CASES += [(ex.check_gathered_rows_kernel, kernel_right, kernel_empty_row_nan),
+              (ex.check_gathered_rows_kernel, kernel_right, kernel_loads_missing_rows)]
 
 
 @pytest.mark.skipif(not runtime.HAS_TRITON, reason="the kernel exercise needs Triton")
-def test_kernel_check_names_a_write_outside_the_output(lenient, capsys):
-    result = ex.check_retrieved_rows_kernel(kernel_no_store_mask)
-    assert result.status == "failed" and "outside the output" in result.message
+def test_kernel_check_names_a_query_that_found_nothing(lenient, capsys):
+    result = ex.check_gathered_rows_kernel(kernel_empty_row_nan)
+    assert result.status == "failed" and "found no row" in result.message
+
+
+@pytest.mark.skipif(not runtime.HAS_TRITON, reason="the kernel exercise needs Triton")
+def test_kernel_check_names_ids_that_are_not_rows(lenient, capsys):
+    result = ex.check_gathered_rows_kernel(kernel_loads_missing_rows)
+    assert result.status == "failed" and ("NaN" in result.message or "-1" in result.message)
 
 
 def test_kernel_check_says_skipped_without_triton(monkeypatch, capsys):
-    assert_kernel_check_skips_without_triton(ex.check_retrieved_rows_kernel, kernel_right, monkeypatch, capsys)
+    assert_kernel_check_skips_without_triton(ex.check_gathered_rows_kernel, kernel_right, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("check,answer,called", [
-    (ex.check_memory_topk_merge, lambda sa, ia, sb, ib, k: memory.topk_merge(sa, ia, sb, ib, k), "topk_merge"),
-    (ex.check_overlap_chunks, lambda n, s, o: memory.chunk_spans(n, s, o), "chunk_spans"),
-    (ex.check_gated_memory_mix, lambda *a: memory.knn_memory_attention_ref(*a), "knn_memory_attention_ref"),
+    (ex.check_fixed_chunks, lambda n, s, o: memory.chunk_spans(n, s, o), "chunk_spans"),
+    (ex.check_sharded_recall, lambda k, s, p: memory.recall_at_k(torch.zeros(1, k), torch.zeros(1, k)),
+     "recall_at_k"),
 ])
 def test_checks_refuse_a_call_to_the_library_function(check, answer, called, lenient, capsys):
     result = check(answer)

@@ -1,10 +1,12 @@
 """The speculative-decoding chapter's exercise checks keep the contract (right passes, wrong fails with a hint,
 the stub is "not solved yet", hidden cases raise), refuse answers that call the library function they ask for,
-and the kernel exercise catches a missing mask and says it is skipped without Triton."""
+name the typical slips, and the kernel exercise catches a missing fallback and mask and says it is skipped
+without Triton."""
 import labsrc  # noqa: F401
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from exercise_contract import (  # noqa: F401 (collected here, run over this module's CASES)
     assert_kernel_check_skips_without_triton,
@@ -16,23 +18,90 @@ from labsrc.exercises import speculative as ex
 from labsrc.kernels._triton import tl, triton
 
 
-def residual_right(p, q):
-    r = (p - q).clamp(min=0)
-    return r / r.sum()
+# ------------------------------------------------------------------------------------ acceptance prediction
+def _predictions(p):
+    """The six numbers worked out from the task's words (not from the checker's own drafts)."""
+    top = p.sort(descending=True).values
+    lookup = float(top[0])
+    mixed = float(torch.minimum(p, 0.5 * p + 0.5 / p.numel()).sum())
+    swapped = 1.0 - float(top[0] - top[1])
+    return [lookup, mixed, swapped], [1.0, 1.0, 0.0]
 
 
-def residual_wrong_unnormalised(p, q):
-    return (p - q).clamp(min=0)
+def acceptance_right():
+    return _predictions(ex.acceptance_target())
 
 
-def tokens_right(alpha, k):
-    return sum(alpha ** i for i in range(k + 1))
+def acceptance_wrong_greedy_like_sampled():      # greedy acceptance taken to be the sampled one
+    sampled, _ = _predictions(ex.acceptance_target())
+    return sampled, sampled
 
 
-def tokens_wrong_no_bonus(alpha, k):          # counts only the accepted drafts
-    return sum(alpha ** i for i in range(1, k + 1))
+def acceptance_rounded():                         # read off the printed table: three decimals
+    sampled, greedy = _predictions(ex.acceptance_target())
+    return [round(a, 3) for a in sampled], greedy
 
 
+def test_a_prediction_read_from_the_printed_table_passes(lenient, capsys):
+    assert ex.check_spec_acceptance(acceptance_rounded).passed
+
+
+def test_the_acceptance_hint_names_the_draft_and_the_mode(lenient, capsys):
+    result = ex.check_spec_acceptance(acceptance_wrong_greedy_like_sampled)
+    assert result.status == "failed" and "under greedy decoding" in result.message
+    assert "lookup" in result.message and "too low" in result.message
+
+
+def test_the_acceptance_check_names_a_malformed_answer(lenient, capsys):
+    result = ex.check_spec_acceptance(lambda: [0.5, 0.5, 0.5])
+    assert result.status == "failed" and "two sequences of three numbers" in result.message
+
+
+def test_the_three_drafts_differ_in_sampled_and_greedy_acceptance():
+    """The exercise's point: each draft ranks differently under sampling and under greedy decoding."""
+    sampled, greedy = ex._acceptances(ex.acceptance_target())
+    assert greedy == [1.0, 1.0, 0.0]
+    assert min(sampled) > 0.2 and max(sampled) < 0.95
+    assert sampled[2] > sampled[0], "the swapped draft, never accepted greedily, beats the lookup when sampling"
+
+
+def test_the_measured_acceptance_agrees_with_the_exact_one():
+    """What the notebook's measurement cell does: verify_batch over many windows lands within the tolerance."""
+    p = ex.acceptance_target()
+    g = torch.Generator().manual_seed(0)
+    n = 20000
+    for q, want in zip(ex._drafts(p).values(), ex._acceptances(p)[0]):
+        x = torch.multinomial(q, n, replacement=True, generator=g)[:, None]
+        _, n_acc = speculative.verify_batch(x, q.expand(n, 1, -1), p.expand(n, 2, -1), generator=g)
+        assert abs(float(n_acc.double().mean()) - want) < ex.PREDICTION_TOLERANCE
+
+
+# ------------------------------------------------------------------------------------ tokens by position
+def tokens_right(alphas):
+    total, reach = 1.0, 1.0
+    for a in alphas:
+        reach *= a
+        total += reach
+    return total
+
+
+def tokens_wrong_iid_mean(alphas):               # the chapter's i.i.d. formula at the mean acceptance
+    k, a = len(alphas), sum(alphas) / len(alphas)
+    return float(k + 1) if a == 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def tokens_wrong_independent(alphas):            # each draft counted on its own, not after the earlier ones
+    return 1 + sum(alphas)
+
+
+@pytest.mark.parametrize("wrong,said", [(tokens_wrong_iid_mean, "order in which they come"),
+                                        (tokens_wrong_independent, "even after a rejection")])
+def test_the_tokens_hint_names_the_slip(wrong, said, lenient, capsys):
+    result = ex.check_spec_tokens_by_position(wrong)
+    assert result.status == "failed" and said in result.message
+
+
+# ------------------------------------------------------------------------------------------- tree mask
 def mask_right(parents):
     n = len(parents)
     m = torch.zeros(n, n, dtype=torch.bool)
@@ -52,70 +121,155 @@ def mask_wrong_parent_only(parents):           # forgets the grandparents
     return m
 
 
-def keep_right(cached, k, n_accepted):
-    return cached + 1 + n_accepted
+# ------------------------------------------------------------------------------------------- rollback
+def _loop(target, draft, ids, n, k, keep_rejected):
+    cache = DynamicCache(config=target.config)
+    with torch.no_grad():
+        target(input_ids=ids[None, :-1], cache=cache)
+        seq = ids.tolist()
+        while len(seq) < ids.numel() + n:
+            xs = []
+            for _ in range(k):
+                xs.append(int(draft(input_ids=torch.tensor([seq + xs])).logits[0, -1].argmax()))
+            best = target(input_ids=torch.tensor([[seq[-1]] + xs]), cache=cache).logits[0].argmax(-1).tolist()
+            n_acc = 0
+            while n_acc < k and xs[n_acc] == best[n_acc]:
+                n_acc += 1
+            seq += xs[:n_acc] + [best[n_acc]]
+            drop = k - n_acc - keep_rejected
+            if drop > 0:
+                cache.crop(-drop)
+    return torch.tensor(seq[: ids.numel() + n])
 
 
-def keep_wrong_no_rollback(cached, k, n_accepted):   # the bug: rejected drafts stay in the cache
-    return cached + 1 + k
+def rollback_right(target, draft, ids, n, k):
+    return _loop(target, draft, ids, n, k, keep_rejected=0)
 
 
+def rollback_buggy(target, draft, ids, n, k):    # the chapter's bug: the first rejected draft's key stays
+    return _loop(target, draft, ids, n, k, keep_rejected=1)
+
+
+def rollback_plain(target, draft, ids, n, k):    # right tokens, but no speculation at all
+    draft(input_ids=ids[None])
+    seq = ids.tolist()
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(target(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return torch.tensor(seq)
+
+
+def test_the_rollback_check_says_where_the_output_departs(lenient, capsys):
+    result = ex.check_spec_rollback(rollback_buggy)
+    assert result.status == "failed" and "differs from plain greedy decoding" in result.message
+
+
+def test_the_rollback_check_refuses_plain_decoding(lenient, capsys):
+    result = ex.check_spec_rollback(rollback_plain)
+    assert result.status == "failed" and "plain decoding" in result.message
+
+
+def test_the_tiny_draft_is_accepted_often_but_not_always():
+    """The rollback check needs windows that are fully accepted and windows with a rejection."""
+    target, draft = ex.tiny_pair()
+    runs = [speculative.speculative_generate(target, draft, torch.randint(2, 24, (1, 8), generator=g), 12, k=3,
+                                             stop_at_eos=False)[1]
+            for g in (torch.Generator().manual_seed(s) for s in range(3))]
+    rate = sum(r.accepted for r in runs) / sum(r.drafted for r in runs)
+    assert 0.3 < rate < 0.95
+
+
+# ------------------------------------------------------------------------------------------- the kernel
 @triton.jit
-def kernel_right(p_ptr, q_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def kernel_right(p_ptr, q_ptr, u_ptr, out_ptr, V, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < V
     p = tl.load(p_ptr + row * V + offs, mask=mask, other=0.0)
     q = tl.load(q_ptr + row * V + offs, mask=mask, other=0.0)
-    r = tl.maximum(p - q, 0.0)
-    s = tl.sum(r, 0)
-    out = tl.where(s > 0, r / tl.where(s > 0, s, 1.0), p)
-    tl.store(out_ptr + row * V + offs, out, mask=mask)
+    w = tl.maximum(p - q, 0.0)
+    w = tl.where(tl.sum(w, 0) > 0, w, p)
+    c = tl.cumsum(w, 0)
+    below = (c <= tl.load(u_ptr + row) * tl.sum(w, 0)) & mask
+    tl.store(out_ptr + row, tl.minimum(tl.sum(below.to(tl.int64), 0), V - 1))
 
 
 @triton.jit
-def kernel_no_fallback(p_ptr, q_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def kernel_no_fallback(p_ptr, q_ptr, u_ptr, out_ptr, V, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < V
     p = tl.load(p_ptr + row * V + offs, mask=mask, other=0.0)
     q = tl.load(q_ptr + row * V + offs, mask=mask, other=0.0)
-    r = tl.maximum(p - q, 0.0)
-    tl.store(out_ptr + row * V + offs, r / tl.sum(r, 0), mask=mask)   # 0/0 where p == q
+    w = tl.maximum(p - q, 0.0)                               # an empty residual where p == q
+    c = tl.cumsum(w, 0)
+    below = (c <= tl.load(u_ptr + row) * tl.sum(w, 0)) & mask
+    tl.store(out_ptr + row, tl.minimum(tl.sum(below.to(tl.int64), 0), V - 1))
 
 
 @triton.jit
-def kernel_no_store_mask(p_ptr, q_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def kernel_samples_p(p_ptr, q_ptr, u_ptr, out_ptr, V, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < V
-    p = tl.load(p_ptr + row * V + offs, mask=mask, other=0.0)
-    q = tl.load(q_ptr + row * V + offs, mask=mask, other=0.0)
-    r = tl.maximum(p - q, 0.0)
-    s = tl.sum(r, 0)
-    tl.store(out_ptr + row * V + offs, tl.where(s > 0, r / tl.where(s > 0, s, 1.0), p))
+    p = tl.load(p_ptr + row * V + offs, mask=mask, other=0.0)   # samples the target, not the residual
+    c = tl.cumsum(p, 0)
+    below = (c <= tl.load(u_ptr + row) * tl.sum(p, 0)) & mask
+    tl.store(out_ptr + row, tl.minimum(tl.sum(below.to(tl.int64), 0), V - 1))
 
 
-# the wrong kernel without the p == q fallback divides 0 by 0 on purpose (the check must catch the NaN)
-pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")
+@triton.jit
+def kernel_no_load_mask(p_ptr, q_ptr, u_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    p = tl.load(p_ptr + row * V + offs)                       # lanes past V read the next row
+    q = tl.load(q_ptr + row * V + offs)
+    w = tl.maximum(p - q, 0.0)
+    w = tl.where(tl.sum(w, 0) > 0, w, p)
+    c = tl.cumsum(w, 0)
+    below = c <= tl.load(u_ptr + row) * tl.sum(w, 0)
+    tl.store(out_ptr + row, tl.minimum(tl.sum(below.to(tl.int64), 0), V - 1))
+
+
+# the kernel without load masks reads past a row on purpose (the check must catch it); numpy warns on the garbage
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 CASES = [
-    (ex.check_spec_residual, residual_right, residual_wrong_unnormalised),
-    (ex.check_spec_expected_tokens, tokens_right, tokens_wrong_no_bonus),
+    (ex.check_spec_acceptance, acceptance_right, acceptance_wrong_greedy_like_sampled),
+    (ex.check_spec_tokens_by_position, tokens_right, tokens_wrong_iid_mean),
     (ex.check_spec_tree_mask, mask_right, mask_wrong_parent_only),
-    (ex.check_spec_cache_keep, keep_right, keep_wrong_no_rollback),
+    (ex.check_spec_rollback, rollback_right, rollback_buggy),
 ]
 if runtime.HAS_TRITON:
-    CASES += [(ex.check_spec_residual_kernel, kernel_right, kernel_no_fallback),
-              (ex.check_spec_residual_kernel, kernel_right, kernel_no_store_mask)]
+    CASES += [(ex.check_spec_residual_sample_kernel, kernel_right, kernel_no_fallback),
+              (ex.check_spec_residual_sample_kernel, kernel_right, kernel_samples_p),
+              (ex.check_spec_residual_sample_kernel, kernel_right, kernel_no_load_mask)]
+
+needs_triton = pytest.mark.skipif(not runtime.HAS_TRITON, reason="the kernel exercise needs Triton")
 
 
 def test_library_answers_are_refused(lenient, capsys):
-    assert ex.check_spec_residual(speculative.residual_distribution).status == "failed"
-    assert ex.check_spec_expected_tokens(lambda a, k: speculative.expected_tokens_per_step(a, k)).status == "failed"
+    assert ex.check_spec_acceptance(lambda: speculative.acceptance_rate(1, 2)).status == "failed"
+    assert ex.check_spec_tokens_by_position(
+        lambda a: speculative.expected_tokens_per_step(a[0], len(a))).status == "failed"
     assert ex.check_spec_tree_mask(lambda par: speculative.tree_attention_mask(par)).status == "failed"
+    assert ex.check_spec_rollback(
+        lambda t, d, ids, n, k: speculative.speculative_generate(t, d, ids[None], n, k=k)[0][0]).status == "failed"
     assert "asks you to write" in capsys.readouterr().out
 
 
+@needs_triton
+def test_the_kernel_hint_says_the_rows_hold_the_targets_own_samples(lenient, capsys):
+    result = ex.check_spec_residual_sample_kernel(kernel_samples_p)
+    assert result.status == "failed" and "target's own distribution" in result.message
+
+
+@needs_triton
+def test_the_kernel_hint_names_row_zero_without_the_fallback(lenient, capsys):
+    result = ex.check_spec_residual_sample_kernel(kernel_no_fallback)
+    assert result.status == "failed" and "only row 0, where p == q" in result.message
+
+
 def test_kernel_check_says_skipped_without_triton(monkeypatch, capsys):
-    assert_kernel_check_skips_without_triton(ex.check_spec_residual_kernel, kernel_right, monkeypatch, capsys)
+    assert_kernel_check_skips_without_triton(ex.check_spec_residual_sample_kernel, kernel_right, monkeypatch,
+                                             capsys)

@@ -1,7 +1,8 @@
 """The state-space chapter's exercise checks keep the contract (right passes, wrong fails with a hint, the stub is
-"not solved yet", hidden cases raise), refuse answers that call the labsrc.ssm function they ask for, and the
-kernel exercise catches a scan that drops its carry or carries only the last block, and says it is skipped without
-Triton."""
+"not solved yet", hidden cases raise), refuse answers that call the labsrc.ssm function that would do them, name
+what a wrong prediction or a wrong fix gets wrong, and the kernel exercise (the scan's gradient, a reverse scan)
+catches a kernel that runs forward, drops its carry, multiplies by the wrong factor or writes past the row, and
+says it is skipped without Triton."""
 import labsrc  # noqa: F401
 
 import pytest
@@ -26,24 +27,33 @@ def zoh_wrong_euler(a, b, dt):          # forward Euler, not the exact hold
     return 1 + dt * a, dt * b
 
 
-def combine_right(left, right):
-    (a1, b1), (a2, b2) = left, right
-    return a1 * a2, a2 * b1 + b2
+def cache_right(config, batch):
+    conv_dim = config.num_heads * config.head_dim + 2 * config.n_groups * config.state_size
+    per_layer = config.num_heads * config.head_dim * config.state_size + conv_dim * config.conv_kernel
+    return batch * config.num_hidden_layers * per_layer * 4
 
 
-def combine_wrong_order(left, right):   # applies right first
-    (a1, b1), (a2, b2) = left, right
-    return a1 * a2, a1 * b2 + b1
+def cache_wrong_one_group(config, batch):   # the convolution window over x only, not over B and C too
+    per_layer = config.num_heads * config.head_dim * (config.state_size + config.conv_kernel)
+    return batch * config.num_hidden_layers * per_layer * 4
 
 
-def chunk_right(S, x, dt, A, B):
-    cs = torch.cumsum(dt * A, 0)
-    to_end = torch.exp(cs[-1] - cs)
-    return torch.exp(cs[-1]) * S + (x * (dt * to_end)[:, None]).T @ B
+def cache_wrong_no_batch(config, batch):    # one sequence whatever the batch
+    return cache_right(config, 1)
 
 
-def chunk_wrong_no_decay(S, x, dt, A, B):  # forgets that earlier writes decay to the chunk's end
-    return torch.exp(A * dt.sum()) * S + (x * dt[:, None]).T @ B
+def reset_right(S, x, a, B):
+    # what each position's write decays by until the chunk's end: the sum of the log-decays after it,
+    # summed from the end so that a huge one never swallows the small ones
+    after = torch.flip(torch.cumsum(torch.flip(a, [0]), 0), [0])
+    to_end = torch.cat([after[1:], after.new_zeros(1)])
+    return torch.exp(after[0]) * S + (x * torch.exp(to_end)[:, None]).T @ B
+
+
+def reset_buggy(S, x, a, B):                 # the function the exercise gives: a difference of prefix sums
+    c = torch.cumsum(a, 0)
+    to_end = torch.exp(c[-1] - c)
+    return torch.exp(c[-1]) * S + (x * to_end[:, None]).T @ B
 
 
 @triton.jit
@@ -52,7 +62,41 @@ def _combine(a1, b1, a2, b2):
 
 
 @triton.jit
-def kernel_right(a_ptr, b_ptr, h_ptr, L, BLOCK_L: tl.constexpr):
+def grad_right(a_ptr, g_ptr, d_ptr, L, BLOCK_L: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_L)
+    carry = tl.sum(tl.zeros([BLOCK_L], dtype=tl.float32), axis=0)
+    for start in range(0, L, BLOCK_L):
+        j = start + offs                 # lane j: position L - 1 - j, the row read from its end
+        t = L - 1 - j
+        mask = j < L
+        a = tl.load(a_ptr + row * L + t + 1, mask=mask & (j > 0), other=0.0)
+        g = tl.load(g_ptr + row * L + t, mask=mask, other=0.0)
+        A, B = tl.associative_scan((a, g), 0, _combine)
+        d = A * carry + B
+        tl.store(d_ptr + row * L + t, d, mask=mask)
+        carry = tl.sum(tl.where(offs == BLOCK_L - 1, d, 0.0), axis=0)
+
+
+@triton.jit
+def grad_unshifted(a_ptr, g_ptr, d_ptr, L, BLOCK_L: tl.constexpr):   # multiplies by a_t, not a_{t+1}
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_L)
+    carry = tl.sum(tl.zeros([BLOCK_L], dtype=tl.float32), axis=0)
+    for start in range(0, L, BLOCK_L):
+        j = start + offs
+        t = L - 1 - j
+        mask = j < L
+        a = tl.load(a_ptr + row * L + t, mask=mask, other=1.0)
+        g = tl.load(g_ptr + row * L + t, mask=mask, other=0.0)
+        A, B = tl.associative_scan((a, g), 0, _combine)
+        d = A * carry + B
+        tl.store(d_ptr + row * L + t, d, mask=mask)
+        carry = tl.sum(tl.where(offs == BLOCK_L - 1, d, 0.0), axis=0)
+
+
+@triton.jit
+def grad_forward(a_ptr, g_ptr, d_ptr, L, BLOCK_L: tl.constexpr):     # the chapter's forward scan of (a, g)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_L)
     carry = tl.sum(tl.zeros([BLOCK_L], dtype=tl.float32), axis=0)
@@ -60,91 +104,109 @@ def kernel_right(a_ptr, b_ptr, h_ptr, L, BLOCK_L: tl.constexpr):
         idx = start + offs
         mask = idx < L
         a = tl.load(a_ptr + row * L + idx, mask=mask, other=1.0)
-        b = tl.load(b_ptr + row * L + idx, mask=mask, other=0.0)
-        A, B = tl.associative_scan((a, b), 0, _combine)
-        h = A * carry + B
-        tl.store(h_ptr + row * L + idx, h, mask=mask)
-        carry = tl.sum(tl.where(offs == BLOCK_L - 1, h, 0.0), axis=0)
+        g = tl.load(g_ptr + row * L + idx, mask=mask, other=0.0)
+        A, B = tl.associative_scan((a, g), 0, _combine)
+        d = A * carry + B
+        tl.store(d_ptr + row * L + idx, d, mask=mask)
+        carry = tl.sum(tl.where(offs == BLOCK_L - 1, d, 0.0), axis=0)
 
 
 @triton.jit
-def kernel_no_carry(a_ptr, b_ptr, h_ptr, L, BLOCK_L: tl.constexpr):   # every block starts from h = 0
+def grad_no_carry(a_ptr, g_ptr, d_ptr, L, BLOCK_L: tl.constexpr):    # every block starts from d = 0
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_L)
     for start in range(0, L, BLOCK_L):
-        idx = start + offs
-        mask = idx < L
-        a = tl.load(a_ptr + row * L + idx, mask=mask, other=1.0)
-        b = tl.load(b_ptr + row * L + idx, mask=mask, other=0.0)
-        A, B = tl.associative_scan((a, b), 0, _combine)
-        tl.store(h_ptr + row * L + idx, B, mask=mask)
+        j = start + offs
+        t = L - 1 - j
+        mask = j < L
+        a = tl.load(a_ptr + row * L + t + 1, mask=mask & (j > 0), other=0.0)
+        g = tl.load(g_ptr + row * L + t, mask=mask, other=0.0)
+        A, B = tl.associative_scan((a, g), 0, _combine)
+        tl.store(d_ptr + row * L + t, B, mask=mask)
 
 
 @triton.jit
-def kernel_carry_forgets_history(a_ptr, b_ptr, h_ptr, L, BLOCK_L: tl.constexpr):  # carries B, not h
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_L)
-    carry = tl.sum(tl.zeros([BLOCK_L], dtype=tl.float32), axis=0)
-    for start in range(0, L, BLOCK_L):
-        idx = start + offs
-        mask = idx < L
-        a = tl.load(a_ptr + row * L + idx, mask=mask, other=1.0)
-        b = tl.load(b_ptr + row * L + idx, mask=mask, other=0.0)
-        A, B = tl.associative_scan((a, b), 0, _combine)
-        h = A * carry + B
-        tl.store(h_ptr + row * L + idx, h, mask=mask)
-        carry = tl.sum(tl.where(offs == BLOCK_L - 1, B, 0.0), axis=0)
-
-
-@triton.jit
-def kernel_unmasked_store(a_ptr, b_ptr, h_ptr, L, BLOCK_L: tl.constexpr):
+def grad_unmasked_store(a_ptr, g_ptr, d_ptr, L, BLOCK_L: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_L)
     carry = tl.sum(tl.zeros([BLOCK_L], dtype=tl.float32), axis=0)
     for start in range(0, L, BLOCK_L):
-        idx = start + offs
-        mask = idx < L
-        a = tl.load(a_ptr + row * L + idx, mask=mask, other=1.0)
-        b = tl.load(b_ptr + row * L + idx, mask=mask, other=0.0)
-        A, B = tl.associative_scan((a, b), 0, _combine)
-        h = A * carry + B
-        tl.store(h_ptr + row * L + idx, h)
-        carry = tl.sum(tl.where(offs == BLOCK_L - 1, h, 0.0), axis=0)
+        j = start + offs
+        t = L - 1 - j
+        mask = j < L
+        a = tl.load(a_ptr + row * L + t + 1, mask=mask & (j > 0), other=0.0)
+        g = tl.load(g_ptr + row * L + t, mask=mask, other=0.0)
+        A, B = tl.associative_scan((a, g), 0, _combine)
+        d = A * carry + B
+        tl.store(d_ptr + row * L + t, d)
+        carry = tl.sum(tl.where(offs == BLOCK_L - 1, d, 0.0), axis=0)
 
 
 needs_triton = pytest.mark.skipif(not runtime.HAS_TRITON, reason="the kernel exercise needs Triton")
 
 CASES = [
     (ex.check_zoh_diagonal, zoh_right, zoh_wrong_euler),
-    (ex.check_scan_combine, combine_right, combine_wrong_order),
-    (ex.check_ssd_chunk_state, chunk_right, chunk_wrong_no_decay),
+    (ex.check_mamba_cache_bytes, cache_right, cache_wrong_one_group),
+    (ex.check_mamba_cache_bytes, cache_right, cache_wrong_no_batch),
+    (ex.check_chunk_state_reset, reset_right, reset_buggy),
 ]
 if runtime.HAS_TRITON:
-    CASES += [(ex.check_scan_kernel, kernel_right, kernel_no_carry),
-              (ex.check_scan_kernel, kernel_right, kernel_carry_forgets_history)]
+    CASES += [(ex.check_scan_grad_kernel, grad_right, grad_unshifted),
+              (ex.check_scan_grad_kernel, grad_right, grad_no_carry)]
+
+
+def test_the_reference_gradient_is_the_reverse_recurrence():
+    gen = torch.Generator().manual_seed(0)
+    a, g = torch.rand(3, 9, generator=gen, dtype=torch.float64), torch.randn(3, 9, generator=gen, dtype=torch.float64)
+    d = torch.zeros_like(g)
+    d[:, -1] = g[:, -1]
+    for t in range(7, -1, -1):
+        d[:, t] = g[:, t] + a[:, t + 1] * d[:, t + 1]
+    torch.testing.assert_close(ex.scan_grad_reference(a, g), d)
+
+
+def test_cache_check_names_the_field_a_prediction_gets_wrong(lenient, capsys):
+    result = ex.check_mamba_cache_bytes(cache_wrong_no_batch)
+    assert result.status == "failed" and "Doubling batch" in result.message
+    result = ex.check_mamba_cache_bytes(cache_wrong_one_group)
+    assert result.status == "failed" and "Doubling " in result.message and "measured" in result.message
+
+
+def test_reset_check_says_the_buggy_function_is_right_on_small_gates(lenient, capsys):
+    result = ex.check_chunk_state_reset(reset_buggy)
+    assert result.status == "failed" and "reset" in result.message
+    assert "right on a chunk whose gates are all small" in result.message
 
 
 @needs_triton
 def test_kernel_check_names_a_write_outside_the_output(lenient, capsys):
-    result = ex.check_scan_kernel(kernel_unmasked_store)
+    result = ex.check_scan_grad_kernel(grad_unmasked_store)
     assert result.status == "failed" and "outside the output" in result.message
 
 
 @needs_triton
 def test_kernel_check_points_at_the_block_boundary(lenient, capsys):
-    result = ex.check_scan_kernel(kernel_no_carry)
-    assert result.status == "failed" and "from block 1 on" in result.message
+    result = ex.check_scan_grad_kernel(grad_no_carry)
+    assert result.status == "failed" and "past a block boundary" in result.message
+
+
+@needs_triton
+def test_kernel_check_recognises_the_forward_scan_and_the_unshifted_factor(lenient, capsys):
+    assert "the other way" in ex.check_scan_grad_kernel(grad_forward).message
+    assert "own a" in ex.check_scan_grad_kernel(grad_unshifted).message
 
 
 def test_kernel_check_says_skipped_without_triton(monkeypatch, capsys):
-    assert_kernel_check_skips_without_triton(ex.check_scan_kernel, kernel_right, monkeypatch, capsys)
+    assert_kernel_check_skips_without_triton(ex.check_scan_grad_kernel, grad_right, monkeypatch, capsys)
 
 
 @pytest.mark.parametrize("check,answer,called", [
     (ex.check_zoh_diagonal, lambda a, b, dt: ssm.discretize(a, b, dt, "zoh"), "discretize"),
-    (ex.check_scan_combine, lambda p, q: ssm.scan_combine(p, q), "scan_combine"),
-    (ex.check_ssd_chunk_state, lambda S, x, dt, A, B: ssm.ssd_recurrent(
-        x[None, :, None], dt[None, :, None], torch.tensor([A], dtype=torch.float64), B[None, :, None],
+    (ex.check_mamba_cache_bytes, lambda config, batch: ssm.ssm_state_bytes(
+        config.num_hidden_layers, config.num_heads, config.head_dim, config.state_size, batch=batch),
+     "ssm_state_bytes"),
+    (ex.check_chunk_state_reset, lambda S, x, a, B: ssm.ssd_recurrent(
+        x[None, :, None], torch.ones_like(a)[None, :, None], a[:1] * 0 - 1, B[None, :, None],
         B[None, :, None] * 0, initial_state=S[None, None])[1][0, 0], "ssd_recurrent"),
 ])
 def test_checks_refuse_a_call_to_the_library_function(check, answer, called, lenient, capsys):
@@ -153,7 +215,7 @@ def test_checks_refuse_a_call_to_the_library_function(check, answer, called, len
 
 
 def test_messages_do_not_leak_the_answer(lenient, capsys):
-    ex.check_ssd_chunk_state(chunk_wrong_no_decay)
+    ex.check_chunk_state_reset(reset_buggy)
     out = capsys.readouterr().out
-    args = ex._chunk_inputs(torch.Generator().manual_seed(73))
-    assert f"{float(chunk_right(*args)[0, 0]):.4f}" not in out
+    args = ex._reset_inputs(torch.Generator().manual_seed(76), "near reset")
+    assert f"{float(reset_right(*args)[0, 0]):.4f}" not in out

@@ -312,45 +312,8 @@ def wavelength_wrong(i, head_dim, base):          # forgets the 2 pi: 1 / theta_
     return base ** (2 * i / head_dim)
 
 
-def pi_right(head_dim, base, factor):
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)) / factor
-
-
-def pi_wrong(head_dim, base, factor):             # multiplies: speeds rotation up instead of slowing it
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)) * factor
-
-
-def ntk_right(base, factor, head_dim):
-    return base * factor ** (head_dim / (head_dim - 2))
-
-
-def ntk_wrong(base, factor, head_dim):            # the plain "base times s" guess
-    return base * factor
-
-
-def yarn_right(head_dim, base, factor, original, beta_fast, beta_slow):
-    turns = [original / (2 * math.pi * base ** (2 * i / head_dim)) for i in range(head_dim // 2)]
-    return [i for i, r in enumerate(turns) if r >= beta_fast]
-
-
-def yarn_right_mask(head_dim, base, factor, original, beta_fast, beta_slow):
-    i = torch.arange(head_dim // 2, dtype=torch.float64)
-    return original / (2 * math.pi * base ** (2 * i / head_dim)) >= beta_fast
-
-
-def yarn_wrong(head_dim, base, factor, original, beta_fast, beta_slow):   # the source's reading: slow pairs kept
-    turns = [original / (2 * math.pi * base ** (2 * i / head_dim)) for i in range(head_dim // 2)]
-    return [i for i, r in enumerate(turns) if r < beta_slow]
-
-
 EXERCISES = [
     (ex.check_wavelength, wavelength_right, wavelength_wrong),
-    (ex.check_position_interpolation, pi_right, pi_wrong),
-    (ex.check_ntk_base, ntk_right, ntk_wrong),
-    (ex.check_yarn_unscaled, yarn_right, yarn_wrong),
-    (ex.check_yarn_unscaled, yarn_right_mask, lambda *a: [0, 0]),
-    (ex.check_yarn_unscaled, yarn_right, lambda *a: "pairs 0 to 5"),
-    (ex.check_yarn_unscaled, yarn_right, lambda *a: [10_000]),
 ]
 
 
@@ -365,16 +328,6 @@ def test_exercise_checks(check, right, wrong, monkeypatch, capsys):
     with pytest.raises(ExerciseFailed):
         check(wrong)
     assert check(right).passed
-
-
-def test_exercise_checks_never_print_the_answer(monkeypatch, capsys):
-    """A wrong answer's message names what the student returned, never the expected value."""
-    monkeypatch.delenv("LAB_EXERCISES", raising=False)
-    ex.check_ntk_base(ntk_wrong)
-    out = capsys.readouterr().out
-    gen = torch.Generator().manual_seed(23)
-    base, factor, head_dim = ex._ntk_inputs(gen)
-    assert repr(ntk_right(base, factor, head_dim)) not in out and f"{ntk_right(base, factor, head_dim):.4g}" not in out
 
 
 # ------------------------------------------------------------------ every public function checks its inputs

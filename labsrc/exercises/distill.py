@@ -1,41 +1,50 @@
 """Checks for the exercises of the distillation chapter.
 
-Each check calls the student's function on several seeded random cases and compares it with
-:mod:`labsrc.distill`; it prints ``passed``, what is wrong (with a hint), or ``not solved yet`` when the function
-still raises ``NotImplementedError``. Expected answers are computed here, never printed.
+Each check runs the student's answer on several seeded random cases and compares it with what the check computes
+itself (from :mod:`labsrc.distill`, from autograd, or by fitting); it prints ``passed``, what is wrong (with a
+hint), or ``not solved yet`` when the function still raises ``NotImplementedError``. Expected answers are
+computed here, never printed.
 
-* :func:`check_kd_loss_by_hand` -- ``fn(student_logits, teacher_logits, labels, T, alpha)``: the KD loss of
-  Hinton et al. over ``(N, V)`` logits with ``-100`` labels ignored.
-* :func:`check_kd_soft_gradient` -- ``fn(student_logits, teacher_logits, T)``: the gradient of the soft term
-  ``T² KL(p_T || q_T)`` with respect to one row of student logits, in closed form.
-* :func:`check_tinybert_layer_map` -- ``fn(n_teacher, n_student)``: TinyBERT's uniform layer mapping.
-* :func:`check_kd_kl_kernel` -- a ``@triton.jit`` kernel that computes one row's KL between temperature
-  softmaxes, one program per row, launched by the check under Triton's interpreter and compared with
-  :func:`labsrc.kernels.distill.kd_kl_ref`.
+* :func:`check_jsd_fix` -- debugging, ``fn(student_logits, teacher_logits, beta, T) -> float``: GKD's generalized
+  JSD with the bug of :func:`jsd_buggy` fixed, against the divergence computed from probabilities.
+* :func:`check_reverse_kl_gradient` -- a derivation, ``fn(student_logits, teacher_logits, T) -> (V,)``: the
+  gradient of ``T² KL(q_T || p_T)`` (reverse KL, which the chapter does not differentiate) in closed form,
+  against autograd.
+* :func:`check_fit_acceptance` -- a prediction, ``fn(w, mu1, sd1, mu2, sd2) -> (forward, reverse)``: the
+  acceptance ``sum min(p, q)`` of the one-bump students that forward and reverse KL fit to a two-mode teacher,
+  against :func:`labsrc.distill.fit_unimodal`'s fits measured here.
+* :func:`check_kd_row_kernel` -- a ``@triton.jit`` kernel that computes the whole KD loss of one token (hard
+  and soft terms, padding written as 0), one program per row, launched by the check under Triton's
+  interpreter.
 
-A check refuses an answer that calls the :mod:`labsrc.distill` function the exercise asks the student to write.
+A check refuses an answer that calls the :mod:`labsrc.distill` function that computes what it asks for.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from labsrc import distill, runtime
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, as_number,
-                                   check_function, diagnose_number, exercise, hidden, randint, refuse_library)
+from labsrc import distill
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
+                                   _with_hint, as_number, check_function, exercise, hidden, randint,
+                                   refuse_library)
 
-__all__ = ["check_kd_loss_by_hand", "check_kd_soft_gradient", "check_tinybert_layer_map", "check_kd_kl_kernel"]
+__all__ = ["jsd_buggy", "check_jsd_fix", "check_reverse_kl_gradient", "GRID", "bimodal_teacher",
+           "check_fit_acceptance", "check_kd_row_kernel"]
 
 
 def _forbidden():
     from labsrc.kernels import distill as kd
-    return (distill.kd_loss, distill.soft_kl, distill.generalized_jsd, distill._kl_terms, kd.kd_kl, kd.kd_kl_ref,
-            kd.kd_kl_backward_ref, distill.tinybert_layer_map)
+    return (distill.kd_loss, distill.soft_kl, distill.generalized_jsd, distill._gjsd_per_token, distill._kl_terms,
+            distill.fit_unimodal, distill.expected_acceptance, kd.kd_kl, kd.kd_kl_ref, kd.kd_kl_backward_ref)
 
 
-def _refuse(name, fn, make_inputs, seed, hint):
-    return refuse_library(name, fn, _forbidden(), hint, owner="labsrc.distill",
+def _refuse(name, fn, make_inputs, seed, hint, extra=()):
+    return refuse_library(name, fn, _forbidden() + tuple(extra), hint, owner="labsrc.distill",
                           args=make_inputs(torch.Generator().manual_seed(seed)))
 
 
@@ -43,130 +52,205 @@ def _temperature(gen):
     return (0.5, 1.0, 2.0, 3.0, 5.0)[randint(gen, 0, 4)]
 
 
-# ------------------------------------------------------------------------------------------ the KD loss
-def _kd_inputs(gen):
-    N, V = randint(gen, 2, 9), randint(gen, 3, 50)
-    s = torch.randn(N, V, generator=gen) * 2
-    t = torch.randn(N, V, generator=gen) * 2
-    labels = torch.randint(0, V, (N,), generator=gen)
-    labels[torch.rand(N, generator=gen) < 0.3] = -100
-    labels[0] = 0  # at least one token counts
-    alpha = (0.0, 0.25, 0.5, 0.9)[randint(gen, 0, 3)]
-    return s, t, labels, _temperature(gen), alpha
+# ------------------------------------------------------------------------------------ GKD's JSD: the bug
+def jsd_buggy(student_logits, teacher_logits, beta, T):
+    """The exercise's generalized JSD, with its bug: ``(N, V)`` logits, ``0 < beta < 1``, the mean over tokens of
+    ``beta KL(p || m) + (1 - beta) KL(q || m)`` for the mixture ``m`` of ``q = softmax(student / T)`` and
+    ``p = softmax(teacher / T)``."""
+    log_q = F.log_softmax(student_logits / T, -1)
+    log_p = F.log_softmax(teacher_logits / T, -1)
+    log_m = (1 - beta) * log_q + beta * log_p
+    kl_p = (log_p.exp() * (log_p - log_m)).sum(-1)
+    kl_q = (log_q.exp() * (log_q - log_m)).sum(-1)
+    return float((beta * kl_p + (1 - beta) * kl_q).mean())
 
 
-def _kd_reference(s, t, labels, T, alpha):
-    return float(distill.kd_loss(s, t, labels, T=T, alpha=alpha))
+def _jsd_ref(s, t, beta, T):
+    """Eq. (eq-gjsd) from the probabilities themselves, in float64."""
+    q = torch.softmax(s.double() / T, -1)
+    p = torch.softmax(t.double() / T, -1)
+    m = (1 - beta) * q + beta * p
+
+    def kl(a, b):
+        return torch.where(a > 0, a * (a.log() - b.log()), torch.zeros_like(a)).sum(-1)
+
+    return float((beta * kl(p, m) + (1 - beta) * kl(q, m)).mean())
 
 
-def _explaining_kd(fn):
-    """``explain`` for the KD loss: judge the hard term (alpha = 1) and the soft term (alpha = 0) on their own."""
-    def explain(got, expected, s, t, labels, T, alpha) -> str:
-        def alone(a, lab=labels):
-            return as_number(fn)(s, t, lab, T, a), _kd_reference(s, t, lab, T, a)
-        said = []
-        for a, term in ((1.0, "hard"), (0.0, "soft")):
-            mine, right = alone(a)
-            if not (isinstance(mine, (int, float)) and abs(mine - right) <= 1e-4 * abs(right) + 1e-6):
-                slip = diagnose_number(float(mine), right) if isinstance(mine, (int, float)) else ""
-                said.append(f"the {term} term alone is wrong.{slip}")
-        if not said:
-            return "Each term alone is right: look at how they are mixed by alpha."
-        everyone = torch.where(labels == -100, torch.zeros_like(labels), labels)
-        mine, _ = alone(0.0)
-        if (labels == -100).any() and isinstance(mine, (int, float)) and \
-                abs(mine - _kd_reference(s, t, everyone, T, 0.0)) <= 1e-4 * abs(mine) + 1e-6:
-            said.append("Your soft term averages over every token, the ignored ones (label -100) too.")
-        return " ".join(x[0].upper() + x[1:] for x in said)
+def _jsd_inputs(gen):
+    N, V = randint(gen, 2, 8), randint(gen, 3, 50)
+    scale = (1.0, 3.0, 8.0)[randint(gen, 0, 2)]
+    s = torch.randn(N, V, generator=gen) * scale
+    t = torch.randn(N, V, generator=gen) * scale
+    return s, t, (0.1, 0.3, 0.5, 0.7, 0.9)[randint(gen, 0, 4)], _temperature(gen)
+
+
+def _explaining_jsd(fn):
+    def explain(got, expected, s, t, beta, T) -> str:
+        if not isinstance(got, (int, float)):
+            return ""
+        if math.isclose(got, jsd_buggy(s, t, beta, T), rel_tol=1e-4, abs_tol=1e-7):
+            return "Your function returns what the buggy one does on this case."
+        bound = -(beta * math.log(beta) + (1 - beta) * math.log(1 - beta))
+        if got > bound + 1e-6:
+            return "Your value is larger than any generalized JSD can be for this beta."
+        if math.isclose(got, _jsd_ref(s, t, 1 - beta, T), rel_tol=1e-4, abs_tol=1e-7):
+            return "Your value is the divergence with the two weights swapped: which distribution does beta weigh?"
+        return ""
     return explain
 
 
-def _explain_gradient(got, expected, s, t, T) -> str:
-    if isinstance(got, torch.Tensor) and got.shape == expected.shape and abs(float(got.sum())) > 1e-4:
-        return "Your gradient does not sum to 0 over the vocabulary; the gradient of this loss does."
-    return ""
-
-
-def _explain_map(got, expected, N, M) -> str:
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return f"The list has one entry per student layer plus the embeddings: {M + 1} here."
-    if int(got[0]) != int(expected[0]) or int(got[-1]) != int(expected[-1]):
-        return "One of the two ends of your list is wrong."
-    return "The ends are right; the spacing in between is not."
-
-
 @exercise
-def check_kd_loss_by_hand(fn) -> Result:
-    """Check ``fn(student_logits (N, V), teacher_logits (N, V), labels (N,), T, alpha) -> float``:
-    ``alpha * CE + (1 - alpha) * T² * KL(softmax(t/T) || softmax(s/T))``, both averaged over the tokens whose
-    label is not -100."""
-    name = "KD loss by hand"
-    hint = ("re-read 'The KD loss and its T²' and compute each term on its own (alpha = 1 keeps only the "
-            "hard term, alpha = 0 only the soft one).")
-    refused = _refuse(name, fn, _kd_inputs, 131, hint)
+def check_jsd_fix(fn) -> Result:
+    """Check ``fn(student_logits (N, V), teacher_logits (N, V), beta, T) -> float``: eq. (eq-gjsd) averaged over
+    tokens, ``0 < beta < 1``, the mixture ``m = (1 - beta) q + beta p``, against a float64 computation from
+    the probabilities."""
+    name = "GKD's JSD: the bug in the mixture"
+    hint = ("re-read 'Forward KL, reverse KL and GKD' on what the mixture m is, then evaluate your function on a "
+            "student and a teacher that put their mass on different tokens.")
+    refused = _refuse(name, fn, _jsd_inputs, 131, hint, extra=(jsd_buggy,))
     if refused is not None:
         return refused
-    return check_function(name, as_number(fn), _kd_reference, _kd_inputs, trials=6, seed=131, rtol=1e-4,
-                          atol=1e-6, hint=hint, explain=_explaining_kd(fn))
+    return check_function(name, as_number(fn), _jsd_ref, _jsd_inputs, trials=6, seed=131, rtol=1e-4, atol=1e-7,
+                          hint=hint, explain=_explaining_jsd(fn))
 
 
-# ------------------------------------------------------------------------------ the soft term's gradient
+# ------------------------------------------------------------------------------- the reverse KL's gradient
 def _grad_inputs(gen):
     V = randint(gen, 2, 40)
     return torch.randn(V, generator=gen) * 3, torch.randn(V, generator=gen) * 3, _temperature(gen)
 
 
-def _grad_reference(s, t, T):
-    s = s.clone().requires_grad_(True)
-    distill.kd_loss(s[None], t[None], T=T).backward()
-    return s.grad
+def _reverse_grad_ref(s, t, T):
+    """The gradient by autograd, in float64."""
+    z = s.double().clone().requires_grad_(True)
+    log_q = F.log_softmax(z / T, -1)
+    log_p = F.log_softmax(t.double() / T, -1)
+    (T * T * (log_q.exp() * (log_q - log_p)).sum()).backward()
+    return z.grad.float()
+
+
+def _explain_gradient(got, expected, s, t, T) -> str:
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ""
+    q, p = torch.softmax(s.double() / T, -1), torch.softmax(t.double() / T, -1)
+    if torch.allclose(got.double(), T * (q - p), rtol=1e-4, atol=1e-6):
+        return "That is the gradient of the forward KL, the soft term of eq. (eq-kd), not of the reverse one."
+    if abs(float(got.double().sum())) > 1e-4:
+        return "Your gradient does not sum to 0 over the vocabulary; the gradient of this loss does."
+    return ""
 
 
 @exercise
-def check_kd_soft_gradient(fn) -> Result:
+def check_reverse_kl_gradient(fn) -> Result:
     """Check ``fn(student_logits (V,), teacher_logits (V,), T) -> (V,)``: the gradient of
-    ``T² KL(softmax(t/T) || softmax(s/T))`` with respect to ``s``, written in closed form (no autograd)."""
-    name = "gradient of the soft term"
-    hint = ("re-read 'The KD loss and its T²' and compare your gradient with autograd's on a small case in a "
-            "scratch cell; the message says whether it is off by a constant factor or in sign.")
+    ``T² KL(softmax(s/T) || softmax(t/T))`` with respect to ``s``, written in closed form (the check calls the
+    function under ``torch.no_grad()``), against autograd."""
+    name = "gradient of the reverse KL"
+    hint = ("differentiate through the softmax in two steps (the loss with respect to q, then q with respect to "
+            "the logits), and compare your gradient with autograd's on a small case in a scratch cell; the "
+            "message says whether it is off by a constant factor.")
     refused = _refuse(name, fn, _grad_inputs, 132, hint)
     if refused is not None:
         return refused
 
     def no_autograd(s, t, T):
         with torch.no_grad():
-            return fn(s, t, T)
+            out = fn(s, t, T)
+        return out.float() if isinstance(out, torch.Tensor) and out.is_floating_point() else out
 
-    return check_function(name, no_autograd, _grad_reference, _grad_inputs, trials=6, seed=132, rtol=1e-4,
-                          atol=1e-6, hint=hint, explain=_explain_gradient)
+    return check_function(name, no_autograd, _reverse_grad_ref, _grad_inputs, trials=6, seed=132, rtol=1e-4,
+                          atol=1e-5, hint=hint, explain=_explain_gradient)
 
 
-# ---------------------------------------------------------------------------------- TinyBERT's layer map
-def _map_inputs(gen):
-    M = randint(gen, 1, 6)
-    return M * randint(gen, 1, 4), M
+# ------------------------------------------------------------------------- forward or reverse: acceptance
+GRID = torch.linspace(-6, 6, 121)
+"""The 1-D vocabulary of the chapter's mode-seeking figure."""
+ACCEPT_ATOL = 0.03
+"""How close each predicted acceptance must come to the measured one. The fits search means 0.125 and widths
+0.1 apart, which moves an acceptance by about 0.01; a prediction from the right reasoning lands within 0.02."""
+
+
+def _component(mu: float, sd: float) -> torch.Tensor:
+    b = torch.exp(-0.5 * ((GRID.double() - mu) / sd) ** 2)
+    return b / b.sum()
+
+
+def bimodal_teacher(w: float, mu1: float, sd1: float, mu2: float, sd2: float) -> torch.Tensor:
+    """The exercise's teacher on :data:`GRID`: ``w`` times a bump (a discretised Gaussian, normalised) at ``mu1``
+    of width ``sd1`` plus ``1 - w`` times one at ``mu2`` of width ``sd2``; float64 ``(121,)``, summing to 1."""
+    if not 0 < w < 1:
+        raise ValueError(f"w must lie in (0, 1), got {w!r}")
+    if not (sd1 > 0 and sd2 > 0):
+        raise ValueError(f"sd1 and sd2 must be positive, got {sd1!r} and {sd2!r}")
+    p = w * _component(mu1, sd1) + (1 - w) * _component(mu2, sd2)
+    return p / p.sum()
+
+
+def _measured_acceptance(w, mu1, sd1, mu2, sd2) -> tuple[float, float]:
+    """``sum min(p, q)`` of the best bump under forward (beta = 0) and reverse (beta = 1) KL, fitted by
+    :func:`labsrc.distill.fit_unimodal` over means 0.125 and widths 0.1 apart."""
+    p = bimodal_teacher(w, mu1, sd1, mu2, sd2)
+    means, stds = torch.linspace(-5, 5, 81), torch.linspace(0.3, 3.5, 33)
+    out = []
+    for beta in (0.0, 1.0):
+        mu, sd = distill.fit_unimodal(p, GRID, beta, means=means, stds=stds)
+        out.append(float(torch.minimum(p, _component(mu, sd)).sum()))
+    return out[0], out[1]
+
+
+def _fit_case(gen):
+    """Two modes of unequal weight, at least 4.5 widths apart, about the middle of the grid (a bump that covers
+    both then stays inside it)."""
+    u = torch.rand(5, generator=gen, dtype=torch.float64).tolist()
+    w = round(0.55 + 0.3 * u[0], 2)
+    sd1, sd2 = round(0.4 + 0.4 * u[1], 2), round(0.4 + 0.4 * u[2], 2)
+    gap = 4.5 * max(sd1, sd2) + 0.5 + u[3]
+    mu1 = round(-gap / 2 + u[4] - 0.5, 2)
+    mu2 = round(mu1 + gap, 2)
+    if randint(gen, 0, 1):      # the heavier mode on the right half the time
+        mu1, sd1, mu2, sd2 = -mu2, sd2, -mu1, sd1
+        w = round(1 - w, 2)
+    return w, mu1, sd1, mu2, sd2
 
 
 @exercise
-def check_tinybert_layer_map(fn) -> Result:
-    """Check ``fn(n_teacher, n_student) -> list[int]`` of length ``n_student + 1``: the teacher layer each
-    student layer learns from (layer 0: the embeddings), TinyBERT's uniform strategy."""
-    name = "TinyBERT layer map"
-    hint = ("re-read 'Beyond the logits: DistilBERT and TinyBERT' on the uniform strategy, and check your "
-            "list's length, its two ends and the spacing of its entries.")
-    refused = _refuse(name, fn, _map_inputs, 133, hint)
+def check_fit_acceptance(fn) -> Result:
+    """Check ``fn(w, mu1, sd1, mu2, sd2) -> (forward, reverse)``: the predicted acceptance ``sum_v min(p_v,
+    q_v)`` of the single bump fitted to :func:`bimodal_teacher` by forward KL and by reverse KL, each within
+    ``ACCEPT_ATOL`` of the fits measured here with :func:`labsrc.distill.fit_unimodal`."""
+    name = "forward or reverse KL: which student is accepted more"
+    hint = ("re-read 'Mode covering and mode seeking': where does each fitted bump sit and how wide is it, "
+            "for this teacher? Then how much of the teacher's mass lies under it?")
+    refused = _refuse(name, fn, lambda gen: _fit_case(gen), 133, hint)
     if refused is not None:
         return refused
+    trials, seed = (3 * HIDDEN_TRIALS, 133 + HIDDEN_SEED_OFFSET) if hidden() else (3, 133)
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        case = _fit_case(gen)
+        where = "trial {} (w={}, mu1={}, sd1={}, mu2={}, sd2={})".format(trial + 1, *case)
+        try:
+            got = fn(*case)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        if isinstance(got, torch.Tensor):
+            got = got.tolist()
+        if not (isinstance(got, (tuple, list)) and len(got) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in got)):
+            return _report(Result(name, FAILED, _with_hint(f"{where}: return two numbers, (forward, reverse).",
+                                                           hint)))
+        truth = _measured_acceptance(*case)
+        wrong = [f"the {said} student's acceptance is {'too high' if mine > real else 'too low'}"
+                 for said, mine, real in zip(("forward-KL", "reverse-KL"), got, truth)
+                 if abs(mine - real) > ACCEPT_ATOL]
+        if wrong:
+            return _report(Result(name, FAILED, _with_hint(
+                f"{where}: {' and '.join(wrong)} (off by more than {ACCEPT_ATOL}).", hint)))
+    return _report(Result(name, PASSED, f"both predictions within {ACCEPT_ATOL} of the fits on {trials} teachers."))
 
-    def as_list(N, M):
-        got = fn(N, M)
-        return torch.tensor([int(x) for x in got]) if isinstance(got, (list, tuple, torch.Tensor)) else got
 
-    return check_function(name, as_list, lambda N, M: torch.tensor(distill.tinybert_layer_map(N, M)),
-                          _map_inputs, trials=8, seed=133, hint=hint, explain=_explain_map)
-
-
-# --------------------------------------------------------------------------------------- the KL kernel
+# ---------------------------------------------------------------------------- the whole KD loss of a token
 # (rows, V): odd vocabularies, rarely powers of two, so that a missing mask shows
 _KERNEL_SIZES = ((3, 7), (1, 1), (4, 100), (2, 257), (5, 33), (1, 640))
 _GUARD = 64
@@ -178,7 +262,17 @@ def _guarded(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return storage[_GUARD:_GUARD + values.numel()].view(values.shape), storage
 
 
-def _run_kernel(kernel, s, t, T):
+def _kd_rows_ref(s, t, labels, T, alpha):
+    """Each token's ``alpha CE + (1 - alpha) T² KL(p_T || q_T)``, 0 for a label of -100; float64."""
+    s, t = s.double(), t.double()
+    keep = labels != -100
+    ce = F.cross_entropy(s, torch.where(keep, labels, 0), reduction="none")
+    log_p, log_q = F.log_softmax(t / T, -1), F.log_softmax(s / T, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    return torch.where(keep, alpha * ce + (1 - alpha) * T * T * kl, torch.zeros_like(ce)).float()
+
+
+def _run_kernel(kernel, s, t, labels, T, alpha):
     import triton  # only reached when Triton is installed
 
     R, V = s.shape
@@ -188,26 +282,38 @@ def _run_kernel(kernel, s, t, T):
     # Under the interpreter the kernel runs in NumPy, which warns about what a GPU computes silently
     # (-inf - -inf in a masked lane, exp overflow): the comparison below is what judges the kernel.
     with np.errstate(all="ignore"):
-        kernel[(R,)](sg, tg, out, V, 1.0 / T, BLOCK=triton.next_power_of_2(V))
+        kernel[(R,)](sg, tg, labels.contiguous(), out, V, 1.0 / T, alpha, BLOCK=triton.next_power_of_2(V))
     guards = torch.cat([out_store[:_GUARD], out_store[-_GUARD:]])
     if not bool(torch.isnan(guards).all()):
         return out, "the kernel wrote outside the output (one value per row, at out_ptr + row)."
     return out, None
 
 
+def _explain_rows(out, s, t, labels, T, alpha) -> str:
+    """Which part of the loss is wrong, judged on the kept and the padded rows and the two terms alone."""
+    keep = labels != -100
+    want = _kd_rows_ref(s, t, labels, T, alpha)
+    if (~keep).any() and not torch.allclose(out[~keep], want[~keep], rtol=1e-4, atol=1e-5):
+        return " The rows whose label is -100 should hold 0."
+    for a, term in ((1.0, "hard"), (0.0, "soft")):
+        if alpha == a:
+            return f" This trial has alpha = {a:g}, so only the {term} term counts."
+    return ""
+
+
 @exercise
-def check_kd_kl_kernel(kernel) -> Result:
-    """Check a ``@triton.jit`` kernel ``kernel(s_ptr, t_ptr, out_ptr, V, inv_T, BLOCK)`` that writes, for row
-    ``r`` of the contiguous float32 ``(R, V)`` student and teacher logits, ``KL(softmax(t/T) || softmax(s/T))``
-    to ``out[r]`` (grid ``(R,)``, ``BLOCK`` the next power of two >= ``V``, so one block holds the row),
-    against :func:`labsrc.kernels.distill.kd_kl_ref`. Without Triton the check says it is skipped."""
-    name = "KD KL kernel"
+def check_kd_row_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(s_ptr, t_ptr, y_ptr, out_ptr, V, inv_T, alpha, BLOCK)`` that
+    writes, for row ``r`` of the contiguous float32 ``(R, V)`` student and teacher logits and int64 labels
+    ``(R,)``, the loss of eq. (eq-kd) for that one token, ``alpha CE(y_r, softmax(s_r)) + (1 - alpha) T²
+    KL(softmax(t_r/T) || softmax(s_r/T))`` to ``out[r]``, or 0 when ``y_r = -100`` (grid ``(R,)``, ``BLOCK`` the
+    next power of two >= ``V``). Without Triton the check says it is skipped."""
+    name = "the KD loss of a token, fused (Triton kernel)"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    from labsrc.kernels.distill import kd_kl_ref
-
-    hint = ("re-read 'The kernel: the soft term in one pass'. Every third trial has large logits at T = 0.5, "
-            "where a softmax computed naively overflows; NaN rows or writes outside point at the masks.")
+    hint = ("re-read 'The KD loss and its T²' and 'The kernel: the soft term in one pass'. Every third trial has "
+            "large logits at T = 0.5, where a softmax computed naively overflows; NaN rows or writes outside "
+            "point at the masks.")
     seed, sizes = 134, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, v + 5) for r, v in sizes)
@@ -219,24 +325,25 @@ def check_kd_kl_kernel(kernel) -> Result:
         scale = (0.5, 3.0, 60.0)[trial % 3]
         s = torch.randn(R, V, generator=gen) * scale
         t = torch.randn(R, V, generator=gen) * scale
+        labels = torch.randint(0, V, (R,), generator=gen)
+        labels[torch.rand(R, generator=gen) < 0.3] = -100
         T = _temperature(gen) if trial % 3 < 2 else 0.5
+        alpha = (0.0, 0.3, 0.5, 1.0)[randint(gen, 0, 3)]
         try:
-            out, problem = _run_kernel(kernel, s, t, T)
+            out, problem = _run_kernel(kernel, s, t, labels, T, alpha)
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={R}, V={V}): the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, f"trial {trial + 1} (R={R}, V={V})", hint))
         if problem is None:
-            expected = kd_kl_ref(s, t, T)
+            expected = _kd_rows_ref(s, t, labels, T, alpha)
             if torch.isnan(out).any():
                 problem = f"{int(torch.isnan(out).sum())} row(s) got NaN or were never written."
-            elif not torch.allclose(out, expected, rtol=1e-4, atol=1e-5):
-                problem = f"{int((~torch.isclose(out, expected, rtol=1e-4, atol=1e-5)).sum())} of {R} rows differ."
+            elif not torch.allclose(out, expected, rtol=1e-4, atol=1e-4):
+                bad = int((~torch.isclose(out, expected, rtol=1e-4, atol=1e-4)).sum())
+                problem = f"{bad} of {R} rows differ.{_explain_rows(out, s, t, labels, T, alpha)}"
                 if trial % 3 == 2:
                     problem += " This is a trial with large logits at a low temperature."
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={R}, V={V}, T={T}): {problem} "
-                                                f"Hint: {hint}"))
-    return _report(Result(name, PASSED, f"equal to kd_kl_ref on {len(sizes)} launches with odd vocabularies."))
+            return _report(Result(name, FAILED, f"trial {trial + 1} (R={R}, V={V}, T={T}, alpha={alpha}): "
+                                                f"{problem} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to the loss of each token on {len(sizes)} launches with odd "
+                                        f"vocabularies."))

@@ -7,11 +7,11 @@ and prints passed / failed / not solved yet without revealing the answer.
   on random ones.
 * :func:`check_lru_keep` and :func:`check_wrongly_dropped`: LRU on a reasoning chain
   (:func:`reasoning_chain`), and the premise token it drops although the verification step needs it.
-* :func:`check_probabilities` and :func:`check_systematic`: the budget correction (capping at 1 and
-  redistributing) and the systematic sampler that keeps exactly the budget, including a ``u`` so small that
-  ``K - u`` rounds to ``K``.
 * :func:`check_ever_kept`: a prediction, the chance that a token is kept at least once over several
   independent re-evictions, which the chapter then measures by simulation.
+* :func:`check_attention_sums_kernel`: a Triton kernel for the statistic every attention-based score needs,
+  each key's attention summed over a window of queries, recomputed from the keys and each query row's
+  log-sum-exp (the second pass a fused attention kernel forces), run under Triton's interpreter.
 
 Every check refuses an answer whose code calls the :mod:`labsrc.evict` function the exercise asks the
 student to write (:func:`refuses_library`): the point is to write it.
@@ -23,11 +23,12 @@ import numbers
 import torch
 
 from labsrc import evict as ev
-from labsrc.exercises.core import (FAILED, PASSED, Result, _call, _report, _with_hint, check_function, exercise,
-                                   randint, refuse_library)
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, PASSED, Result, _call, _report,
+                                   _with_hint, check_function, exercise, hidden, launch_failed, not_a_kernel,
+                                   refuse_library, skipped_without_triton)
 
 __all__ = ["hand_case", "check_scores", "reasoning_chain", "check_lru_keep", "check_wrongly_dropped",
-           "check_probabilities", "check_systematic", "check_ever_kept", "refuses_library"]
+           "check_ever_kept", "check_attention_sums_kernel", "refuses_library"]
 
 
 def refuses_library(name: str, fn, forbidden: tuple) -> Result | None:
@@ -156,6 +157,41 @@ def _lru_keep_reference(attn: torch.Tensor, budget: int, threshold: float) -> to
     return ev.LRU(threshold=threshold).select(stats, budget)
 
 
+def _last_uses(attn: torch.Tensor, threshold: float, arrival: bool) -> list[int]:
+    """Each token's last use (the position of the latest query giving it more than ``threshold``), with its
+    arrival counted as a use or not (-1 then for a token no query used)."""
+    t, n = attn.shape
+    last = [i if arrival else -1 for i in range(n)]
+    for row in range(t):
+        for i in range(n):
+            if float(attn[row, i]) > threshold:
+                last[i] = max(last[i], n - t + row)
+    return last
+
+
+def _lru_variant(attn: torch.Tensor, budget: int, threshold: float, *, arrival: bool, newer_wins: bool):
+    """The tokens an LRU variant keeps: arrival counted as a use or not, ties to the newer token or not."""
+    last = _last_uses(attn, threshold, arrival)
+    order = sorted(range(len(last)), key=lambda i: (last[i], i if newer_wins else -i), reverse=True)
+    return sorted(order[:budget])
+
+
+def _explain_lru(got, expected, attn, budget, threshold) -> str:
+    """Recognise the two slips of the buggy LRU: arrival not counted as a use, ties won by the older token."""
+    if not isinstance(got, torch.Tensor) or got.dim() != 1:
+        return _explain_keep(got, expected)
+    items = got.tolist()
+    for arrival, newer, said in (
+            (False, True, "Your answer ranks a token that no query used above the threshold below every used "
+                          "token, however recently it arrived; re-read what the task counts as a use."),
+            (True, False, "Where two tokens have the same last use, your answer keeps the older one."),
+            (False, False, "Your answer has two slips: a token no query used ranks below every used token "
+                           "however recently it arrived, and a tie of last use goes to the older token.")):
+        if items == _lru_variant(attn, budget, threshold, arrival=arrival, newer_wins=newer):
+            return said
+    return _explain_keep(got, expected)
+
+
 def _lru_inputs(gen: torch.Generator):
     n = int(torch.randint(6, 15, (1,), generator=gen))
     t = int(torch.randint(1, n + 1, (1,), generator=gen))
@@ -186,7 +222,7 @@ def check_lru_keep(fn) -> Result:
         return refused
 
     return check_function("LRU keep", _as(torch.int64)(fn), _lru_keep_reference, make, trials=6,
-                          explain=_explain_keep,
+                          explain=_explain_lru,
                           hint="re-read 'Why FIFO and LRU drop the premise, and dormant tokens' and write down "
                                "each token's last use for the failing trial by hand.")
 
@@ -228,77 +264,6 @@ def _prob_inputs(gen: torch.Generator):
     return scores, budget
 
 
-@exercise
-def check_probabilities(fn) -> Result:
-    """``fn(scores, budget)`` must return keep-probabilities (compared in float64 to float32 precision)
-    proportional to ``scores``, capped at
-    1 and summing exactly to ``budget`` (cap, then share the remaining budget among the uncapped, repeat)."""
-    refused = refuses_library("capped keep probabilities", fn, (ev.inclusion_probabilities,))
-    if refused is not None:
-        return refused
-    return check_function("capped keep probabilities", _as(torch.float64)(fn), ev.inclusion_probabilities,
-                          _prob_inputs, trials=8, rtol=1e-5, atol=1e-6, explain=_explain_probabilities,
-                          hint="re-read 'Keep-probabilities that really sum to K' and check the three "
-                               "properties the task asks for on the failing trial, one at a time.")
-
-
-def _explain_probabilities(got, expected, scores, budget) -> str:
-    """Which property of the keep-probabilities the answer breaks: the cap, the sum, or the proportions."""
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return ""
-    g = got.double()
-    if (g > 1 + 1e-9).any():
-        return f"{int((g > 1 + 1e-9).sum())} probabilities exceed 1."
-    if not torch.isclose(g.sum(), torch.tensor(float(budget), dtype=torch.float64), rtol=1e-6):
-        return f"They sum to {g.sum().item():.6g}, not to the budget {budget}."
-    return "Among the tokens below the cap, the probabilities are not in proportion to the scores."
-
-
-def _explain_systematic(got, expected, p, u) -> str:
-    k = int(round(float(p.sum())))
-    if isinstance(got, torch.Tensor) and got.dim() == 1 and got.numel() != k:
-        return f"You keep {got.numel()} items for u = {u!r}; the points are K = {k}."
-    return _explain_keep(got, expected)
-
-
-def _systematic_inputs(gen: torch.Generator):
-    scores, budget = _prob_inputs(gen)
-    p = ev.inclusion_probabilities(scores, budget)
-    u = float(torch.rand((), generator=gen, dtype=torch.float64))
-    return p, u
-
-
-# Offsets a uniform draw reaches only rarely but a check must cover: u = 0, and u so small that K - u rounds
-# to K (where counting points with floor(C - u) alone finds a (K+1)-th point that does not exist).
-_EDGE_U = (1e-300, 0.0, 1e-17)
-
-
-@exercise
-def check_systematic(fn) -> Result:
-    """``fn(p, u)`` must return the sorted int64 indices chosen by systematic sampling: item i is kept when
-    one of the points u, u + 1, ..., u + K - 1 (K = sum p) falls in [C_{i-1}, C_i), C the cumulative sum
-    of ``p``. Besides random cases the check tries offsets at the edge of [0, 1)."""
-    edges = list(_EDGE_U)
-
-    def make(gen):
-        p, u = _systematic_inputs(gen)
-        if not edges:
-            return p, u
-        # Uncapped probabilities (no edge C_i is an exact integer before the last): there the only count
-        # that can go wrong at a tiny u is the (K+1)-th point.
-        n = randint(gen, 6, 15)
-        scores = 1.0 + torch.rand(n, generator=gen, dtype=torch.float64)
-        return ev.inclusion_probabilities(scores, randint(gen, 1, 2)), edges.pop(0)
-
-    refused = refuses_library("systematic sampling", fn, (ev.systematic_indices, ev.stochastic_keep))
-    if refused is not None:
-        return refused
-    return check_function("systematic sampling", _as(torch.int64)(fn), ev.systematic_indices, make,
-                          trials=8 + len(_EDGE_U), explain=_explain_systematic,
-                          hint="re-read systematic sampling in 'Keep-probabilities that really sum to K' and "
-                               "draw the failing trial's points on the cumulative sum of p by hand.")
-
-
 def _ever_kept_reference(scores: torch.Tensor, budget: int, rounds: int) -> torch.Tensor:
     return 1.0 - (1.0 - ev.inclusion_probabilities(scores, budget)) ** rounds
 
@@ -324,11 +289,104 @@ def check_ever_kept(fn) -> Result:
     """``fn(scores, budget, rounds)`` must return, for each token, the probability (float64) that the
     stochastic keep (capped probabilities, systematic sampling) keeps it at least once over ``rounds``
     independent re-evictions of the same scores, each with a fresh draw."""
-    refused = refuses_library("kept at least once", fn,
-                              (ev.inclusion_probabilities, ev.retention_frequencies, ev.stochastic_keep))
+    # The keep-probabilities of one draw may come from the library (ev.inclusion_probabilities): the
+    # prediction is what several independent draws do with them, not the probabilities themselves.
+    refused = refuses_library("kept at least once", fn, (ev.retention_frequencies, ev.stochastic_keep))
     if refused is not None:
         return refused
     return check_function("kept at least once", _as(torch.float64)(fn), _ever_kept_reference,
                           _ever_kept_inputs, trials=8, rtol=1e-5, atol=1e-6, explain=_explain_ever_kept,
                           hint="test your prediction with rounds = 1 first, where it must equal one draw's "
                                "keep-probabilities; then compare it with the simulation after this exercise.")
+
+
+# ------------------------------------------------------------------------------- the attention-sums kernel
+# (W, N, D): windows of one query up to more queries than a key block, key counts that are not multiples of the
+# block, head sizes that are not powers of two; and a window as long as the sequence.
+_SUM_SIZES = ((3, 17, 5), (1, 9, 8), (6, 40, 12), (4, 4, 3), (5, 23, 16), (2, 70, 7))
+_SUM_GUARD = 64   # NaN elements before and after the output: a store outside it shows up
+
+
+def _sum_case(gen: torch.Generator, size) -> tuple:
+    """Queries (W, D), keys (N, D) and the queries' log-sum-exp (W,) under the causal mask, the last query at
+    position N - 1; logits are scaled by 1/sqrt(D) and spread wide enough that the row max matters."""
+    w, n, d = size
+    q = torch.randn(w, d, generator=gen) * 1.5
+    k = torch.randn(n, d, generator=gen) * 1.5
+    return q, k, _masked_logits(q, k).logsumexp(-1)
+
+
+def _masked_logits(q: torch.Tensor, k: torch.Tensor, causal: bool = True) -> torch.Tensor:
+    w, n = q.shape[0], k.shape[0]
+    logits = (q.double() @ k.double().T) / q.shape[1] ** 0.5
+    if causal:
+        future = torch.arange(n)[None, :] > (n - w + torch.arange(w))[:, None]
+        logits = logits.masked_fill(future, float("-inf"))
+    return logits
+
+
+def attention_sums_ref(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Each key's attention summed over the window's queries: (N,) float32."""
+    return torch.exp(_masked_logits(q, k) - lse.double()[:, None]).sum(0).float()
+
+
+def _explain_sums(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> str:
+    """Recognise a kernel that skips the causal mask, the log-sum-exp or the 1/sqrt(D) scale."""
+    rtol, atol = 1e-4, 1e-5
+    d = q.shape[1]
+    guesses = (("lets a query attend keys after its own position", torch.exp(
+                    _masked_logits(q, k, causal=False) - lse.double()[:, None]).sum(0)),
+               ("does not divide by the row's softmax sum (it ignores lse)",
+                torch.exp(_masked_logits(q, k)).sum(0)),
+               ("leaves the logits unscaled by 1/sqrt(D)",
+                torch.exp(_masked_logits(q, k) * d ** 0.5 - lse.double()[:, None]).sum(0)))
+    for said, alt in guesses:
+        if torch.allclose(out.double(), alt, rtol=rtol, atol=atol):
+            return f" Your kernel {said}."
+    return ""
+
+
+@exercise
+def check_attention_sums_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(q_ptr, k_ptr, lse_ptr, out_ptr, N, W, D, scale, BLOCK_N, BLOCK_D)``
+    that writes, for each of ``N`` keys, its attention summed over a window of ``W`` queries (the last query
+    at position ``N - 1``, causal), from contiguous float32 queries ``(W, D)``, keys ``(N, D)`` and the
+    queries' log-sum-exp ``(W,)``, one program per ``BLOCK_N`` keys (grid ``cdiv(N, BLOCK_N)``), against
+    :func:`attention_sums_ref`. Without Triton (macOS, Windows) the check says it is skipped."""
+    name = "attention sums from the log-sum-exp (Triton)"
+    if (skipped := skipped_without_triton(name)) is not None:
+        return skipped
+    hint = ("re-read 'Why the library has no eviction kernel' and compute, for the failing sizes, one key's sum by "
+            "hand from the queries that can see it; a message about writes or NaN points at the masks.")
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of cdiv(N, BLOCK_N) programs")) is not None:
+        return _report(unlaunchable)
+    import triton  # only reached when Triton is installed
+
+    seed, sizes, block_n = 31, _SUM_SIZES, 8
+    if hidden():
+        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((w + 1, n + 5, d + 2) for w, n, d in sizes)
+    gen = torch.Generator().manual_seed(seed)
+    for trial, size in enumerate(sizes):
+        q, k, lse = _sum_case(gen, size)
+        w, n, d = size
+        store = torch.full((n + 2 * _SUM_GUARD,), float("nan"))
+        out = store[_SUM_GUARD:_SUM_GUARD + n]
+        where = f"trial {trial + 1} (W={w}, N={n}, D={d})"
+        try:
+            kernel[(triton.cdiv(n, block_n),)](q, k, lse, out, n, w, d, 1.0 / d ** 0.5,
+                                              BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(d))
+        except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
+            return _report(launch_failed(name, err, where, hint))
+        expected = attention_sums_ref(q, k, lse)
+        problem = None
+        if not bool(torch.isnan(torch.cat([store[:_SUM_GUARD], store[-_SUM_GUARD:]])).all()):
+            problem = "the kernel wrote outside the output (a key past N stored without a mask?)."
+        elif torch.isnan(out).any():
+            problem = f"{int(torch.isnan(out).sum())} of {n} outputs are NaN or were never written."
+        elif not torch.allclose(out, expected, rtol=1e-4, atol=1e-5):
+            bad = ~torch.isclose(out, expected, rtol=1e-4, atol=1e-5)
+            problem = (f"{int(bad.sum())} of {n} sums differ, the first at key {int(bad.nonzero()[0])}."
+                       f"{_explain_sums(out, q, k, lse)}")
+        if problem:
+            return _report(Result(name, FAILED, f"{where}: {problem} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))

@@ -23,7 +23,7 @@ from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _code_names, _rep
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Exercise: merge two partial softmax results
+# Exercise: find the bugs in a merge of two partial softmax results (flash-decoding's merge)
 # ---------------------------------------------------------------------------------------------------------------
 
 def _partial(scores: torch.Tensor, values: torch.Tensor):
@@ -34,33 +34,91 @@ def _partial(scores: torch.Tensor, values: torch.Tensor):
     return m, l, (p @ values) / l[:, None]
 
 
-def _merge_inputs(gen: torch.Generator) -> tuple:
-    rows, d = randint(gen, 1, 9), randint(gen, 1, 33)
+def _empty_rows(m, l, o, rows: torch.Tensor):
+    """The chunk's state with ``rows`` made empty, as a split past a sequence's end leaves it: the kernel's
+    rule gives such a row m = -inf, l = 0 and o = 0."""
+    m, l, o = m.clone(), l.clone(), o.clone()
+    m[rows], l[rows], o[rows] = float("-inf"), 0.0, 0.0
+    return m, l, o
+
+
+def _merge_inputs(gen: torch.Generator, empties: bool = False) -> tuple:
+    """Two chunks of keys for a few rows: chunks of different sizes whose scores sit far from 0 (exp() without
+    the max shift overflows in fp32), near each other or on very different scales; with ``empties``, some rows for which one chunk, or both,
+    saw no key (row 0 for both)."""
+    rows, d = randint(gen, 2, 9), randint(gen, 1, 33)
     n1, n2 = randint(gen, 1, 40), randint(gen, 1, 40)
-    # Chunks whose scores live on very different scales: exp() without the max shift overflows in fp32.
-    s1 = torch.randn(rows, n1, generator=gen, dtype=torch.float64) * 3 + float(randint(gen, -120, 120))
-    s2 = torch.randn(rows, n2, generator=gen, dtype=torch.float64) * 3 + float(randint(gen, -120, 120))
+    shift1 = randint(gen, -120, 120)
+    # Half the time the second chunk's scores sit near the first's (both chunks matter), else far away.
+    shift2 = shift1 + randint(gen, -2, 2) if randint(gen, 0, 1) else randint(gen, -120, 120)
+    s1 = torch.randn(rows, n1, generator=gen, dtype=torch.float64) * 3 + float(shift1)
+    s2 = torch.randn(rows, n2, generator=gen, dtype=torch.float64) * 3 + float(shift2)
     v1 = torch.randn(n1, d, generator=gen, dtype=torch.float64)
     v2 = torch.randn(n2, d, generator=gen, dtype=torch.float64)
-    return (*_partial(s1, v1), *_partial(s2, v2))
+    one, two = _partial(s1, v1), _partial(s2, v2)
+    if empties:
+        kind = torch.randint(0, 4, (rows,), generator=gen)   # 0: both full, 1: first empty, 2: second, 3: both
+        kind[0] = 3
+        one = _empty_rows(*one, (kind == 1) | (kind == 3))
+        two = _empty_rows(*two, (kind == 2) | (kind == 3))
+    return (*one, *two)
 
 
 def _merge_reference(m1, l1, o1, m2, l2, o2):
+    """The output over both chunks; a row neither chunk saw a key for is 0 (the chapter's -inf rule)."""
     m = torch.maximum(m1, m2)
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     w1, w2 = l1 * torch.exp(m1 - m), l2 * torch.exp(m2 - m)
-    return (w1[:, None] * o1 + w2[:, None] * o2) / (w1 + w2)[:, None]
+    total = w1 + w2
+    merged = (w1[:, None] * o1 + w2[:, None] * o2) / torch.where(total > 0, total, 1.0)[:, None]
+    return torch.where((total > 0)[:, None], merged, torch.zeros_like(merged))
+
+
+def _explaining_merge(fn):
+    """``explain`` for the merge: what goes wrong on which kind of row, tried on the failing trial's chunks."""
+    def explain(got, expected, m1, l1, o1, m2, l2, o2) -> str:
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            return ""
+        both_empty = torch.isinf(m1) & torch.isinf(m2)
+        bad = ~torch.isclose(got.double(), expected.double(), rtol=1e-9, atol=1e-9).all(1)
+        if bool((bad & both_empty).any()):
+            row = int((bad & both_empty).nonzero()[0])
+            return (f"Row {row}, for which neither chunk saw a key, comes out "
+                    f"{'NaN' if torch.isnan(got[row]).any() else 'nonzero'}; re-read the -inf rule in "
+                    "'Reading the forward kernel'.")
+        if bool((bad & (torch.isinf(m1) | torch.isinf(m2))).any()) and not bool(bad[~torch.isinf(m1) &
+                                                                                     ~torch.isinf(m2)].any()):
+            return "Only rows for which one chunk is empty are wrong."
+        full = ~torch.isinf(m1) & ~torch.isinf(m2)
+        if not bool(full.any()):
+            return ""
+        f = (m1[full], l1[full], o1[full], m2[full], l2[full], o2[full])
+        level = fn(f[0], f[1], f[2], f[0], f[4], f[5])   # both chunks with the same row max
+        if isinstance(level, torch.Tensor) and level.shape == f[2].shape:
+            if torch.allclose(level, _merge_reference(f[0], f[1], f[2], f[0], f[4], f[5]), rtol=1e-9, atol=1e-9):
+                return "Your merge is right when the two chunks have the same row max, and wrong when they do not."
+            return ("Your merge is wrong even when the two chunks have the same row max: with equal maxima, does "
+                    "a chunk of one key weigh as much as a chunk of forty?")
+        return ""
+    return explain
 
 
 @exercise
 def check_merge(fn) -> Result:
     """Check ``fn(m1, l1, o1, m2, l2, o2) -> o``: the softmax-attention output over the union of two key chunks,
     given each chunk's row max ``m`` (rows,), normaliser ``l = sum exp(s - m)`` (rows,) and normalised output
-    ``o`` (rows, d). Inputs are fp64."""
-    return check_function("merge two partial softmax results", fn, _merge_reference, _merge_inputs,
+    ``o`` (rows, d). Inputs are fp64. A chunk that saw no key for a row has ``m = -inf, l = 0, o = 0`` there,
+    and a row that neither chunk saw a key for must come out 0."""
+    calls = iter(range(1 << 30))
+
+    def make_inputs(gen):  # every other trial has empty rows, so that each of the two rules shows on its own
+        return _merge_inputs(gen, empties=next(calls) % 2 == 1)
+
+    return check_function("fix the merge of two partial softmax results", fn, _merge_reference, make_inputs,
                           trials=8, seed=31, rtol=1e-9, atol=1e-9, explain=_explaining_merge(fn),
                           hint="re-read 'Online softmax' and test your merge on a tiny case against softmax "
-                               "attention over both chunks' keys at once; in these trials the two chunks' "
-                               "scores sit on very different scales.")
+                               "attention over both chunks' keys at once: two chunks of different sizes, and a "
+                               "row with no keys at all.")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -117,25 +175,6 @@ _TILED_HINT = ("re-read 'Tiled attention in plain PyTorch' and count, query bloc
                "value rows that block reads under the causal mask.")
 
 
-def _explaining_merge(fn):
-    """``explain`` for the merge: two properties any right merge has, tried on the failing trial's chunks."""
-    def explain(got, expected, m1, l1, o1, m2, l2, o2) -> str:
-        if isinstance(got, torch.Tensor) and got.shape == expected.shape and not torch.isfinite(got).all():
-            return "Some outputs are inf or NaN: an exp overflowed or divided by zero."
-        same = fn(m1, l1, o1, m1, l1, o1)
-        if not (isinstance(same, torch.Tensor) and torch.allclose(same, o1, rtol=1e-9, atol=1e-9)):
-            return "Merging the first chunk with itself does not give back its own output o1."
-        swapped = fn(m2, l2, o2, m1, l1, o1)
-        if not (isinstance(swapped, torch.Tensor) and torch.allclose(swapped, got, rtol=1e-9, atol=1e-9)):
-            return "Your merge depends on which chunk comes first; the union of two chunks does not."
-        level = fn(m1, l1, o1, m1, l2, o2)   # both chunks with the same row max
-        if isinstance(level, torch.Tensor) and torch.allclose(level, _merge_reference(m1, l1, o1, m1, l2, o2),
-                                                              rtol=1e-9, atol=1e-9):
-            return "Your merge is right when the two chunks have the same row max, and wrong when they do not."
-        return ""
-    return explain
-
-
 def _explaining_tiled(fn):
     """``explain`` for the tiled count: a count that is right when block_m divides T but wrong here has the
     partial last query block wrong."""
@@ -162,21 +201,6 @@ def _explain_tile(got, expected, k, start, block_n, block_d) -> str:
               ((rows >= T), "in rows past the matrix's last row")]
     wrong = [where for region, where in places if bool((bad & region).any())]
     return f"The wrong lanes are {' and '.join(wrong)} (T={T}, D={D}, start={start})." if wrong else ""
-
-
-def _explain_block_update(got, expected, q, k, v, vis, m, l, acc, scale, block_n) -> str:
-    """Which part of the state (m, l or acc) goes wrong first, and for what kind of row."""
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return ""
-    bad = ~torch.isclose(got.double(), expected.double(), rtol=1e-4, atol=1e-4, equal_nan=True)
-    if not bad.any():
-        return ""
-    row = int(bad.any(1).nonzero()[0])
-    part = "m" if bad[row, 0] else "l" if bad[row, 1] else "acc"
-    seen = "a fresh row (nothing seen before)" if m[row] == float("-inf") else "a row with an earlier state"
-    sees = "none of this block's keys" if int(vis[row]) == 0 else f"{int(vis[row])} of its {k.shape[0]} keys"
-    nan = " and comes out NaN" if torch.isnan(got[row]).any() else ""
-    return f"Row {row} is wrong first, in {part}{nan}: it is {seen} that may see {sees}."
 
 
 def _functions_named_by(fn) -> list:
@@ -267,56 +291,43 @@ def check_key_tile(fn) -> Result:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Exercise: write the online-softmax update of one key block as a Triton kernel
+# Exercise: the backward pass's dQ kernel (the chapter shows the dK/dV kernel, not this one)
 # ---------------------------------------------------------------------------------------------------------------
 
-# The kernel the student writes is launched with these block sizes: tl.dot needs every dimension >= 16.
-KERNEL_BLOCK_M = 16
+# The block sizes the check launches the student's kernel with: tl.dot needs every dimension >= 16.
+KERNEL_BLOCK_M = KERNEL_BLOCK_N = 16
 
 
-def _block_update_reference(q, k, v, vis, m, l, acc, qk_scale):
-    """Eq. (eq-fa-online) for one key block, in float64: the new (m, l, acc) stacked as (rows, 2 + D).
+def _dq_reference(q, k, v, dout, causal, sm_scale):
+    """dQ of one head by the formulas of eq. (eq-fa-backward), in float64; and the forward's log-sum-exp and
+    delta that the kernel is given. Causal is bottom-right aligned (query i sees keys j <= i + Tk - Tq); a row
+    that sees no key has lse = -inf, P = 0 and gradient 0."""
+    q, k, v, dout = (t.double() for t in (q, k, v, dout))
+    s = q @ k.T * sm_scale
+    tq, tk = s.shape
+    if causal:
+        i, j = torch.arange(tq)[:, None], torch.arange(tk)[None, :]
+        s = s.masked_fill(j > i + (tk - tq), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    seen = torch.isfinite(lse)
+    p = torch.where(seen[:, None], torch.exp(s - torch.where(seen, lse, 0.0)[:, None]), 0.0)
+    delta = (dout * (p @ v)).sum(-1)
+    ds = p * (dout @ v.T - delta[:, None])
+    return (ds @ k) * sm_scale, lse, delta
 
-    Key j is visible to row i iff j < vis[i]; a row that has seen only invisible keys keeps m = -inf, l = 0,
-    acc = 0 (the -inf rule: a set of scores that are all -inf adds nothing)."""
-    q, k, v, m, l, acc = (t.double() for t in (q, k, v, m, l, acc))
-    s = q @ k.T * qk_scale
-    visible = torch.arange(k.shape[0])[None, :] < vis[:, None]
-    s = s.masked_fill(~visible, float("-inf"))
-    m_new = torch.maximum(m, s.max(dim=1).values)
-    m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
-    alpha = torch.exp(m - m_safe)
-    p = torch.exp(s - m_safe[:, None])
-    l_new = alpha * l + p.sum(1)
-    acc_new = alpha[:, None] * acc + p @ v
-    return torch.cat([m_new[:, None], l_new[:, None], acc_new], 1).float()
 
-
-def _block_update_inputs(gen: torch.Generator, all_masked: bool = False) -> tuple:
-    """One key block (1..block_n keys) and the running state of Tq rows: either fresh (m = -inf, l = 0,
-    acc = 0, as before the first block) or left by an earlier block, with some rows that saw nothing."""
-    tq, d = randint(gen, 1, 45), randint(gen, 1, 40)
-    block_n = [16, 32][randint(gen, 0, 1)]
-    n_keys = randint(gen, 1, block_n)
+def _dq_inputs(gen: torch.Generator) -> tuple:
+    """One head at odd sizes (rows past a block, head sizes that are not powers of two), causal or not; causal
+    cases include Tq > Tk, where the first rows see no key at all."""
+    causal = bool(randint(gen, 0, 1))
+    tq, tk, d = randint(gen, 1, 40), randint(gen, 1, 45), randint(gen, 1, 40)
+    if causal and randint(gen, 0, 2) == 0:
+        tk = randint(gen, 1, max(1, tq - 1))           # more queries than keys: some rows see nothing
     q = torch.randn(tq, d, generator=gen)
-    k = torch.randn(n_keys, d, generator=gen) * 2
-    v = torch.randn(n_keys, d, generator=gen)
-    vis = torch.randint(0, n_keys + 1, (tq,), generator=gen, dtype=torch.int32)
-    vis[torch.rand(tq, generator=gen) < 0.25] = 0  # rows for which this whole block is masked (-inf scores)
-    scale = 1 / math.sqrt(d)
-    if all_masked or randint(gen, 0, 2) == 0:  # the first block: nothing seen yet
-        m = torch.full((tq,), float("-inf"))
-        l, acc = torch.zeros(tq), torch.zeros(tq, d)
-        if all_masked or randint(gen, 0, 1) == 0:
-            vis.zero_()  # every score of the block is -inf: the state must stay (-inf, 0, 0), never NaN
-    else:  # the state an earlier block of keys left, with scores far from this block's
-        n0 = randint(gen, 1, 30)
-        k0, v0 = torch.randn(n0, d, generator=gen) * 4, torch.randn(n0, d, generator=gen)
-        vis0 = torch.randint(0, n0 + 1, (tq,), generator=gen, dtype=torch.int32)
-        state = _block_update_reference(q, k0, v0, vis0, torch.full((tq,), float("-inf")), torch.zeros(tq),
-                                        torch.zeros(tq, d), scale)
-        m, l, acc = state[:, 0].contiguous(), state[:, 1].contiguous(), state[:, 2:].contiguous()
-    return q, k, v, vis, m, l, acc, scale, block_n
+    k = torch.randn(tk, d, generator=gen) * 1.5
+    v = torch.randn(tk, d, generator=gen)
+    dout = torch.randn(tq, d, generator=gen)
+    return q, k, v, dout, causal, 1 / math.sqrt(d)
 
 
 def _library_objects() -> tuple:
@@ -329,53 +340,71 @@ def _library_objects() -> tuple:
                    if getattr(_unwrap(obj), "__module__", None) == lib.__name__ and callable(_unwrap(obj))))
 
 
-def _launcher(kernel):
-    """Launch the student's kernel like the chapter does and return the updated state (rows, 2 + D)."""
-    from labsrc import runtime
-
-    def run(q, k, v, vis, m, l, acc, scale, block_n):
-        dev = runtime.DEVICE
-        # copies: the kernel updates m, l, acc in place, and the reference still needs the originals
-        q, k, v, vis, m, l, acc = (t.to(dev).clone().contiguous() for t in (q, k, v, vis, m, l, acc))
-        tq, d = q.shape
-        block_d = max(16, 1 << (d - 1).bit_length())
-        grid = (-(-tq // KERNEL_BLOCK_M),)
-        try:
-            kernel[grid](q, k, v, vis, m, l, acc, tq, k.shape[0], d, scale,
-                         BLOCK_M=KERNEL_BLOCK_M, BLOCK_N=block_n, BLOCK_D=block_d)
-        except NotImplementedError:
-            raise
-        except Exception as err:  # noqa: BLE001 - a compiled stub reports its NotImplementedError inside
-            if "NotImplementedError" in repr(err) or "NotImplementedError" in str(err.__cause__):
-                raise NotImplementedError from err
-            print(f"  (the kernel raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})")
-            return torch.full((tq, 2 + d), float("nan"))
-        return torch.cat([m[:, None], l[:, None], acc], 1).cpu()
-    return run
-
-
 def _is_kernel(fn) -> bool:
     from labsrc.kernels._triton import triton
 
     return isinstance(fn, (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction))
 
 
-@exercise
-def check_online_softmax_kernel(kernel) -> Result:
-    """Check the student's ``@triton.jit`` kernel ``kernel(Q, K, V, VIS, M, L, ACC, Tq, n_keys, D, qk_scale,
-    BLOCK_M, BLOCK_N, BLOCK_D)``: for each block of BLOCK_M query rows it folds one block of ``n_keys`` keys
-    into the running ``(m, l, acc)`` in place (key j visible to row i iff j < VIS[i]; natural-log units).
-
-    It is launched on ``cdiv(Tq, 16)`` programs over random odd sizes, fresh and carried-over states, and blocks
-    whose scores are all -inf, and compared with a float64 PyTorch reference. Without Triton it is skipped."""
+def _dq_launcher(kernel):
+    """Launch the student's kernel as the exercise states: one program per block of 16 query rows."""
     from labsrc import runtime
 
-    name = "the online-softmax update of one key block (Triton kernel)"
+    def run(q, k, v, dout, causal, sm_scale):
+        dev = runtime.DEVICE
+        _, lse, delta = _dq_reference(q, k, v, dout, causal, sm_scale)
+        q, k, v, dout = (t.to(dev).contiguous() for t in (q, k, v, dout))
+        lse, delta = lse.float().to(dev).contiguous(), delta.float().to(dev).contiguous()
+        tq, d = q.shape
+        dq = torch.full_like(q, float("nan"))          # a row the kernel forgets to store shows as NaN
+        block_d = max(16, 1 << (d - 1).bit_length())
+        try:
+            kernel[(-(-tq // KERNEL_BLOCK_M),)](q, k, v, dout, lse, delta, dq, tq, k.shape[0], d, sm_scale,
+                                                CAUSAL=causal, BLOCK_M=KERNEL_BLOCK_M, BLOCK_N=KERNEL_BLOCK_N,
+                                                BLOCK_D=block_d)
+        except NotImplementedError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a compiled stub reports its NotImplementedError inside
+            if "NotImplementedError" in repr(err) or "NotImplementedError" in str(err.__cause__):
+                raise NotImplementedError from err
+            print(f"  (the kernel raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})")
+            return torch.full((tq, d), float("nan"))
+        return dq.cpu()
+    return run
+
+
+def _explain_dq(got, expected, q, k, v, dout, causal, sm_scale) -> str:
+    """Which rows go wrong first: ones that see no key, ones whose visible keys end inside a key block, or any."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        return ""
+    bad = ~torch.isclose(got.double(), expected.double(), rtol=1e-4, atol=1e-4, equal_nan=False).all(1)
+    if not bad.any():
+        return ""
+    tq, tk = q.shape[0], k.shape[0]
+    row = int(bad.nonzero()[0])
+    sees = min(tk, row + tk - tq + 1) if causal else tk
+    nan = " and comes out NaN" if torch.isnan(got[row]).any() else ""
+    if sees <= 0:
+        return f"Row {row} sees no key at all (causal, Tq={tq} > Tk={tk}){nan}."
+    return (f"Row {row} is the first wrong one{nan}: it sees {sees} of the {tk} keys "
+            f"({'causal' if causal else 'not causal'}, Tq={tq}, D={q.shape[1]}).")
+
+
+@exercise
+def check_dq_kernel(kernel) -> Result:
+    """Check the student's ``@triton.jit`` kernel ``kernel(Q, K, V, DO, LSE, DELTA, DQ, Tq, Tk, D, sm_scale,
+    CAUSAL, BLOCK_M, BLOCK_N, BLOCK_D)``: one program per block of BLOCK_M query rows of one head writes that
+    block's rows of dQ, recomputing P from the forward's log-sum-exp (natural log; -inf for a row that sees no
+    key) and using delta = rowsum(dO * O).
+
+    It is launched on ``cdiv(Tq, 16)`` programs over random odd sizes, causal (bottom-right, Tq > Tk included)
+    and not, and compared with a float64 PyTorch reference. Without Triton it is skipped."""
+    from labsrc import runtime
+
+    name = "the backward pass's dQ (Triton kernel)"
     if not runtime.HAS_TRITON:
         return triton_missing(name)
-    if not callable(kernel) and not _is_kernel(kernel):
-        return _report(Result(name, FAILED, "expected a kernel. Hint: decorate the function with @triton.jit."))
-    refused = refuse_library(name, kernel, _library_objects(), "write the update yourself, in your own kernel.",
+    refused = refuse_library(name, kernel, _library_objects(), "write the loop yourself, in your own kernel.",
                              owner="the lab")
     if refused is not None:
         return refused
@@ -383,23 +412,14 @@ def check_online_softmax_kernel(kernel) -> Result:
         try:  # the stub of the student build raises before anything else
             kernel()
         except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+            return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
         except Exception:  # noqa: BLE001
             pass
         return _report(Result(name, FAILED, "this is a Python function, not a kernel. Hint: decorate it with "
                                             "@triton.jit and launch nothing yourself; the check launches it."))
-    calls = iter(range(1 << 30))
-
-    def make_inputs(gen):  # the first case of every run is a first block whose scores are all -inf
-        return _block_update_inputs(gen, all_masked=next(calls) == 0)
-
     atol = 1e-4 if runtime.INTERPRETED else 2e-2  # a GPU's fp32 tl.dot may use TF32 unless told "ieee"
-    return check_function(name, _launcher(kernel), _block_update_reference_launch, make_inputs,
-                          trials=10, seed=35, rtol=1e-4, atol=atol, explain=_explain_block_update,
-                          hint="re-read 'Online softmax' and 'Reading the forward kernel', and follow the row "
-                               "named above through your kernel on paper: what it had seen before this block, "
-                               "and which of this block's keys it may see.")
-
-
-def _block_update_reference_launch(q, k, v, vis, m, l, acc, scale, block_n):
-    return _block_update_reference(q, k, v, vis, m, l, acc, scale)
+    return check_function(name, _dq_launcher(kernel), lambda *args: _dq_reference(*args)[0].float(), _dq_inputs,
+                          trials=6, seed=37, rtol=1e-4, atol=atol, explain=_explain_dq,
+                          hint="re-read 'The backward pass: recompute P, do not store it' and follow the row named "
+                               "above through your kernel on paper: which keys it sees, and what its P is for the "
+                               "keys it does not see.")

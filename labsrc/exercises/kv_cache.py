@@ -1,18 +1,21 @@
 """Checks for the exercises of the KV-cache chapter.
 
-Each check calls the student's function on several seeded random configurations and compares it with
-:mod:`labsrc.kvmath`; it prints ``passed``, what is wrong (with a hint), or ``not solved yet`` when the
+Each check calls the student's function on several seeded random configurations and compares it with what
+this module computes or measures: closed forms from :mod:`labsrc.kvmath`, a paged cache's utilisation measured
+on seeded request mixes (for the prediction), a store into a head-major cache (for the kernel). It prints ``passed``, what is wrong (with a hint), or ``not solved yet`` when the
 function still raises ``NotImplementedError``. Expected answers are computed here, never printed. A function
 that calls the :mod:`labsrc.kvmath` function it is asked to write (or any of its helpers that would do the
 work) fails: the exercise is the derivation, not the call.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from labsrc import kvmath
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number,
-                                   check_function, check_value, exercise, hidden, randint, refuse_library,
+                                   check_function, exercise, hidden, randint, refuse_library,
                                    triton_missing)
 from labsrc.kernels._triton import HAS_TRITON
 
@@ -58,41 +61,112 @@ def check_gqa_bytes(fn) -> Result:
         arg_names=("n_layers", "n_heads", "n_kv_heads", "head_dim", "seq_len", "batch", "dtype_bytes"))
 
 
+def _rate_inputs(gen: torch.Generator) -> tuple:
+    """A model and a card of today's sizes, at a context from 1K to 1M tokens: sometimes only a few sequences
+    fit beside the weights (the whole number matters), sometimes not one, sometimes not even the weights."""
+    weight_bytes = randint(gen, 1, 400) * 1e9
+    kv_bytes_per_token = randint(gen, 8, 400) * 1024
+    context = 2 ** randint(gen, 10, 20) + randint(gen, 0, 999)
+    hbm_bytes = [24e9, 40e9, 80e9, 141e9, 192e9][randint(gen, 0, 4)]
+    hbm_bytes_per_s = [0.9e12, 2.0e12, 3.35e12, 4.8e12, 8e12][randint(gen, 0, 4)]
+    return weight_bytes, kv_bytes_per_token, context, hbm_bytes, hbm_bytes_per_s
+
+
+def _rate_at(batch, weight_bytes, kv_bytes_per_token, context, hbm_bytes_per_s):
+    """Eq. (eq-kv-floor)'s tokens/s ceiling of one batch size."""
+    return batch * hbm_bytes_per_s / (weight_bytes + batch * context * kv_bytes_per_token)
+
+
+def _rate_reference(weight_bytes, kv_bytes_per_token, context, hbm_bytes, hbm_bytes_per_s):
+    batch = max(0, int((hbm_bytes - weight_bytes) // (context * kv_bytes_per_token)))
+    return 0.0 if batch == 0 else _rate_at(batch, weight_bytes, kv_bytes_per_token, context, hbm_bytes_per_s)
+
+
+def _explain_rate(got, expected, weight_bytes, kv_bytes_per_token, context, hbm_bytes, hbm_bytes_per_s) -> str:
+    """Whether the failing trial is one where nothing fits, or one where only a few sequences do."""
+    fits = max(0, int((hbm_bytes - weight_bytes) // (context * kv_bytes_per_token)))
+    if isinstance(got, (int, float)) and fits >= 1:
+        # the rates of two plausible slips, to say which one the answer made
+        part = (hbm_bytes - weight_bytes) / (context * kv_bytes_per_token)
+        for batch, slip in ((part, "a batch that is not a whole number of sequences"), (1, "a batch of one")):
+            if math.isclose(got, _rate_at(batch, weight_bytes, kv_bytes_per_token, context, hbm_bytes_per_s),
+                            rel_tol=1e-9):
+                return f"Your value is the ceiling of {slip}, here where {fits} whole sequence(s) fit."
+    if fits == 0:
+        where = "the weights alone" if weight_bytes > hbm_bytes else "the weights and one sequence"
+        return f"In this trial {where} do not fit on the card: what can it serve?"
+    if fits < 20:
+        return f"In this trial only {fits} whole sequence(s) fit beside the weights."
+    return ""
+
+
 @exercise
-def check_v3_crossover(fn) -> Result:
-    """Check ``fn() -> tokens``: the context at which DeepSeek-V3's bf16 cache (batch 1) weighs as much as its
-    bf16 weights, all 671B of them resident. The student computes it from the published shape, not from kvmath."""
-    name, hint = ("DeepSeek-V3: context at which the cache outweighs the weights",
-                  "the answer divides two byte counts, so check each on its own against 'MLA and MLKV against "
-                  "the source': which parameters are resident (not only those one token reads), and what one "
-                  "token adds to one layer's MLA cache.")
-    v3 = kvmath.PRESETS["DeepSeek-V3"]
-    expected = kvmath.kv_equals_weights_context(v3.weight_bytes(2), v3.kv_bytes_per_token(2))
-    refused = _asks_library(name, fn, hint)
-    return refused if refused is not None else check_value(name, fn, expected, rtol=2e-3, hint=hint)
-
-
-def _waste_inputs(gen: torch.Generator) -> tuple:
-    max_len = [512, 1000, 2048, 4096][randint(gen, 0, 3)]
-    n = randint(gen, 1, 300)
-    lengths = torch.randint(1, max_len + 1, (n,), generator=gen)
-    return lengths, max_len
-
-
-def _waste_reference(lengths, max_len):
-    return 1.0 - kvmath.reservation_utilisation(lengths.numpy(), max_len)
-
-
-@exercise
-def check_reservation_waste(fn) -> Result:
-    """Check ``fn(lengths, max_len) -> fraction`` of reserved slots left empty when each request reserves
-    ``max_len`` slots and uses ``lengths[i]`` of them (``lengths`` is a 1-D int64 tensor)."""
-    name, hint = ("fraction wasted by max-length reservation",
-                  "re-read 'Fragmentation: reserving the maximum length'; your answer must lie in [0, 1], be 0 "
-                  "when every request uses all max_len slots, and grow as requests get shorter.")
+def check_decode_rate_ceiling(fn) -> Result:
+    """Check ``fn(weight_bytes, kv_bytes_per_token, context, hbm_bytes, hbm_bytes_per_s) -> tokens/s``: the
+    bandwidth ceiling of decode on one card that holds the weights and as many whole sequences of ``context``
+    tokens as fit beside them (0 when not one fits)."""
+    name, hint = ("decode ceiling when memory caps the batch",
+                  "re-read 'What the bytes cost' and 'A calculator': find how many sequences the card can hold, "
+                  "then what one step of that batch reads, then how many tokens that step produces.")
     refused = _asks_library(name, fn, hint)
     return refused if refused is not None else check_function(
-        name, as_number(fn), _waste_reference, _waste_inputs, trials=8, seed=13, rtol=1e-6, atol=1e-9, hint=hint)
+        name, as_number(fn), _rate_reference, _rate_inputs, trials=12, seed=12, rtol=1e-9, atol=1e-9, hint=hint,
+        explain=_explain_rate)
+
+
+def _paged_inputs(gen: torch.Generator) -> tuple:
+    """A seeded log-normal mix of request lengths (median and spread drawn too), and a block size from a
+    twentieth to a third of the median: blocks small enough that a request spans several, large enough that
+    their waste shows."""
+    median = [150, 300, 600, 1200][randint(gen, 0, 3)]
+    sigma = 0.4 + 0.7 * float(torch.rand((), generator=gen))
+    sizes = [b for b in (8, 16, 32, 64, 128, 256) if median / 20 <= b <= median / 3]
+    block_size = sizes[randint(gen, 0, len(sizes) - 1)]
+    lengths = kvmath.sample_request_lengths(PAGED_REQUESTS, 1 << 20, seed=randint(gen, 0, 10**6), median=median,
+                                            sigma=sigma)
+    return lengths, block_size
+
+
+PAGED_REQUESTS = 4000
+"""Requests in each mix the check serves: enough that the measured utilisation is close to its expectation."""
+PAGED_TOLERANCE = 0.005
+"""How far a prediction may be from the measured utilisation (a fraction: half a percentage point)."""
+
+
+@exercise
+def check_paged_utilisation(fn) -> Result:
+    """Check ``fn(mean_length, block_size) -> fraction``: a *prediction*, from the mean request length alone,
+    of the fraction of allocated slots that hold a token when caches grow in blocks of ``block_size``. It is
+    compared, within ``PAGED_TOLERANCE``, with the utilisation *measured* by serving seeded random request mixes
+    in blocks (mixes whose mean the prediction is given)."""
+    name, hint = ("predicted utilisation of a paged cache",
+                  "re-read 'Fragmentation: reserving the maximum length' and think about one request: how many "
+                  "slots of its last block stay empty, on average over many requests of different lengths?")
+    refused = _asks_library(name, fn, hint, "predict it yourself")
+    if refused is not None:
+        return refused
+    trials, seed = (8, 17 + (1000 if hidden() else 0))
+    trials *= 2 if hidden() else 1
+    gen = torch.Generator().manual_seed(seed)
+    predict = as_number(fn)
+    for trial in range(trials):
+        lengths, block_size = _paged_inputs(gen)
+        mean = float(lengths.mean())
+        try:
+            got = predict(mean, block_size)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        measured = kvmath.paged_utilisation(lengths, block_size)
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            return _report(Result(name, FAILED, _with_hint(f"expected a number, got {type(got).__name__}.", hint)))
+        if not abs(got - measured) <= PAGED_TOLERANCE:
+            side = "above" if got > measured else "below"
+            return _report(Result(name, FAILED, _with_hint(
+                f"trial {trial + 1} ({PAGED_REQUESTS} requests of mean length {mean:.1f}, blocks of {block_size}): "
+                f"your prediction {got!r} is {abs(got - measured):.3f} {side} the measured utilisation, more than "
+                f"{PAGED_TOLERANCE}.", hint)))
+    return _report(Result(name, PASSED, f"within {PAGED_TOLERANCE} of the measured utilisation on {trials} "
+                                        f"request mixes."))
 
 
 def _mla_heads_inputs(gen: torch.Generator) -> tuple:
@@ -118,7 +192,8 @@ def check_mla_equivalent_heads(fn) -> Result:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The kernel exercise: a masked copy of new K/V rows into cache slots, written as a @triton.jit kernel.
+# The kernel exercise: the store into a head-major cache ([n_kv_heads, n_slots, head_dim], transformers' layout),
+# which the chapter's kernel (token-major, [n_slots, n_kv_heads, head_dim]) does not cover.
 KV_STORE_BLOCK = 32
 """The ``BLOCK`` the check launches the student's kernel with: smaller than most of its row sizes and not a
 divisor of them, so a kernel without a mask (or with the wrong one) is caught."""
@@ -130,9 +205,10 @@ def _is_kernel(obj) -> bool:
 
 
 def _store_inputs(gen: torch.Generator) -> tuple:
-    """One random store: odd, non-power-of-two row sizes (n_kv_heads x head_dim), distinct scattered slots of
-    either index dtype, every cache dtype; caches poisoned with NaN so a missing or stray write shows."""
-    heads, dim = randint(gen, 1, 5), [7, 24, 33, 48, 50][randint(gen, 0, 4)]
+    """One random store: odd, non-power-of-two row sizes (n_kv_heads x head_dim, several heads in most), distinct
+    scattered slots of either index dtype, every cache dtype; caches poisoned with NaN so a missing or stray
+    write shows."""
+    heads, dim = randint(gen, 2, 5), [7, 24, 33, 48, 50][randint(gen, 0, 4)]
     n_slots = randint(gen, 5, 60)
     n_rows = randint(gen, 1, n_slots)
     dtype = [torch.float32, torch.float16, torch.bfloat16][randint(gen, 0, 2)]
@@ -143,29 +219,64 @@ def _store_inputs(gen: torch.Generator) -> tuple:
     return n_slots, k_new, v_new, slots
 
 
+def _head_major_ref(k_cache, v_cache, k_new, v_new, slots):
+    """The store into head-major caches ``[n_kv_heads, n_slots, head_dim]``: head h of new row i goes to
+    ``cache[h, slots[i]]``."""
+    k_cache[:, slots.long()] = k_new.transpose(0, 1)
+    v_cache[:, slots.long()] = v_new.transpose(0, 1)
+    return k_cache, v_cache
+
+
+def _guarded(shape: tuple, guard: int, fill: torch.Tensor | None = None, dtype=None) -> tuple:
+    """``(view, storage)``: a contiguous tensor of ``shape`` in the middle of a NaN-filled buffer with ``guard``
+    elements on each side, so that a kernel's load or store past either end stays inside memory the check owns
+    (the interpreter does not check bounds) and a stray store shows there."""
+    numel = math.prod(shape)
+    storage = torch.full((numel + 2 * guard,), float("nan"), dtype=fill.dtype if fill is not None else dtype)
+    view = storage[guard:guard + numel].view(shape)
+    if fill is not None:
+        view.copy_(fill)
+    return view, storage
+
+
 def _kernel_problem(kernel, n_slots, k_new, v_new, slots) -> str | None:
-    """Launch the student's kernel on one store and say what is wrong, or None when it matches kv_store_ref."""
+    """Launch the student's kernel on one store and say what is wrong, or None when it matches the reference."""
     from labsrc.kernels._triton import triton
-    from labsrc.kernels.kv_store import kv_store_ref
 
     n_rows, heads, dim = k_new.shape
     row_size = heads * dim
-    shape = (n_slots, heads, dim)
-    k_cache = torch.full(shape, float("nan"), dtype=k_new.dtype)
-    v_cache = torch.full(shape, float("nan"), dtype=k_new.dtype)
-    k_ref, v_ref = kv_store_ref(k_cache.clone(), v_cache.clone(), k_new, v_new, slots)
+    shape = (heads, n_slots, dim)
+    # Room for a whole block past any end, in any head, in either layout.
+    guard = (KV_STORE_BLOCK // dim + 2) * n_slots * dim + 2 * KV_STORE_BLOCK
+    k_cache, k_storage = _guarded(shape, guard, dtype=k_new.dtype)
+    v_cache, v_storage = _guarded(shape, guard, dtype=k_new.dtype)
+    k_in, _ = _guarded(tuple(k_new.shape), guard, fill=k_new)
+    v_in, _ = _guarded(tuple(v_new.shape), guard, fill=v_new)
+    k_ref, v_ref = _head_major_ref(k_cache.clone(), v_cache.clone(), k_new, v_new, slots)
     grid = (n_rows, triton.cdiv(row_size, KV_STORE_BLOCK))
-    kernel[grid](k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK=KV_STORE_BLOCK)
-    for name, got, want in (("k_cache", k_cache, k_ref), ("v_cache", v_cache, v_ref)):
-        written = ~torch.isnan(want).all(dim=(1, 2))
-        if not torch.equal(got[written], want[written]):
-            diff = (got[written] != want[written]).flatten(1)      # NaN != NaN: an unwritten element counts
-            bad = diff.any(dim=1).sum()
-            first = int(diff.any(dim=0).nonzero()[0])
-            return (f"{int(bad)} of the {n_rows} slots that should hold a new row differ in {name}; the first "
-                    f"wrong element is element {first} of a row of {row_size} (block {first // KV_STORE_BLOCK}).")
-        if not torch.isnan(got[~written]).all():
-            return f"{name} changed at slots that no new row was meant for."
+    kernel[grid](k_cache, v_cache, k_in, v_in, slots, n_slots, dim, row_size, BLOCK=KV_STORE_BLOCK)
+    for name, got, want, new, storage in (("k_cache", k_cache, k_ref, k_new, k_storage),
+                                          ("v_cache", v_cache, v_ref, v_new, v_storage)):
+        outside = torch.cat([storage[:guard], storage[-guard:]])
+        if not torch.isnan(outside).all():
+            return f"the kernel wrote outside {name} (past its first or last element)."
+        if torch.equal(got.nan_to_num(1e4), want.nan_to_num(1e4)):
+            continue
+        token_major = torch.full((n_slots, heads, dim), float("nan"), dtype=new.dtype)
+        token_major[slots.long()] = new
+        if torch.equal(got.flatten().nan_to_num(1e4), token_major.flatten().nan_to_num(1e4)):
+            return (f"{name} holds the rows laid out as [n_slots, n_kv_heads, head_dim], the chapter's layout, "
+                    f"not [n_kv_heads, n_slots, head_dim].")
+        written = torch.zeros(n_slots, dtype=torch.bool)
+        written[slots.long()] = True
+        wrong = (got != want) & ~(torch.isnan(got) & torch.isnan(want))        # (heads, slots, dim)
+        if bool(wrong[:, ~written].any()):
+            h, slot = (int(i) for i in wrong[:, ~written].any(-1).nonzero()[0])
+            other = int(torch.arange(n_slots)[~written][slot])
+            return f"{name} changed at head {h} of slot {other}, which no new row was meant for."
+        h, slot, d = (int(i) for i in wrong.nonzero()[0])
+        return (f"{int(wrong.any(-1).sum())} (head, slot) rows of {name} that should hold new values differ; the "
+                f"first wrong element is head {h}, slot {slot}, dimension {d} (head_dim {dim}, {heads} heads).")
     return None
 
 
@@ -181,16 +292,16 @@ def _not_implemented(err: BaseException) -> bool:
 
 @exercise
 def check_kv_store_kernel(kernel) -> Result:
-    """Check a ``@triton.jit`` kernel ``kernel(k_cache, v_cache, k_new, v_new, slots, row_size, BLOCK)`` that
-    copies ``k_new[i]``/``v_new[i]`` to ``k_cache[slots[i]]``/``v_cache[slots[i]]``, launched on the grid
-    ``(n_rows, cdiv(row_size, BLOCK))`` under the interpreter on random stores, against ``kv_store_ref``.
+    """Check a ``@triton.jit`` kernel ``kernel(k_cache, v_cache, k_new, v_new, slots, n_slots, head_dim, row_size,
+    BLOCK)`` that stores head ``h`` of ``k_new[i]``/``v_new[i]`` (``[n_rows, n_kv_heads, head_dim]``) into
+    ``k_cache[h, slots[i]]``/``v_cache[h, slots[i]]`` of head-major caches ``[n_kv_heads, n_slots, head_dim]``,
+    launched on the grid ``(n_rows, cdiv(row_size, BLOCK))`` under the interpreter on random stores.
 
     Without Triton (macOS, Windows) it says the exercise is skipped and neither passes nor fails.
     """
-    name = "a masked copy into cache slots, as a Triton kernel"
-    hint = ("re-read 'The kernel: storing new rows into a preallocated cache'. The trial above has row sizes "
-            "that BLOCK does not divide: 'differ' points at the source or destination addresses of a row, "
-            "'changed at slots' at a write past the end of a row or into the wrong row.")
+    name = "a store into a head-major cache, as a Triton kernel"
+    hint = ("re-read 'The kernel: storing new rows into a preallocated cache' and draw where one new row's "
+            "elements land in a head-major cache: the trial above names the first element that went wrong.")
     if not HAS_TRITON:
         return triton_missing(name)
     if not _is_kernel(kernel):
@@ -219,4 +330,4 @@ def check_kv_store_kernel(kernel) -> Result:
             what = (f"trial {trial + 1} ({k_new.shape[0]} rows of {tuple(k_new.shape[1:])} {k_new.dtype} into "
                     f"{n_slots} slots, {slots.dtype} slots, BLOCK={KV_STORE_BLOCK})")
             return _report(Result(name, FAILED, _with_hint(f"{what}: {problem}", hint)))
-    return _report(Result(name, PASSED, f"equal to kv_store_ref on {trials} random stores."))
+    return _report(Result(name, PASSED, f"equal to the reference on {trials} random stores."))

@@ -5,10 +5,13 @@ here (from :mod:`labsrc.kvquant` or from the definition); it prints ``passed``, 
 or ``not solved yet`` while the function still raises ``NotImplementedError``. Answers are never printed.
 
 * :func:`check_scale_zero` -- ``fn(group, bits) -> (scale, zero)`` of one quantization group.
-* :func:`check_mse_ratio` -- ``fn(channel_var, per_channel_steps) -> float``, the predicted MSE ratio.
-* :func:`check_cache_bytes` -- ``fn(n_tokens, n_layers, n_kv_heads, head_dim, bits, group_size) -> bytes``.
-* :func:`check_unpack_kernel` -- a ``@triton.jit`` kernel that unpacks INT4 codes and dequantizes them,
-  launched here under the interpreter on odd sizes; skipped, with a message, where Triton is unavailable.
+* :func:`check_fp16_params` -- ``fn(group, bits) -> (codes, scale, zero)`` with an fp16 step and zero point
+  that still keep every element within half a step: the fixed version of a given quantizer (debugging).
+* :func:`check_group_size` -- ``fn(x, bits, max_ratio) -> g``: the largest group size whose measured error
+  stays within a budget (an experiment; the check measures the answer and twice it).
+* :func:`check_unpack_kernel` -- a ``@triton.jit`` kernel that unpacks INT4 codes with KIVI's per-channel
+  steps and zero points (a layout the chapter's kernels do not cover) and dequantizes them, launched here
+  under the interpreter on odd sizes; skipped, with a message, where Triton is unavailable.
 
 The checks refuse an answer that calls the :mod:`labsrc` function it is asked to write (the answer has to be
 the student's own), and their hints name the idea to use, never the value or the formula.
@@ -20,7 +23,7 @@ import torch
 
 from labsrc import kvquant, runtime
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, _with_hint, as_number, check_function,
-                                   exercise, hidden, randint, refuse_library, triton_missing)
+                                   exercise, hidden, launch_failed, randint, refuse_library, triton_missing)
 
 
 # ------------------------------------------------------------------------------------------- own work only
@@ -84,122 +87,209 @@ def _explain_scale_zero(got, expected, group, bits) -> str:
 
 
 # ------------------------------------------------------------------------------------------- MSE ratio
-def _ratio_inputs(gen: torch.Generator) -> tuple:
-    d = randint(gen, 2, 128)
-    var = torch.exp(torch.randn(d, generator=gen, dtype=torch.float64) * float(torch.rand(1, generator=gen)) * 2)
-    return var, bool(randint(gen, 0, 3) == 0)  # mostly shared steps, sometimes per-channel steps
+# ------------------------------------------------------------------- fp16 step and zero point (debugging)
+def _offset_group_inputs(gen: torch.Generator) -> tuple:
+    """A group whose values sit far from zero relative to their range (a channel mean of tens to hundreds, a
+    range of a few tenths to a few units), where one fp16 rounding step of the zero point is a good part of a
+    quantization step; now and then a group near zero."""
+    g, d = randint(gen, 1, 48), [8, 16, 64][randint(gen, 0, 2)]
+    shift = float(torch.randn(1, generator=gen)) * 150 if randint(gen, 0, 3) else float(torch.randn(1, generator=gen))
+    spread = float(torch.rand(1, generator=gen)) * 2 + 0.05
+    group = torch.randn(g, d, generator=gen, dtype=torch.float64) * spread + shift
+    return group, [2, 4, 8][randint(gen, 0, 2)]
+
+
+def _fp16_spacing(v: float) -> float:
+    """The gap between fp16 numbers around ``v`` (the subnormal gap near zero)."""
+    v = abs(v)
+    return 2.0 ** -24 if v < 2.0 ** -14 else 2.0 ** (torch.tensor(v).log2().floor().item() - 10)
+
+
+def _fp16_problem(got, group: torch.Tensor, bits: int) -> str | None:
+    """What is wrong with ``got = (codes, scale, zero)`` for ``group``, or None: fp16 step and zero point,
+    integer codes in range, every element within half a (stored) step, and a grid no wider than the group's
+    range plus a few fp16 spacings of the zero point and a hair of the step."""
+    try:
+        codes, scale, zero = got
+    except (TypeError, ValueError):
+        return f"expected (codes, scale, zero), got {type(got).__name__}."
+    levels = 2 ** bits - 1
+    for name, v in (("scale", scale), ("zero", zero)):
+        if not isinstance(v, torch.Tensor) or v.numel() != 1:
+            return f"{name} should be a one-element tensor, got {type(v).__name__}."
+        if v.dtype != torch.float16:
+            return f"{name} is {v.dtype}; the cache stores it in torch.float16."
+    if not isinstance(codes, torch.Tensor) or codes.shape != group.shape:
+        shape = tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__
+        return f"codes should be a tensor of the group's shape {tuple(group.shape)}, got {shape}."
+    q = codes.double()
+    if not torch.equal(q, q.round()) or q.min() < 0 or q.max() > levels:
+        return f"codes must be whole numbers in [0, {levels}]."
+    s, z = float(scale), float(zero)
+    if not s > 0:
+        return "the stored step is not positive."
+    err = (q * s + z - group).abs()
+    if float(err.max()) > s / 2 * (1 + 1e-6) + 1e-12:
+        worst = int(err.flatten().argmax())
+        return (f"element {worst} is {float(err.flatten()[worst]) / s:.2f} stored steps from its reconstruction, "
+                "more than half a step.")
+    lo, hi = float(group.min()), float(group.max())
+    # a safe rounding moves the zero point down by up to a few fp16 spacings (the library's rule, one part in
+    # 1024 of |lo| and then a rounding, moves it by up to 2.5) and the step up by a few parts in 1000
+    widest = (hi - lo + 3 * _fp16_spacing(lo)) * (1 + 2.0 ** -8) + levels * 2.0 ** -23
+    if levels * s > widest:
+        return (f"the grid spans {levels * s / (hi - lo):.3f} times the group's range: the step is wider than "
+                "fp16 rounding needs, which costs accuracy on every element.")
+    return None
 
 
 @exercise
-def check_mse_ratio(fn) -> Result:
-    """Check ``fn(channel_var, per_channel_steps) -> float``: predicted MSE without / with normalisation."""
-    refused = _own_work("predicted gain of variance normalisation", fn, (kvquant.predicted_mse_ratio,))
+def check_fp16_params(fn) -> Result:
+    """Check ``fn(group, bits) -> (codes, scale, zero)``: one group quantized with its step and zero point stored
+    in fp16, such that every element still lies within half a stored step of its reconstruction
+    ``codes * scale + zero``, the codes are whole numbers in ``[0, 2**bits - 1]``, and the grid is no wider than
+    the group's range plus what fp16 rounding costs. Groups sit far from zero, where fp16's spacing is a good
+    part of a step."""
+    name = "fp16 step and zero point"
+    refused = _own_work(name, fn, (kvquant.quantize, kvquant.QuantizedTensor))
     if refused is not None:
         return refused
-    return check_function("predicted gain of variance normalisation", as_number(fn),
-                          lambda v, per: kvquant.predicted_mse_ratio(v, per_channel_steps=per), _ratio_inputs,
-                          trials=10, seed=22, rtol=1e-9, explain=_explain_ratio,
-                          hint="re-read 'What normalisation gains: the rate-distortion argument, corrected' "
-                               "for the case of the failing trial, and try your function on two channels of "
-                               "equal variance, where the answer should be 1.")
+    hint = ("re-read step 4 of 'Quantize and pack: one program per (row, group)' and check, for the failing "
+            "group, whether the stored grid still covers its smallest and largest element.")
+    trials, seed = (24, 1041) if hidden() else (12, 41)
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        group, bits = _offset_group_inputs(gen)
+        try:
+            got = fn(group.clone(), bits)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        problem = _fp16_problem(got, group, bits)
+        if problem:
+            where = f"trial {trial + 1} (a group of {group.numel()} values around {float(group.mean()):.1f}, {bits} bits)"
+            return _report(Result(name, FAILED, _with_hint(f"{where}: {problem}", hint)))
+    return _report(Result(name, "passed", f"every element within half a stored step in {trials} groups."))
 
 
-def _explain_ratio(got, expected, var, per_channel_steps) -> str:
-    return f"This trial has {'one step per channel' if per_channel_steps else 'one step shared by the channels'}."
+# ------------------------------------------------------------------------ the group size (experiment)
+def _head_inputs(gen: torch.Generator) -> tuple:
+    """A synthetic key head (T, D): Gaussian channels of uneven spread and mean, now and then an outlier token."""
+    t, d = [128, 192, 256][randint(gen, 0, 2)], [16, 32][randint(gen, 0, 1)]
+    spread = torch.exp(torch.randn(d, generator=gen) * 0.5)
+    x = torch.randn(t, d, generator=gen) * spread + torch.randn(d, generator=gen)
+    if randint(gen, 0, 1):
+        x[randint(gen, 0, t - 1)] *= 4
+    return x, [4, 8][randint(gen, 0, 1)], [1.5, 2.0, 3.0, 4.0][randint(gen, 0, 3)]
 
 
-# ------------------------------------------------------------------------------------------- bytes
-def _bytes_inputs(gen: torch.Generator) -> tuple:
-    return (randint(gen, 1, 40_000), randint(gen, 1, 80), [1, 2, 4, 8][randint(gen, 0, 3)],
-            [64, 80, 128][randint(gen, 0, 2)], [2, 4, 8][randint(gen, 0, 2)], [32, 64, 128][randint(gen, 0, 2)])
-
-
-def _bytes_reference(n_tokens, n_layers, n_kv_heads, head_dim, bits, group_size):
-    return kvquant.kv_bytes(n_tokens, n_layers, n_kv_heads, head_dim, bits=bits, group_size=group_size,
-                            granularity="group", stats=True)
+def _mse_ratio_at(x: torch.Tensor, bits: int, g: int) -> float:
+    """MSE of per-group quantization (g tokens by all channels, no normalisation) over the per-token MSE."""
+    per_group = kvquant.mse(x, kvquant.quantize(x, bits, g, normalize=False, granularity="group").dequantize())
+    per_token = kvquant.mse(x, kvquant.quantize(x, bits, normalize=False, granularity="token").dequantize())
+    return float(per_group / per_token)
 
 
 @exercise
-def check_cache_bytes(fn) -> Result:
-    """Check ``fn(n_tokens, n_layers, n_kv_heads, head_dim, bits, group_size) -> bytes`` of a KVarN cache.
-
-    One sequence; K and V in every layer and KV head: packed codes, an fp16 step and fp16 zero point per
-    group of ``group_size`` tokens (a trailing partial group is a group), and fp16 mean and std per channel.
-    """
-    refused = _own_work("bytes of a KVarN cache", fn, (kvquant.kv_bytes, kvquant.kvarn_bytes_source))
-    if refused is not None:
-        return refused
-    return check_function("bytes of a KVarN cache", as_number(fn), _bytes_reference, _bytes_inputs,
-                          trials=10, seed=23, rtol=1e-12, atol=0.5, explain=_explaining_bytes(fn),
-                          arg_names=("n_tokens", "n_layers", "n_kv_heads", "head_dim", "bits", "group_size"),
-                          hint="re-read 'Experiment 5: memory, measured against the formulas' and list what "
-                               "the cache holds besides the codes.")
-
-
-def _explaining_bytes(fn):
-    """``explain`` for the byte count: a count right when group_size divides n_tokens but wrong here has the
-    trailing partial group wrong."""
-    def explain(got, expected, n_tokens, n_layers, n_kv_heads, head_dim, bits, group_size) -> str:
-        if n_tokens % group_size == 0:
-            return ""
-        whole = group_size * -(-n_tokens // group_size)
-        args = (whole, n_layers, n_kv_heads, head_dim, bits, group_size)
-        if as_number(fn)(*args) == _bytes_reference(*args):
-            return (f"Your count is right for {whole} tokens, a whole number of groups, and wrong here: look at "
-                    f"the last, partial group.")
-        return ""
-    return explain
+def check_group_size(fn) -> Result:
+    """Check ``fn(x, bits, max_ratio) -> g``: a power-of-two group size at most ``T`` whose per-group MSE (``g``
+    tokens by all channels share a step, no normalisation) is at most ``max_ratio`` times the per-token MSE,
+    while ``2 g`` is over that bound or longer than the head (checked by measuring both)."""
+    name = "largest group within an error budget"
+    hint = ("re-read 'Which numbers share a step' and measure, for the failing head, the ratio at your group "
+            "size and at twice it.")
+    trials, seed = (8, 1043) if hidden() else (4, 43)
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        x, bits, bound = _head_inputs(gen)
+        t = x.shape[0]
+        try:
+            got = as_number(fn)(x.clone(), bits, bound)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        where = f"trial {trial + 1} (a head of {t} tokens by {x.shape[1]} channels, INT{bits}, bound {bound:g})"
+        if isinstance(got, bool) or not isinstance(got, int) or got < 1 or got > t or got & (got - 1):
+            return _report(Result(name, FAILED, _with_hint(
+                f"{where}: {got!r} is not a power of two between 1 and the head's {t} tokens.", hint)))
+        if _mse_ratio_at(x, bits, got) > bound:
+            return _report(Result(name, FAILED, _with_hint(
+                f"{where}: at your group size the measured ratio is above the bound.", hint)))
+        if 2 * got <= t and _mse_ratio_at(x, bits, 2 * got) <= bound:
+            return _report(Result(name, FAILED, _with_hint(
+                f"{where}: twice your group size still meets the bound.", hint)))
+    return _report(Result(name, "passed", f"measured within the bound, and twice it over, on {trials} heads."))
 
 
-# ------------------------------------------------------------------------------------------- INT4 unpack kernel
-UNPACK_KERNEL = "INT4 unpack-and-dequantize kernel"
+UNPACK_KERNEL = "INT4 unpack with per-channel steps (KIVI keys)"
 UNPACK_BLOCK_T = 16  # tokens per program when the check launches the student's kernel
 
 
 def _unpack_inputs(gen: torch.Generator) -> tuple:
-    """One head's INT4 cache of odd size: T tokens, D = 2 * DP channels with DP odd, a random group size."""
+    """One head of odd size: T tokens, D = 2 * DP channels with DP odd, uneven channels, a random group size."""
     t = randint(gen, 1, 97) | 1
     dp = randint(gen, 1, 12) * 2 + 1
     g = [1, 3, 8, 32, 64][randint(gen, 0, 4)]
-    x = torch.randn(t, 2 * dp, generator=gen) * (float(torch.rand(1, generator=gen)) * 4 + 0.1) \
-        + float(torch.randn(1, generator=gen)) * 3
+    spread = torch.exp(torch.randn(2 * dp, generator=gen))       # uneven channels: per-channel steps differ
+    x = torch.randn(t, 2 * dp, generator=gen) * spread + torch.randn(2 * dp, generator=gen) * 3
     return x, g
 
 
-def _launch_unpack(kernel, qt) -> torch.Tensor:
-    """Launch the student's kernel on one head's packed INT4 cache ``qt``; the output starts as NaN so an
-    element the kernel never writes shows."""
+def per_channel_pack(x: torch.Tensor, group: int) -> tuple:
+    """KIVI-style INT4 keys of one head ``x (T, D)``: a step and a zero point per channel per group of ``group``
+    tokens, fp16 ``(G, D)``; codes packed planar, ``(T, D/2)`` uint8 (channel j low nibble, j + D/2 high)."""
+    t, d = x.shape
+    n_groups = -(-t // group)
+    scale = torch.empty(n_groups, d, dtype=torch.float16)
+    zero = torch.empty(n_groups, d, dtype=torch.float16)
+    codes = torch.empty(t, d, dtype=torch.uint8)
+    for k in range(n_groups):
+        rows = x[k * group:(k + 1) * group].double()
+        lo, hi = rows.min(0).values, rows.max(0).values
+        zero[k] = lo.half()
+        scale[k] = ((hi - lo) / 15).clamp_min(1e-3).half()
+        q = ((rows - zero[k].double()) / scale[k].double()).round().clamp(0, 15)
+        codes[k * group:(k + 1) * group] = q.to(torch.uint8)
+    packed = codes[:, : d // 2] | (codes[:, d // 2:] << 4)
+    return packed.contiguous(), scale, zero, codes
+
+
+def per_channel_unpack_ref(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int):
+    """The reconstruction each code stands for: its channel's and group's step and zero point, fp32."""
+    rows = torch.arange(codes.shape[0]) // group
+    return (codes.float() * scale[rows].float() + zero[rows].float()).float()
+
+
+def _launch_unpack(kernel, packed, scale, zero, t, d, group) -> torch.Tensor:
+    """Launch the student's kernel; the output starts as NaN so an element the kernel never writes shows."""
     from labsrc.kernels._triton import triton
 
-    t, d = qt.shape
     dp = d // 2
     dev = runtime.DEVICE  # the GPU where there is one (compiled), else the CPU (interpreted)
     out = torch.full((t, d), float("nan"), dtype=torch.float32, device=dev)
     grid = (triton.cdiv(t, UNPACK_BLOCK_T),)
-    kernel[grid](qt.packed.to(dev), qt.scale.reshape(-1).to(dev), qt.zero.reshape(-1).to(dev), out, t, dp,
-                 qt.group_size, BLOCK_T=UNPACK_BLOCK_T, BLOCK_DP=triton.next_power_of_2(dp))
+    kernel[grid](packed.to(dev), scale.reshape(-1).to(dev), zero.reshape(-1).to(dev), out, t, dp, group,
+                 BLOCK_T=UNPACK_BLOCK_T, BLOCK_DP=triton.next_power_of_2(dp))
     return out.cpu()
 
 
-def _unsolved_cause(err: BaseException) -> bool:
-    """True when ``err`` (possibly the interpreter's wrapper) comes from ``raise NotImplementedError``."""
-    while err is not None:
-        if isinstance(err, NotImplementedError):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+def _explain_unpack(got, codes, scale, zero, group) -> str:
+    """Recognise a kernel that reads one step per token group (the chapter's layout) instead of one per channel."""
+    rows = torch.arange(codes.shape[0]) // group
+    shared = codes.float() * scale[rows, :1].float() + zero[rows, :1].float()
+    if torch.allclose(got, shared, rtol=1e-5, atol=1e-6):
+        return " Every channel of a token uses the step and zero point of channel 0 of its group."
+    return ""
 
 
 @exercise
 def check_unpack_kernel(kernel) -> Result:
     """Check a ``@triton.jit`` kernel ``kernel(p_ptr, scale_ptr, zero_ptr, out_ptr, T, DP, GROUP, BLOCK_T,
-    BLOCK_DP)`` that unpacks one head's INT4 codes and dequantizes them.
+    BLOCK_DP)`` that unpacks one head's INT4 keys quantized per channel (KIVI) and dequantizes them.
 
     ``p_ptr``: uint8 ``(T, DP)``, channel ``j`` in the low nibble of byte ``j`` and channel ``j + DP`` in the
-    high nibble; ``scale_ptr``, ``zero_ptr``: fp16, one per group of ``GROUP`` tokens; ``out_ptr``: fp32
-    ``(T, 2 * DP)``. The check launches one program per ``BLOCK_T`` tokens on random odd sizes and compares
-    with :func:`labsrc.kernels.kvquant.dequantize_unpack_ref`. Without Triton (macOS, Windows) it prints
-    that the kernel exercise is skipped and returns without failing.
+    high nibble; ``scale_ptr``, ``zero_ptr``: fp16 ``(G, 2 * DP)`` row-major, one step and zero point per channel
+    per group of ``GROUP`` tokens; ``out_ptr``: fp32 ``(T, 2 * DP)``. The check launches one program per
+    ``BLOCK_T`` tokens on random odd sizes and compares with :func:`per_channel_unpack_ref`. Without Triton
+    (macOS, Windows) it prints that the kernel exercise is skipped.
     """
     from labsrc.kernels import kvquant as kk
 
@@ -208,37 +298,40 @@ def check_unpack_kernel(kernel) -> Result:
     from triton.runtime.jit import KernelInterface
 
     if not isinstance(kernel, KernelInterface):
+        try:
+            kernel()
+        except NotImplementedError:
+            return _report(Result(UNPACK_KERNEL, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
+        except Exception:  # noqa: BLE001 - anything else is simply not a kernel
+            pass
         return _report(Result(UNPACK_KERNEL, FAILED, "expected a Triton kernel (a function decorated with "
                                                      f"@triton.jit), got {type(kernel).__name__}."))
     refused = _own_work(UNPACK_KERNEL, kernel, (kk.dequantize_unpack, kk.dequantize_unpack_ref))
     if refused is not None:
         return refused
-    hint = ("re-read 'Unpack and dequantize' and the packing layout above; the first wrong element's channel "
-            "(below DP or not) and token (its group) say which part of the unpacking to look at.")
+    hint = ("re-read 'Unpack and dequantize' and the per-channel grouping in 'Grouping: token, channel, group of "
+            "tokens'; the first wrong element's channel (below DP or not) and token (its group) say which load "
+            "to look at.")
     trials, seed = (12, 1025) if hidden() else (6, 25)
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
         x, g = _unpack_inputs(gen)
-        qt = kk.quantize_pack_ref(x, 4, g)
+        t, d = x.shape
+        packed, scale, zero, codes = per_channel_pack(x, g)
+        where = f"trial {trial + 1} (T={t}, D={d}, group {g})"
         try:
-            got = _launch_unpack(kernel, qt)
+            got = _launch_unpack(kernel, packed, scale, zero, t, d, g)
         except Exception as err:  # noqa: BLE001 - a student's kernel may fail in many ways; report which
-            if _unsolved_cause(err):
-                return _report(Result(UNPACK_KERNEL, NOT_SOLVED,
-                                      "Fill in the kernel above, then run this cell again."))
-            return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
-                f"trial {trial + 1} (T={x.shape[0]}, D={x.shape[1]}, group {g}): the launch raised "
-                f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}", hint)))
-        expected = kk.dequantize_unpack_ref(qt).float()
+            return _report(launch_failed(UNPACK_KERNEL, err, where, hint))
+        expected = per_channel_unpack_ref(codes, scale, zero, g)
         if torch.isnan(got).any():
             return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
-                f"trial {trial + 1} (T={x.shape[0]}, D={x.shape[1]}, group {g}): "
-                f"{int(torch.isnan(got).sum())} output element(s) were never written.", hint)))
+                f"{where}: {int(torch.isnan(got).sum())} output element(s) were never written.", hint)))
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
             bad = ~torch.isclose(got, expected, rtol=1e-5, atol=1e-6)
             t0, c0 = (int(i) for i in bad.nonzero()[0])
             return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
-                f"trial {trial + 1} (T={x.shape[0]}, D={x.shape[1]}, group {g}): {int(bad.sum())} of "
-                f"{bad.numel()} elements differ, the first at token {t0} (group {t0 // g}), channel {c0} "
-                f"({'a low' if c0 < x.shape[1] // 2 else 'a high'} nibble).", hint)))
+                f"{where}: {int(bad.sum())} of {bad.numel()} elements differ, the first at token {t0} (group "
+                f"{t0 // g}), channel {c0} ({'a low' if c0 < d // 2 else 'a high'} nibble)."
+                f"{_explain_unpack(got, codes, scale, zero, g)}", hint)))
     return _report(Result(UNPACK_KERNEL, "passed", f"agrees with the reference on {trials} random odd sizes."))

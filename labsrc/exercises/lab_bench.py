@@ -59,34 +59,84 @@ def check_parameter_count(fn) -> Result:
                                "is off.")
 
 
-# -------------------------------------------------------------------------- 2. effective context length
-def effective_context_length_ref(lengths, accuracy, threshold):
-    best = 0
-    for length, acc in sorted(zip(lengths, accuracy)):
-        if acc < threshold:
-            break
-        best = length
-    return best
+# -------------------------------------------------------------------------- 2. how many samples a probe needs
+PROBE_STEP = 10
+"""Probe sizes the experiment searches: multiples of ten samples."""
+PROBE_TOLERANCE = 0.03
+"""How far a simulated pass rate may be from the exact one (3 standard errors of 2,000 simulated probes, and
+the margin by which a probe size may miss the target or a smaller one may reach it)."""
 
 
-def _ecl_inputs(gen: torch.Generator) -> tuple:
-    n = randint(gen, 3, 8)
-    lengths = sorted(set(int(x) for x in torch.randint(16, 4096, (n,), generator=gen)))
-    acc = [round(float(a), 2) for a in torch.rand(len(lengths), generator=gen) * 0.4 + 0.6]
-    order = torch.randperm(len(lengths), generator=gen).tolist()  # unsorted input on purpose
-    return [lengths[i] for i in order], [acc[i] for i in order], [0.8, 0.85, 0.9][randint(gen, 0, 2)]
+def _wilson_lower_ends(k: torch.Tensor, n: int) -> torch.Tensor:
+    """The 95% Wilson interval's lower end for each count in ``k`` out of ``n`` (float64), as in labsrc.claims."""
+    p, z2 = k.double() / n, Z95 ** 2
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 * torch.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return torch.where(k == 0, torch.zeros_like(p), (centre - half).clamp_min(0.0))
+
+
+def pass_probability_ref(n: int, p_true: float, threshold: float) -> float:
+    """The exact probability that a probe of ``n`` samples of a model whose accuracy is ``p_true`` *passes*: its
+    whole 95% Wilson interval lies above ``threshold`` (a sum over the binomial distribution of right answers)."""
+    k = torch.arange(n + 1)
+    log_pmf = torch.distributions.Binomial(n, torch.tensor(p_true, dtype=torch.float64)).log_prob(k.double())
+    return float((log_pmf.exp() * (_wilson_lower_ends(k, n) > threshold)).sum())
+
+
+def _probe_inputs(gen: torch.Generator) -> tuple:
+    p_true = [0.9, 0.92, 0.95, 0.97, 0.99][randint(gen, 0, 4)]
+    threshold = [0.8, 0.856][randint(gen, 0, 1)]
+    return p_true, threshold, [0.5, 0.8, 0.9][randint(gen, 0, 2)]
+
+
+def _probe_problem(got, p_true: float, threshold: float, power: float) -> str | None:
+    """What is wrong with the answer ``(n, pass_rate)`` for one case, or None."""
+    try:
+        n, rate = got
+        n, rate = int(n), float(rate)
+        if n != got[0]:
+            raise ValueError
+    except (TypeError, ValueError):
+        return f"expected a pair (n, measured pass rate), got {got!r}."
+    if n < PROBE_STEP or n % PROBE_STEP:
+        return f"n={n} is not a positive multiple of {PROBE_STEP}."
+    exact = pass_probability_ref(n, p_true, threshold)
+    if abs(rate - exact) > PROBE_TOLERANCE:
+        return (f"the pass rate you measured at n={n} is off by more than {PROBE_TOLERANCE} from the probability "
+                f"that n samples pass: is each simulated probe judged as the probe table judges it?")
+    if exact < power - PROBE_TOLERANCE:
+        return f"at n={n} the probe passes less often than {power:.0%} of the time: n is too small."
+    for m in range(PROBE_STEP, n, PROBE_STEP):
+        if pass_probability_ref(m, p_true, threshold) >= power + PROBE_TOLERANCE:
+            return f"a probe of {m} samples already passes at least {power:.0%} of the time: n is not the smallest."
+    return None
 
 
 @exercise
-def check_effective_context_length(fn) -> Result:
-    """``fn(lengths, accuracy, threshold) -> int``: RULER's effective context length."""
-    refused = _refuse_library("effective context length", fn, (effective_context_length_ref,))
-    if refused is not None:
-        return refused
-    return check_function("effective context length", fn, effective_context_length_ref, _ecl_inputs, trials=8,
-                          explain=_explain_ecl,
-                          hint="re-read 'Effective context length, RULER's way' and walk the failing trial's "
-                               "lengths (given out of order) by hand.")
+def check_probe_size(fn) -> Result:
+    """``fn(p_true, threshold, power) -> (n, pass_rate)``: the smallest multiple of ten samples for which a probe
+    of a model whose accuracy is ``p_true`` *passes* (its whole 95% Wilson interval above ``threshold``) with
+    probability at least ``power``, and the pass rate the student measured at that n by simulation.
+
+    The truth is the exact pass probability (a sum over the binomial distribution); a simulated rate, and the
+    choice of n near the target, may be off by ``PROBE_TOLERANCE``."""
+    name = "how many samples a probe needs"
+    hint = ("re-read 'Which probes `lab-target` passes, and why' for when a probe passes, then simulate many probes "
+            "of n samples each for the failing case and count how many pass.")
+    trials = 3 * (HIDDEN_TRIALS if hidden() else 1)
+    gen = torch.Generator().manual_seed(21 + (HIDDEN_SEED_OFFSET if hidden() else 0))
+    for trial in range(trials):
+        case = _probe_inputs(gen)
+        got, unsolved = _call(fn, *case)
+        if unsolved is not None:
+            unsolved.name = name
+            return _report(unsolved)
+        problem = _probe_problem(got, *case)
+        if problem:
+            what = f"trial {trial + 1} (p_true={case[0]}, threshold={case[1]}, power={case[2]})"
+            return _report(Result(name, FAILED, _with_hint(f"{what}: {problem}", hint)))
+    return _report(Result(name, PASSED, f"the right probe size, and a measured pass rate that agrees, on {trials} "
+                                        "cases."))
 
 
 # -------------------------------------------------------------------------- 3. perplexity by position bucket
@@ -111,9 +161,9 @@ def check_bucket_perplexity(fn) -> Result:
         return refused
     return check_function("perplexity by position bucket", fn, bucket_perplexity_ref, _bucket_inputs, trials=6,
                           explain=_explain_buckets,
-                          hint="re-read the task of Exercise 3: one perplexity per bucket of "
-                               "positions, pooled over every window; the failing trial's position count is not "
-                               "always a multiple of the bucket size.")
+                          hint="re-read the task of the exercise, then work the sizes of the failing trial "
+                               "by hand: which buckets there are, and what the perplexity of one bucket is, pooled "
+                               "over every window.")
 
 
 def _pareto_ref(points):
@@ -215,17 +265,6 @@ def _explain_parameters(got, expected, cfg) -> str:
     return f"Your count has {abs(diff)} {sign} parameters than the model."
 
 
-def _explain_ecl(got, expected, lengths, accuracy, threshold) -> str:
-    if got != 0 and got not in lengths:
-        return f"{got!r} is not one of the measured lengths."
-    failing = [length for length, acc in zip(lengths, accuracy) if length <= got and acc < threshold]
-    if failing:
-        return f"length {min(failing)} is at most your answer, yet its accuracy is below the threshold."
-    if got < expected:
-        return "a longer measured length also meets the definition."
-    return ""
-
-
 def _explain_buckets(got, expected, nll, bucket) -> str:
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return (f"{nll.shape[1]} positions in buckets of {bucket} make {expected.numel()} buckets, the last one "
@@ -233,6 +272,10 @@ def _explain_buckets(got, expected, nll, bucket) -> str:
     ok = torch.isclose(got.double(), expected.double(), rtol=1e-5, atol=1e-6)
     if bool(ok[:-1].all()) and not bool(ok[-1]):
         return "only the last, shorter bucket is wrong."
+    per_token = torch.stack([nll[..., s:s + bucket].exp().mean() for s in range(0, nll.shape[-1], bucket)])
+    if torch.allclose(got.double(), per_token.double(), rtol=1e-5, atol=1e-6):
+        return ("each of your values averages the per-token perplexities of its bucket, which is not the "
+                "perplexity of the bucket.")
     return ""
 
 
@@ -267,4 +310,4 @@ def _explain_keys(got, expected, threshold) -> str:
 
 
 # The reference solutions themselves (passed in directly) are refused too.
-_REFERENCES = (effective_context_length_ref, bucket_perplexity_ref, _pareto_ref, _llama_reference, keys_needed_ref)
+_REFERENCES = (bucket_perplexity_ref, _pareto_ref, _llama_reference, keys_needed_ref)

@@ -1,15 +1,16 @@
 """Checks for the exercises of the linear-attention chapter (linear attention, Performer, Lightning, Gated
 DeltaNet).
 
-Each check calls the student's function on seeded random cases and compares it with
-:mod:`labsrc.linear_attention`; it prints ``passed``, what is wrong (with a hint), or ``not solved yet``.
-Expected answers are computed here, never printed.
+Each check calls the student's function on seeded random cases and compares it with :mod:`labsrc.linear_attention`
+or with a run of the chapter's own recurrence; it prints ``passed``, what is wrong (with a hint), or ``not solved
+yet``. Expected answers are computed here, never printed.
 
 * :func:`check_association_costs` -- ``fn(T, d, dv)``: the FLOPs of ``(phi(Q) phi(K)^T) V`` and of
   ``phi(Q) (phi(K)^T V)`` (non-causal, the two matrix products only, a multiply-add counted as 2 FLOPs).
-* :func:`check_delta_step` -- ``fn(S, k, v, beta, g)``: one step of the gated delta rule for one head.
-* :func:`check_chunk_output` -- ``fn(q, k, v, gamma, S)``: the output of one chunk of decayed linear attention,
-  intra-chunk (masked, quadratic) plus inter-chunk (the state carried in).
+* :func:`check_read_after_two_writes` -- ``fn(beta1, beta2, g, key_norm)``: the delta rule's read of a key
+  written twice, derived in closed form and compared with the recurrence run on it.
+* :func:`check_chunked_attention` -- ``fn(q, k, v, g, chunk)``: chunked linear attention with a per-token decay,
+  the fix of a given function whose carried-in state is decayed wrongly.
 * :func:`check_features_needed` -- ``fn(q, k, v, make_proj, candidates, bound)``: the fewest positive random
   features whose FAVOR+ estimate stays under an error bound.
 * :func:`check_recurrent_kernel` -- a ``@triton.jit`` kernel for causal linear attention with decay, one
@@ -23,12 +24,12 @@ import numbers
 import torch
 
 from labsrc import linear_attention as la, runtime
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
                                    check_function, diagnose_number, exercise, hidden, randint, refuse_library)
 
-__all__ = ["check_association_costs", "check_delta_step", "check_chunk_output", "check_features_needed",
-           "check_recurrent_kernel", "delta_step_reference", "chunk_output_reference"]
+__all__ = ["check_association_costs", "check_read_after_two_writes", "check_chunked_attention",
+           "check_features_needed", "check_recurrent_kernel", "read_measurement", "decayed_attention_reference"]
 
 
 def _refuse(name, fn, forbidden, hint, args):
@@ -96,106 +97,143 @@ def check_association_costs(fn) -> Result:
     return _report(Result(name, PASSED, f"right on {trials} random sizes."))
 
 
-# ------------------------------------------------------------------------------------------ delta step
+# --------------------------------------------------------------------------------- read after two writes
 
-def delta_step_reference(S, k, v, beta, g):
-    """One gated delta rule step for one head: ``S (K, V)``, ``k (K,)``, ``v (V,)``, scalars ``beta``, ``g``."""
-    out, state = la.gated_delta_rule_recurrent(
-        k[None, None, None].double(), k[None, None, None].double(), v[None, None, None].double(),
-        torch.tensor([[[g]]], dtype=torch.float64), torch.tensor([[[beta]]], dtype=torch.float64),
-        initial_state=S[None, None].double(), output_final_state=True)
-    return state[0, 0].to(S.dtype)
-
-
-def _explaining_delta(fn):
-    """``explain`` for the delta step: beta = 0 leaves only the decay, g = 0 only the delta update."""
-    def explain(got, expected, S, k, v, beta, g) -> str:
-        def right(b_, g_):
-            return torch.allclose(fn(S.clone(), k, v, b_, g_), delta_step_reference(S, k, v, b_, g_), rtol=1e-9,
-                                  atol=1e-12)
-        decay_ok, update_ok = right(0.0, g), right(beta, 0.0)
-        if not decay_ok:
-            return "With beta = 0 (only the decay acts) your state is already wrong."
-        if not update_ok:
-            return "The decay alone is right; with g = 0 (no decay) the update is wrong."
-        return "The decay alone and the update alone are right; together they are not: look at their order."
-    return explain
+def read_measurement(beta1, beta2, g, key_norm, K=6):
+    """What the gated delta rule reads back for key ``k`` (``|k| = key_norm``) after two writes of that key,
+    ``(k, a)`` with strength ``beta1``, then ``(k, b)`` with strength ``beta2`` and log-decay ``g``, from an empty
+    state: run with :func:`labsrc.linear_attention.gated_delta_rule_recurrent` in float64, with ``a`` and ``b``
+    the two unit vectors of a two-column value, so that the read's two entries are the coefficients of ``a`` and
+    of ``b``. Returns ``(coef_a, coef_b)``."""
+    k = torch.zeros(K, dtype=torch.float64)
+    k[0], k[-1] = 0.6, 0.8                       # a unit key, then scaled
+    k = k * key_norm
+    keys = torch.stack([k, k])[None, :, None]   # (1, 2, 1, K)
+    values = torch.eye(2, dtype=torch.float64)[None, :, None]
+    gates = torch.tensor([0.0, g], dtype=torch.float64)[None, :, None]
+    betas = torch.tensor([beta1, beta2], dtype=torch.float64)[None, :, None]
+    _, state = la.gated_delta_rule_recurrent(keys, keys, values, gates, betas, output_final_state=True)
+    read = k @ state[0, 0]
+    return float(read[0]), float(read[1])
 
 
-def _delta_inputs(gen):
-    K, V = randint(gen, 2, 12), randint(gen, 1, 9)
-    S = torch.randn(K, V, generator=gen, dtype=torch.float64)
-    k = torch.nn.functional.normalize(torch.randn(K, generator=gen, dtype=torch.float64), dim=0)
-    v = torch.randn(V, generator=gen, dtype=torch.float64)
-    beta = float(torch.rand(1, generator=gen))
+def _read_inputs(gen):
+    beta1, beta2 = float(torch.rand(1, generator=gen)), float(torch.rand(1, generator=gen))
     g = -float(torch.rand(1, generator=gen)) * 2
-    return S, k, v, beta, g
+    key_norm = (1.0, 0.5 + float(torch.rand(1, generator=gen)) * 1.5)[randint(gen, 0, 1)]
+    return beta1, beta2, g, key_norm
+
+
+def _read_problem(fn, got, want, args) -> str:
+    """Which coefficient is wrong, and which simplification the answer is right under (unit keys, no decay)."""
+    if not (isinstance(got, (tuple, list)) and len(got) == 2
+            and all(isinstance(x, numbers.Real) for x in got)):
+        return "return a pair of numbers (coef_a, coef_b)."
+    wrong = [name for name, x, w in zip(("coef_a", "coef_b"), got, want)
+             if not math.isclose(float(x), w, rel_tol=1e-9, abs_tol=1e-12)]
+    said = f"{' and '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} wrong."
+    beta1, beta2, g, key_norm = args
+    for changed, what in (((beta1, beta2, 0.0, key_norm), "without decay (g = 0)"),
+                          ((beta1, beta2, g, 1.0), "for a unit key")):
+        try:
+            right = all(math.isclose(float(x), w, rel_tol=1e-9, abs_tol=1e-12)
+                        for x, w in zip(fn(*changed), read_measurement(*changed)))
+        except Exception:  # noqa: BLE001 - an answer that fails on the simpler case says nothing here
+            right = False
+        if right:
+            return f"{said} Your coefficients are right {what}, so look at the other argument."
+    return said
 
 
 @exercise
-def check_delta_step(fn) -> Result:
-    """Check ``fn(S, k, v, beta, g) -> S_new``: decay by ``exp(g)``, then move the state's prediction for ``k``
-    a fraction ``beta`` of the way to ``v``."""
-    name = "one gated delta rule step"
-    hint = ("re-read 'The delta rule and gating' and 'Why the delta rule fixes the overwrite', then test your "
-            "step with beta = 0 and with g = 0 separately.")
-    refused = _refuse(name, fn, (la.gated_delta_rule_recurrent, la.gated_delta_rule_chunked), hint,
-                      _delta_inputs(torch.Generator().manual_seed(42)))
+def check_read_after_two_writes(fn) -> Result:
+    """Check ``fn(beta1, beta2, g, key_norm) -> (coef_a, coef_b)``: the delta rule's read of key ``k`` after
+    writing ``(k, a)`` with ``beta1`` into an empty state, then ``(k, b)`` with ``beta2`` after a decay
+    ``exp(g)``, as the coefficients of ``a`` and ``b``; ``key_norm`` is ``|k|``. The truth is measured by running
+    the chapter's recurrence."""
+    name = "the read after two writes of one key"
+    hint = ("re-read 'The delta rule and gating' and apply the update twice by hand: first with a unit key and "
+            "no decay, then with each in turn.")
+    refused = _refuse(name, fn, (la.gated_delta_rule_recurrent, la.gated_delta_rule_chunked, read_measurement),
+                      hint, _read_inputs(torch.Generator().manual_seed(42)))
     if refused is not None:
         return refused
-    return check_function(name, fn, delta_step_reference, _delta_inputs, trials=8, seed=42, rtol=1e-9,
-                          atol=1e-12, hint=hint, explain=_explaining_delta(fn))
+    trials = 8 * (HIDDEN_TRIALS if hidden() else 1)
+    gen = torch.Generator().manual_seed(42 + (HIDDEN_SEED_OFFSET if hidden() else 0))
+    for trial in range(trials):
+        args = _read_inputs(gen)
+        try:
+            got = fn(*args)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        want = read_measurement(*args)
+        ok = (isinstance(got, (tuple, list)) and len(got) == 2
+              and all(isinstance(x, numbers.Real) and math.isclose(float(x), w, rel_tol=1e-9, abs_tol=1e-12)
+                      for x, w in zip(got, want)))
+        if not ok:
+            shown = ", ".join(f"{n} = {v:.3g}" for n, v in zip(("beta1", "beta2", "g", "key_norm"), args))
+            return _report(Result(name, FAILED, f"trial {trial + 1} ({shown}): {_read_problem(fn, got, want, args)} "
+                                                f"Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to the recurrence's read on {trials} random cases."))
 
 
-# ---------------------------------------------------------------------------------------- chunk output
+# --------------------------------------------------------------------------- chunked attention, debugged
 
-def chunk_output_reference(q, k, v, gamma, S):
-    """One chunk, one head: ``exp(gamma) * (q S) + lower(q k^T * exp(gamma_i - gamma_j)) v``."""
-    n = q.shape[0]
-    diff = gamma[:, None] - gamma[None, :]
-    lower = torch.ones(n, n, dtype=torch.bool).tril()
-    decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()
-    return (q * gamma.exp()[:, None]) @ S + ((q @ k.T) * decay) @ v
+def decayed_attention_reference(q, k, v, g, chunk=None):
+    """Causal linear attention with a per-token decay, one token at a time in float64: ``S <- exp(g_t) S +
+    k_t v_t^T`` and ``o_t = S^T q_t``; ``q, k (T, K)``, ``v (T, V)``, ``g (T,)`` (``chunk`` is the answer's own
+    choice and changes nothing)."""
+    S = torch.zeros(k.shape[1], v.shape[1], dtype=torch.float64)
+    out = []
+    for t in range(q.shape[0]):
+        S = torch.exp(g[t].double()) * S + torch.outer(k[t].double(), v[t].double())
+        out.append(q[t].double() @ S)
+    return torch.stack(out).to(v.dtype)
 
 
-def _explaining_chunk(fn):
-    """``explain`` for the chunk output: S = 0 leaves only the chunk's own tokens, v = 0 only the state."""
-    def explain(got, expected, q, k, v, gamma, S) -> str:
-        def right(v_, S_):
-            return torch.allclose(fn(q, k, v_, gamma, S_), chunk_output_reference(q, k, v_, gamma, S_),
-                                  rtol=1e-9, atol=1e-10)
-        own_ok, state_ok = right(v, torch.zeros_like(S)), right(torch.zeros_like(v), S)
-        if own_ok and not state_ok:
-            return "From S = 0 your output is right: the part that reads the carried-in state is wrong."
-        if state_ok and not own_ok:
-            return "The part that reads the state is right; the chunk's own tokens are wrong."
-        return ""
+def _chunked_inputs(gen):
+    T, K, V = randint(gen, 5, 40), randint(gen, 2, 8), randint(gen, 1, 6)
+    q, k = (torch.randn(T, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(T, V, generator=gen, dtype=torch.float64)
+    g = -torch.rand(T, generator=gen, dtype=torch.float64) * float(torch.rand(1, generator=gen) * 1.5 + 0.1)
+    return q, k, v, g, randint(gen, 1, 12)
+
+
+def _explaining_chunked(fn):
+    """``explain``: the chunk of the first wrong token, and whether the answer is right without decay or on a
+    single chunk (which separates the decay from what crosses chunks)."""
+    def explain(got, expected, q, k, v, g, chunk) -> str:
+        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+            return ""
+        bad = ~torch.isclose(got, expected, rtol=1e-9, atol=1e-10)
+        t = int(bad.any(1).nonzero()[0])
+        said = f"The first wrong token is {t}, in chunk {t // chunk}."
+
+        def right(g_, chunk_):
+            return torch.allclose(fn(q, k, v, g_, chunk_), decayed_attention_reference(q, k, v, g_), rtol=1e-9,
+                                  atol=1e-10)
+        if right(torch.zeros_like(g), chunk):
+            said += " Without decay (g = 0) your output is right."
+        if right(g, q.shape[0]):
+            said += " With one chunk holding the whole sequence it is right."
+        return said
     return explain
 
 
-def _chunk_inputs(gen):
-    n, K, V = randint(gen, 1, 20), randint(gen, 2, 10), randint(gen, 1, 9)
-    q, k = (torch.randn(n, K, generator=gen, dtype=torch.float64) for _ in range(2))
-    v = torch.randn(n, V, generator=gen, dtype=torch.float64)
-    g = -torch.rand(n, generator=gen, dtype=torch.float64) * float(torch.rand(1, generator=gen) * 3)
-    S = torch.randn(K, V, generator=gen, dtype=torch.float64)
-    return q, k, v, g.cumsum(0), S
-
-
 @exercise
-def check_chunk_output(fn) -> Result:
-    """Check ``fn(q, k, v, gamma, S) -> o (n, V)`` for one chunk of one head: ``q, k (n, K)``, ``v (n, V)``,
-    ``gamma (n,)`` the cumulative log decay from the chunk's start (``gamma_i = sum_{j <= i} g_j``), ``S (K, V)``
-    the state before the chunk."""
-    name = "one chunk's output"
-    hint = ("re-read 'Blocks: Lightning attention' and compare your output with a token-by-token recurrence "
-            "on a chunk of one token and of two.")
-    refused = _refuse(name, fn, (la.lightning_attention, la.gated_delta_rule_chunked), hint,
-                      _chunk_inputs(torch.Generator().manual_seed(43)))
+def check_chunked_attention(fn) -> Result:
+    """Check ``fn(q, k, v, g, chunk) -> o (T, V)``: causal linear attention with a per-token log-decay ``g (T,)``
+    for one head, computed chunk by chunk (``q, k (T, K)``, ``v (T, V)``, float64), against the token-by-token
+    recurrence."""
+    name = "chunked linear attention with decay"
+    hint = ("re-read 'Blocks: Lightning attention' and write the recurrence out for the first two tokens of the "
+            "second chunk: which decay has the carried-in state seen by the time each of them reads it?")
+    refused = _refuse(name, fn, (la.lightning_attention, la.gated_delta_rule_chunked, decayed_attention_reference),
+                      hint, _chunked_inputs(torch.Generator().manual_seed(43)))
     if refused is not None:
         return refused
-    return check_function(name, fn, chunk_output_reference, _chunk_inputs, trials=8, seed=43, rtol=1e-9,
-                          atol=1e-10, hint=hint, explain=_explaining_chunk(fn))
+    return check_function(name, fn, decayed_attention_reference, _chunked_inputs, trials=8, seed=43, rtol=1e-9,
+                          atol=1e-10, hint=hint, explain=_explaining_chunked(fn))
 
 
 # ----------------------------------------------------------------------------------- features needed
@@ -314,11 +352,7 @@ def check_recurrent_kernel(kernel) -> Result:
             kernel[(q.shape[0],)](q, k, v, out, T, K, V, decay, BLOCK_K=triton.next_power_of_2(K),
                                   BLOCK_V=triton.next_power_of_2(V))
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, K={K}, V={V}): the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, f"trial {trial + 1} (T={T}, K={K}, V={V})", hint))
         guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
         problem = None
         if not bool(torch.isnan(guards).all()):

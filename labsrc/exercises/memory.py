@@ -1,16 +1,21 @@
 """Checks for the exercises of the memory-and-retrieval chapter.
 
-* :func:`check_memory_topk_merge` -- ``fn(scores_a, ids_a, scores_b, ids_b, k)``: merge two partial searches
-  (best first) into the best ``k`` of both, a tie going to the lower id.
-* :func:`check_overlap_chunks` -- ``fn(n, size, overlap)``: chunk spans with overlap, so that a short fact is
-  never split (:func:`labsrc.memory.chunk_spans`).
-* :func:`check_gated_memory_mix` -- ``fn(q, k_local, v_local, mem_k, mem_v, gate)``: the Memorizing
-  Transformer's two softmaxes and gate in plain PyTorch.
-* :func:`check_retrieved_rows_kernel` -- a ``@triton.jit`` kernel for attention over the rows retrieved for each
-  query, launched by the check under Triton's interpreter and compared with the reference.
+* :func:`check_sharded_recall` -- a prediction, ``fn(k, shards, per_shard)``: the expected recall@k of a memory
+  whose rows are spread at random over ``shards`` shards when each shard returns only its best ``per_shard``
+  rows and the lists are merged. The truth is the exact expectation over the random placement, which the
+  notebook's simulation (real searches, then the merge) measures.
+* :func:`check_smallest_nprobe` -- an experiment, ``fn(keys, queries, k, nlist, target)``: the smallest
+  ``nprobe`` at which a FAISS IVF index (:class:`labsrc.memory.KVMemory`, ``"faiss-ivf"``) reaches recall@k
+  ``>= target`` against the exact search; the check measures the recall itself on its own memories.
+* :func:`check_fixed_chunks` -- debugging, ``fn(n, size, overlap)``: a chunker whose last chunk splits facts,
+  fixed. Judged by the properties a chunker must have (every span inside the document and at most ``size``
+  long, every token covered, every run of ``overlap + 1`` tokens whole in some span, no more spans than the
+  chapter's rule makes), so any correct fix passes.
+* :func:`check_gathered_rows_kernel` -- a ``@triton.jit`` kernel for attention over memory rows gathered by
+  their ids (``-1``: not found), the case the chapter's kernel leaves to its caller; launched by the check under
+  Triton's interpreter with NaN guard bands and compared with a reference.
 
-Each check compares with :mod:`labsrc.memory` on seeded random cases and refuses an answer that calls the
-library function the exercise asks for. Expected answers are never printed.
+Expected answers are never printed.
 """
 from __future__ import annotations
 
@@ -18,239 +23,295 @@ import math
 
 import torch
 
-from labsrc import memory, runtime
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc import memory
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
                                    check_function, exercise, hidden, randint, refuse_library, tolerance)
-from labsrc.kernels import memory as kmem
 
-__all__ = ["check_memory_topk_merge", "check_overlap_chunks", "check_gated_memory_mix",
-           "check_retrieved_rows_kernel"]
+__all__ = ["check_sharded_recall", "check_smallest_nprobe", "check_fixed_chunks", "check_gathered_rows_kernel"]
 
 
-# ------------------------------------------------------------------------------------------ top-k merge
-def _search(gen, m, k):
-    """A partial search: ``k`` best-first scores (small integers, so ties happen) with distinct ids."""
-    scores = torch.randint(-3, 4, (m, k), generator=gen).float()
-    ids = torch.stack([torch.randperm(60, generator=gen)[:k] for _ in range(m)])
-    # best first, and among equal scores the lower id first (what a search returns)
-    order = torch.argsort(ids, 1)
-    scores, ids = scores.gather(1, order), ids.gather(1, order)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
-    return scores.gather(1, order), ids.gather(1, order)
+# ------------------------------------------------------------------------------------------ sharded recall
+def _sharded_recall_ref(k: int, shards: int, per_shard: int) -> float:
+    """Exact expected recall@k: the row of global rank r (1..k) comes back iff fewer than ``per_shard`` of the
+    r - 1 better rows share its shard, each independently with probability 1 / shards."""
+    p = 1.0 / shards
+    total = 0.0
+    for r in range(1, k + 1):
+        better = r - 1
+        total += sum(math.comb(better, j) * p ** j * (1 - p) ** (better - j)
+                     for j in range(min(per_shard, better + 1)))
+    return total / k
 
 
-def _merge_inputs(gen):
-    m = randint(gen, 1, 4)
-    sa, ia = _search(gen, m, randint(gen, 1, 6))
-    sb, ib = _search(gen, m, randint(gen, 1, 6))
-    ib = ib + 100                                  # the second shard's rows have other ids
-    return sa, ia, sb, ib, randint(gen, 1, 14)
+def _sharded_inputs(gen):
+    k = randint(gen, 1, 48)
+    return k, randint(gen, 1, 12), randint(gen, 1, k + 2)
 
 
-def _merge_reference(sa, ia, sb, ib, k):
-    return torch.cat(memory.topk_merge(sa, ia, sb, ib, k), 1)
+def _explain_sharded(fn):
+    def explain(got, expected, k, shards, per_shard) -> str:
+        if not 0 <= got <= 1:
+            return "A recall is a fraction of the k true rows: it lies in [0, 1]."
+        if _as_float(fn, k, 1, per_shard) != 1.0:
+            return "With a single shard nothing can be lost, and your prediction for shards = 1 is not 1."
+        if _as_float(fn, k, shards, k) != 1.0:
+            return "When every shard returns k rows nothing can be lost, and your prediction then is not 1."
+        if per_shard < k and _as_float(fn, k, shards, per_shard + 1) < got:
+            return "Your prediction falls when each shard returns more rows; it cannot."
+        return ""
+    return explain
 
 
-def _explain_merge(got, expected, sa, ia, sb, ib, k) -> str:
-    """How a merged list is off: its length (k may exceed the results), its order, or a tie broken wrongly."""
-    held = sa.shape[1] + sb.shape[1]
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return f"This trial asks for k = {k} of the {held} results the two searches hold."
-    n = expected.shape[1] // 2
-    scores, ids = got[:, :n], got[:, n:]
-    if (scores[:, 1:] > scores[:, :-1]).any():
-        return "Your scores are not best first."
-    wrong = (got != expected).nonzero()
-    row, col = int(wrong[0, 0]), int(wrong[0, 1]) % n
-    if torch.equal(scores[row], expected[row, :n]):
-        return f"The scores are right; in row {row}, position {col}, equal scores are in the wrong order."
-    return f"Row {row}, position {col} holds the wrong result."
+def _as_float(fn, *args):
+    """The student's answer as a float (a one-element tensor counts), or NaN when it is not a number."""
+    try:
+        got = fn(*args)
+        return float(got.item() if isinstance(got, torch.Tensor) else got)
+    except Exception:  # noqa: BLE001 - an answer that fails on the probe case says nothing here
+        return float("nan")
 
 
 @exercise
-def check_memory_topk_merge(fn) -> Result:
-    """Check ``fn(scores_a, ids_a, scores_b, ids_b, k) -> (scores, ids)``: the best ``min(k, ka + kb)`` of the
-    two partial searches, best first, a tie going to the lower id."""
-    name = "top-k merge of two partial searches"
-    hint = ("re-read the task of Exercise 1 (the order of the results and how a tie is broken) and merge the "
-            "failing trial's two searches by hand.")
-    refused = refuse_library(name, fn, (memory.topk_merge,), hint, owner="labsrc.memory",
-                             args=_merge_inputs(torch.Generator().manual_seed(41)))
+def check_sharded_recall(fn) -> Result:
+    """Check ``fn(k, shards, per_shard) -> float``: the expected fraction of the exact top ``k`` rows that a
+    sharded search returns when every row lands on one of ``shards`` shards uniformly and independently, each
+    shard returns its best ``per_shard`` rows, and the merge keeps the best ``k`` of all of them (the memory
+    is much larger than ``k``)."""
+    name = "recall of a sharded search"
+    hint = ("re-read 'A kNN memory' and follow one of the true top-k rows: ask which of the rows better than it "
+            "can push it out of its own shard's list. Compare with the simulation above the function.")
+    refused = refuse_library(name, fn, (memory.topk_merge, memory.recall_at_k), hint, owner="labsrc.memory",
+                             args=(8, 4, 2))
     if refused is not None:
         return refused
 
     def answer(*args):
         got = fn(*args)
-        if not (isinstance(got, tuple) and len(got) == 2):
-            return got
-        return torch.cat([torch.as_tensor(got[0]).float(), torch.as_tensor(got[1]).float()], 1)
+        return float(got.item()) if isinstance(got, torch.Tensor) and got.numel() == 1 else got
 
-    return check_function(name, answer, lambda *a: _merge_reference(*a).float(), _merge_inputs, trials=10,
-                          seed=41, rtol=0, atol=0, hint=hint, explain=_explain_merge)
+    return check_function(name, answer, _sharded_recall_ref, _sharded_inputs, trials=12, seed=141, rtol=1e-6,
+                          atol=1e-9, hint=hint, explain=_explain_sharded(answer))
 
 
-# ------------------------------------------------------------------------------------------ chunking
-def _chunk_inputs(gen):
-    size = randint(gen, 1, 70)
-    return randint(gen, 0, 400), size, randint(gen, 0, size - 1)
+# ------------------------------------------------------------------------------------------ IVF: choose nprobe
+def _ivf_memory(seed: int, n: int, dim: int, clusters: int, noise: float, n_queries: int = 48):
+    """Keys and queries drawn around ``clusters`` random centres (attention keys are clustered too)."""
+    gen = torch.Generator().manual_seed(seed)
+    centers = 2.0 * torch.randn(clusters, dim, generator=gen)
+    keys = centers[torch.randint(0, clusters, (n,), generator=gen)] + noise * torch.randn(n, dim, generator=gen)
+    queries = centers[torch.randint(0, clusters, (n_queries,), generator=gen)]
+    return keys, queries + noise * torch.randn(n_queries, dim, generator=gen)
+
+
+def _recall_by_nprobe(keys, queries, k: int, nlist: int) -> list[float]:
+    """Recall@k of one trained ``faiss-ivf`` memory at nprobe = 1 .. nlist (index i: nprobe i + 1)."""
+    exact = memory.KVMemory(keys.shape[1])
+    exact.add(keys, keys)
+    _, truth = exact.search_ids(queries, k)
+    ivf = memory.KVMemory(keys.shape[1], "faiss-ivf", nlist=nlist, nprobe=1)
+    ivf.add(keys, keys)
+    ivf.search_ids(queries, k)                   # trains the index once; below only nprobe changes
+    recalls = []
+    for nprobe in range(1, nlist + 1):
+        ivf._index.nprobe = nprobe
+        recalls.append(memory.recall_at_k(ivf.search_ids(queries, k)[1], truth))
+    return recalls
+
+
+# (seed, rows, dim, clusters, noise, k, nlist, target): more clusters than cells, so a query's neighbours
+# straddle cells and recall climbs gradually with nprobe
+_IVF_CASES = ((1401, 2048, 24, 512, 1.0, 16, 32, 0.92), (1402, 3000, 32, 96, 1.5, 8, 48, 0.975))
+# Each target lies a few hits away from the recall at the answer and at the nprobe below it, so the answer does
+# not hinge on one query's rounding.
+_IVF_HIDDEN = ((1403, 2500, 16, 700, 1.0, 12, 40, 0.86), (1404, 2048, 32, 256, 1.2, 16, 32, 0.97))
 
 
 @exercise
-def check_overlap_chunks(fn) -> Result:
-    """Check ``fn(n, size, overlap) -> list of (start, end)``: spans of ``size`` tokens from 0 in steps of
-    ``size - overlap``, the last one ending at ``n`` (a single span ``(0, n)`` when ``n <= size``; none
-    when ``n == 0``)."""
-    name = "chunks with overlap"
-    hint = ("re-read 'RAG: chunks, BM25 and dense retrieval' and the rule in the task, and lay out the spans of "
-            "the case named above by hand.")
-    refused = refuse_library(name, fn, (memory.chunk_spans,), hint, owner="labsrc.memory",
-                             args=_chunk_inputs(torch.Generator().manual_seed(42)))
+def check_smallest_nprobe(fn) -> Result:
+    """Check ``fn(keys, queries, k, nlist, target) -> int``: the smallest ``nprobe`` at which
+    ``memory.KVMemory(dim, "faiss-ivf", nlist=nlist, nprobe=nprobe)`` holding ``keys`` returns, for
+    ``queries``, at least a fraction ``target`` of the exact top ``k`` (recall@k as ``memory.recall_at_k``
+    counts it). The check measures recall at every nprobe on clustered memories of its own."""
+    name = "the smallest nprobe that meets a recall target"
+    hint = ("re-read 'A kNN memory' on recall@k; measure the recall of your memory at the nprobe you return and "
+            "at the one below it, against the exact index's top k.")
+    cases = _IVF_CASES + (_IVF_HIDDEN if hidden() else ())
+    for seed, n, dim, clusters, noise, k, nlist, target in cases:
+        keys, queries = _ivf_memory(seed, n, dim, clusters, noise)
+        setting = f"{n} keys of width {dim}, k = {k}, nlist = {nlist}, target {target}"
+        try:
+            got = fn(keys, queries, k, nlist, target)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        if isinstance(got, bool) or not isinstance(got, int) and not (isinstance(got, float) and got.is_integer()):
+            return _report(Result(name, FAILED, f"{setting}: return an int nprobe, got {got!r}. Hint: {hint}"))
+        got = int(got)
+        if not 1 <= got <= nlist:
+            return _report(Result(name, FAILED, f"{setting}: nprobe {got} is not a number of cells to probe "
+                                                 f"(1 to nlist). Hint: {hint}"))
+        recalls = _recall_by_nprobe(keys, queries, k, nlist)
+        if recalls[got - 1] < target:
+            return _report(Result(name, FAILED, f"{setting}: at nprobe {got} the index's recall@{k} is below the "
+                                                 f"target. Hint: {hint}"))
+        if got > 1 and recalls[got - 2] >= target:
+            return _report(Result(name, FAILED, f"{setting}: nprobe {got} meets the target, but a smaller nprobe "
+                                                 f"meets it too. Hint: {hint}"))
+    return _report(Result(name, PASSED, f"the smallest nprobe on {len(cases)} memories, measured."))
+
+
+# ------------------------------------------------------------------------------------------ the chunker bug
+def _chunk_cases(gen, trials: int):
+    fixed = [(0, 5, 2), (5, 5, 0), (7, 5, 4), (100, 10, 3), (101, 64, 32)]
+    drawn = []
+    for _ in range(trials):
+        size = randint(gen, 1, 70)
+        drawn.append((randint(gen, 0, 400), size, randint(gen, 0, size - 1)))
+    return fixed + drawn
+
+
+def _chunk_problem(got, n: int, size: int, overlap: int) -> str | None:
+    """What is wrong with the spans ``got`` for ``(n, size, overlap)``, or None when they are a valid chunking."""
+    try:
+        spans = [(int(s), int(e)) for s, e in got]
+    except (TypeError, ValueError):
+        return f"return a list of (start, end) pairs, got {type(got).__name__}."
+    for s, e in spans:
+        if not 0 <= s < e <= n:
+            return f"the span ({s}, {e}) is empty or leaves the document's tokens 0 to {n - 1}."
+        if e - s > size:
+            return f"the span ({s}, {e}) is longer than size, so it does not fit the retriever's chunk."
+    covered = set()
+    for s, e in spans:
+        covered.update(range(s, e))
+    if covered != set(range(n)):
+        return f"token {min(set(range(n)) - covered)} is in no span."
+    run = min(overlap + 1, n)
+    for start in range(n - run + 1 if run else 0):
+        if not any(s <= start and start + run <= e for s, e in spans):
+            return (f"the run of {run} tokens that starts at token {start} is split: no span holds it whole, "
+                    f"so a fact there is lost.")
+    if len(spans) > len(memory.chunk_spans(n, size, overlap)):
+        return f"{len(spans)} spans are more than the chapter's rule needs (duplicates waste the index)."
+    return None
+
+
+@exercise
+def check_fixed_chunks(fn) -> Result:
+    """Check ``fn(n, size, overlap) -> list of (start, end)``: spans of at most ``size`` tokens that cover all
+    ``n`` tokens, hold every run of ``overlap + 1`` tokens whole, and are no more than the chapter's rule
+    (:func:`labsrc.memory.chunk_spans`) makes; none when ``n == 0``."""
+    name = "the chunker that splits facts, fixed"
+    hint = ("re-read 'RAG: chunks, BM25 and dense retrieval' on which runs of tokens must lie whole inside a "
+            "chunk, and run the buggy chunker on the case named above: look at its last two spans.")
+    refused = refuse_library(name, fn, (memory.chunk_spans,), hint, owner="labsrc.memory", args=(100, 10, 3))
     if refused is not None:
         return refused
-    seed, trials = 42, 25
+    seed, trials = 142, 25
     if hidden():
         seed, trials = seed + HIDDEN_SEED_OFFSET, 2 * trials
-    gen = torch.Generator().manual_seed(seed)
-    cases = [(0, 5, 2), (5, 5, 0), (6, 5, 4)] + [_chunk_inputs(gen) for _ in range(trials)]
+    cases = _chunk_cases(torch.Generator().manual_seed(seed), trials)
     for n, size, overlap in cases:
         try:
             got = fn(n, size, overlap)
         except NotImplementedError:
             return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
-        try:
-            got = [(int(s), int(e)) for s, e in got]
-        except (TypeError, ValueError):
-            return _report(Result(name, FAILED, f"return a list of (start, end) pairs, got {type(got).__name__}. "
-                                                f"Hint: {hint}"))
-        want = memory.chunk_spans(n, size, overlap)
-        if got != want:
-            covered = set()
-            for s, e in got:
-                covered.update(range(s, e))
-            first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
-            problem = ("some tokens are in no chunk" if covered != set(range(n)) else
-                       "a chunk is longer than size" if any(e - s > size for s, e in got) else
-                       "the last span does not end at n" if got and got[-1][1] != n else
-                       f"you return {len(got)} spans and the rule {len(want)}" if len(got) != len(want) else
-                       f"the spans are not the ones the rule gives, from span {first} on (yours: "
-                       f"{got[first]})")
-            return _report(Result(name, FAILED, f"n={n}, size={size}, overlap={overlap}: {problem}. Hint: {hint}"))
-    return _report(Result(name, PASSED, f"equal to the rule on {len(cases)} cases, edge cases included."))
-
-
-# ------------------------------------------------------------------------------------------ gated mix
-def _mix_inputs(gen):
-    B, hkv, group = randint(gen, 1, 2), randint(gen, 1, 2), randint(gen, 1, 3)
-    T, K, D = randint(gen, 1, 5), randint(gen, 1, 6), 16 * randint(gen, 1, 3)
-    Tk = T + randint(gen, 0, 4)
-    H = hkv * group
-    q = torch.randn(B, H, T, D, generator=gen, dtype=torch.float64)
-    kl, vl = (torch.randn(B, hkv, Tk, D, generator=gen, dtype=torch.float64) for _ in range(2))
-    mk, mv = (torch.randn(B, H, T, K, D, generator=gen, dtype=torch.float64) for _ in range(2))
-    gate = 2 * torch.randn(H, generator=gen, dtype=torch.float64)
-    return q, kl, vl, mk, mv, gate
-
-
-def _explaining_mix(fn):
-    """``explain`` for the gated mix: a very large gate keeps only the memory part, a very negative one only the
-    local part, so each is judged on its own."""
-    def explain(got, expected, q, kl, vl, mk, mv, gate) -> str:
-        said = []
-        for g, part in ((50.0, "memory"), (-50.0, "local")):
-            full = torch.full_like(gate, g)
-            if not torch.allclose(fn(q, kl, vl, mk, mv, full), kmem.knn_memory_attention_ref(q, kl, vl, mk, mv, full),
-                                  rtol=1e-9, atol=1e-10):
-                said.append(part)
-        if not said:
-            return "The local part alone and the memory part alone are right: look at the gate's mix."
-        parts = " and the ".join(said) + (" parts are" if len(said) == 2 else " part is")
-        return f"With the gate pushed all the way, the {parts} wrong."
-    return explain
-
-
-@exercise
-def check_gated_memory_mix(fn) -> Result:
-    """Check ``fn(q, k_local, v_local, mem_k, mem_v, gate) -> (B, H, T, D)`` against
-    :func:`labsrc.kernels.memory.knn_memory_attention_ref` on float64 inputs with GQA and ``Tk >= T``."""
-    name = "gated mix of local and memory attention"
-    hint = ("re-read 'Two softmaxes and a gate, against one softmax'; the message says whether the local part, "
-            "the memory part or their mix is off. The trials use GQA and more keys than queries (Tk >= T).")
-    refused = refuse_library(name, fn, (kmem.knn_memory_attention_ref, kmem.knn_memory_attention,
-                                        memory.joint_softmax_attention), hint, owner="labsrc.memory",
-                             args=_mix_inputs(torch.Generator().manual_seed(43)))
-    if refused is not None:
-        return refused
-    return check_function(name, fn, kmem.knn_memory_attention_ref, _mix_inputs, trials=6, seed=43,
-                          rtol=1e-9, atol=1e-10, hint=hint, explain=_explaining_mix(fn))
+        except Exception as err:  # noqa: BLE001 - a crash on an edge case is the student's bug to see
+            return _report(Result(name, FAILED, f"n={n}, size={size}, overlap={overlap}: it raised "
+                                                 f"{type(err).__name__}: {err}. Hint: {hint}"))
+        problem = _chunk_problem(got, n, size, overlap)
+        if problem:
+            return _report(Result(name, FAILED, f"n={n}, size={size}, overlap={overlap}: {problem} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"a valid chunking on {len(cases)} cases, edge cases included."))
 
 
 # ------------------------------------------------------------------------------------------ the kernel
-_KERNEL_SIZES = ((3, 5, 16), (1, 1, 16), (4, 7, 24), (2, 16, 40), (5, 3, 64), (2, 13, 20))   # (T, K, D)
-_GUARD = 64
+_KERNEL_SIZES = ((3, 5, 16, 40), (1, 1, 16, 3), (4, 7, 24, 50), (2, 16, 40, 33), (5, 3, 64, 9), (6, 13, 20, 70))
+_GUARD = 64      # (T, K, D, N): queries, ids per query, head dim, memory rows
 
 
 def _guarded(values: torch.Tensor):
+    """``values`` inside a buffer of NaN guard bands: a load or store outside the tensor shows up as NaN."""
     storage = torch.full((values.numel() + 2 * _GUARD,), float("nan"), dtype=values.dtype)
     storage[_GUARD:_GUARD + values.numel()] = values.flatten()
     return storage[_GUARD:_GUARD + values.numel()].view(values.shape), storage
 
 
-def _retrieved_reference(q, mk, mv, scale):
-    return torch.softmax(torch.einsum("td,tkd->tk", q, mk) * scale, -1).unsqueeze(1).bmm(mv).squeeze(1)
+def _gathered_ref(q, keys, values, ids, scale):
+    """Attention of each query over the memory rows its ids name (-1: not found); 0 where none is found."""
+    out = torch.zeros_like(q)
+    for t in range(q.shape[0]):
+        rows = ids[t][ids[t] >= 0]
+        if rows.numel():
+            out[t] = torch.softmax(keys[rows] @ q[t] * scale, 0) @ values[rows]
+    return out
+
+
+def _gather_ids(gen, T: int, K: int, N: int) -> torch.Tensor:
+    """Distinct ids per query, best first in no particular order, a random tail of -1 (an index that found
+    fewer than K rows); the last query of a launch with T > 1 finds nothing at all."""
+    ids = torch.stack([torch.randperm(N, generator=gen)[:K] if K <= N else
+                       torch.randint(0, N, (K,), generator=gen) for _ in range(T)])
+    found = torch.randint(1, K + 1, (T,), generator=gen)
+    ids[torch.arange(K)[None, :] >= found[:, None]] = -1
+    if T > 1:
+        ids[-1] = -1
+    return ids
 
 
 @exercise
-def check_retrieved_rows_kernel(kernel) -> Result:
-    """Check a ``@triton.jit`` kernel ``kernel(q_ptr, mk_ptr, mv_ptr, out_ptr, scale, K, D, BLOCK_K, BLOCK_D)``
-    that computes, for one head, ``out[t] = softmax(scale * mem_k[t] @ q[t]) @ mem_v[t]``: one program per
-    query (grid ``(T,)``), ``q``/``out`` contiguous float32 ``(T, D)``, ``mem_k``/``mem_v`` contiguous float32
-    ``(T, K, D)``, ``BLOCK_K >= K`` and ``BLOCK_D >= D`` powers of two (``K``, ``D`` constexpr). Sizes are
-    odd. Without Triton (macOS, Windows) the check says it is skipped."""
-    name = "attention over retrieved rows in Triton"
+def check_gathered_rows_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(q_ptr, keys_ptr, values_ptr, ids_ptr, out_ptr, scale, K, D,
+    BLOCK_K, BLOCK_D)``: for query ``t`` (one program each, grid ``(T,)``), attention over the memory rows
+    ``ids[t]`` names, ``out[t] = softmax(scale * keys[ids] @ q[t]) @ values[ids]`` over the ids that are not
+    ``-1``, and 0 when all ``K`` are ``-1``. ``q``, ``out``: contiguous float32 ``(T, D)``; ``keys``,
+    ``values``: ``(N, D)``; ``ids``: int64 ``(T, K)``; ``BLOCK_K >= K``, ``BLOCK_D >= D`` powers of two
+    (``K``, ``D`` constexpr). Without Triton (macOS, Windows) the check says it is skipped."""
+    name = "attention over rows gathered by id (Triton)"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
     import triton
 
-    hint = ("re-read 'The kernel' and follow the query row named above through your kernel; K and D are not "
-            "powers of two in most trials, so NaN or writes outside point at the masks.")
-    seed, sizes = 44, _KERNEL_SIZES
+    hint = ("re-read 'The kernel' and 'A kNN memory' (an index may find fewer rows than asked), then follow the "
+            "query row named above through your kernel: an id of -1 names no row.")
+    seed, sizes = 144, _KERNEL_SIZES
     if hidden():
-        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 1, k + 2, d) for t, k, d in sizes)
+        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 1, k + 2, d, n + 5) for t, k, d, n in sizes)
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of T programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
     rtol, atol = tolerance(torch.float32)
-    for trial, (T, K, D) in enumerate(sizes):
+    for trial, (T, K, D, N) in enumerate(sizes):
         q = torch.randn(T, D, generator=gen)
-        mk, mv = torch.randn(T, K, D, generator=gen), torch.randn(T, K, D, generator=gen)
+        keys, values = torch.randn(N, D, generator=gen), torch.randn(N, D, generator=gen)
+        ids = _gather_ids(gen, T, K, N)
         scale = 1 / math.sqrt(D)
-        qg, _ = _guarded(q)
-        mkg, _ = _guarded(mk)
-        mvg, _ = _guarded(mv)
+        qg, kg, vg = (_guarded(x)[0] for x in (q, keys, values))
         out, store = _guarded(torch.full_like(q, float("nan")))
         try:
-            kernel[(T,)](qg, mkg, mvg, out, scale, K=K, D=D, BLOCK_K=triton.next_power_of_2(K),
+            kernel[(T,)](qg, kg, vg, ids, out, scale, K=K, D=D, BLOCK_K=triton.next_power_of_2(K),
                          BLOCK_D=triton.next_power_of_2(D))
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, K={K}, D={D}): the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, f"trial {trial + 1} (T={T}, K={K}, D={D})", hint))
         guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
+        want = _gathered_ref(q, keys, values, ids, scale)
         problem = None
         if not bool(torch.isnan(guards).all()):
             problem = "the kernel wrote outside the output tensor (a lane past D stored without a mask?)."
         elif torch.isnan(out).any():
-            problem = f"{int(torch.isnan(out).sum())} output element(s) are NaN or were never written."
-        else:
-            want = _retrieved_reference(q, mk, mv, scale)
-            if not torch.allclose(out, want, rtol=rtol, atol=atol):
-                bad = ~torch.isclose(out, want, rtol=rtol, atol=atol)
-                problem = f"{int(bad.sum())} of {bad.numel()} elements differ (first in row {int(bad.nonzero()[0, 0])})."
-                if torch.allclose(out, _retrieved_reference(q, mk, mv, 1.0), rtol=rtol, atol=atol):
-                    problem += " Your outputs are those of scores that were never scaled."
+            rows = sorted({int(r) for r in torch.isnan(out).nonzero()[:, 0]})
+            empty = [r for r in rows if bool((ids[r] < 0).all())]
+            problem = f"{int(torch.isnan(out).sum())} output element(s) are NaN or were never written (rows {rows})."
+            if empty:
+                problem += f" Row {empty[0]}'s index found no row at all (every id is -1)."
+        elif not torch.allclose(out, want, rtol=rtol, atol=atol):
+            bad = ~torch.isclose(out, want, rtol=rtol, atol=atol)
+            row = int(bad.nonzero()[0, 0])
+            problem = f"{int(bad.sum())} of {bad.numel()} elements differ (first in row {row})."
+            if bool((ids[row] < 0).any()):
+                problem += f" Row {row} has ids of -1: rows the index did not find."
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, K={K}, D={D}): {problem} Hint: {hint}"))
     return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))

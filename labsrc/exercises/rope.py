@@ -1,21 +1,22 @@
 """Checks for the exercises of the position-encoding chapter (RoPE and context extension).
 
-Each check calls the student's function on several seeded random configurations and compares it with
-:mod:`labsrc.rope`; it prints ``passed``, what is wrong (with a hint), or ``not solved yet`` when the function
-still raises ``NotImplementedError``. Expected answers are computed here, never printed.
+Each check calls the student's function on several seeded random configurations and compares it with the truth
+computed here (from :mod:`labsrc.rope`, or from the angles themselves); it prints ``passed``, what is wrong (with
+a hint), or ``not solved yet`` when the function still raises ``NotImplementedError``. Expected answers are
+computed here, never printed.
 
-* :func:`check_wavelength` -- ``fn(i, head_dim, base)``: tokens per full turn of pair ``i``.
-* :func:`check_position_interpolation` -- ``fn(head_dim, base, factor)``: the inverse frequencies of
-  position interpolation.
-* :func:`check_ntk_base` -- ``fn(base, factor, head_dim)``: the NTK-aware base for a factor ``s``.
-* :func:`check_yarn_unscaled` -- ``fn(head_dim, base, factor, original_max_position, beta_fast, beta_slow)``:
-  the indices of the pairs YaRN leaves unscaled.
-* :func:`check_unseen_pairs` -- ``fn(head_dim, base, train_length, new_length)``: the pairs whose angles at the
-  new length were never reached in training (a prediction the student then checks on the lab model).
-* :func:`check_rope_kernel` -- a ``@triton.jit`` kernel that rotates one head, one program per token, launched
-  by the check on odd sizes under Triton's interpreter and compared with :func:`labsrc.rope.apply_rope_ref`.
+* :func:`check_wavelength` -- ``fn(i, head_dim, base)``: tokens per full turn of pair ``i`` (a warm-up).
+* :func:`check_first_new_angle` -- ``fn(head_dim, base, train_length, method, factor)``: a prediction, the
+  shortest context at which a model whose frequencies were rescaled by ``method`` (position interpolation or
+  NTK-aware scaling, configured for ``factor``) meets a rotation angle that training never produced; the
+  chapter then measures it on the lab model's frequencies.
+* :func:`check_rotate_new_tokens` -- ``fn(x, past_len, inv_freq)``: the fixed version of a given decode-step
+  rotation with two bugs (a debugging exercise).
+* :func:`check_rope_kernel` -- a ``@triton.jit`` kernel that rotates one head in the *interleaved* layout (pair
+  ``i`` is coordinates ``2i`` and ``2i + 1``, which the chapter's rotate-half kernel does not cover), one program
+  per token, launched by the check on odd sizes under Triton's interpreter.
 
-A check refuses an answer that calls the :mod:`labsrc.rope` function the exercise asks the student to write
+The wavelength check refuses an answer that calls the :mod:`labsrc.rope` function it asks the student to write
 (read in the answer's code, and watched while the answer runs, however the function was imported).
 """
 from __future__ import annotations
@@ -23,17 +24,14 @@ from __future__ import annotations
 import math
 import numbers
 
-import numpy as np
 import torch
 
-from labsrc import rope, runtime
+from labsrc import rope
 from labsrc.exercises.core import not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   as_number, check_function, exercise, hidden, randint, refuse_library,
-                                   tolerance)
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, as_number,
+                                   check_function, exercise, hidden, randint, refuse_library, tolerance)
 
-__all__ = ["check_wavelength", "check_position_interpolation", "check_ntk_base", "check_yarn_unscaled",
-           "check_unseen_pairs", "check_rope_kernel"]
+__all__ = ["check_wavelength", "check_first_new_angle", "check_rotate_new_tokens", "check_rope_kernel"]
 
 _HEAD_DIMS = (32, 64, 80, 96, 128)
 _BASES = (10000.0, 500000.0, 1000000.0)
@@ -84,182 +82,106 @@ def _explain_wavelength(got, expected, i, head_dim, base) -> str:
     return ""
 
 
-# -------------------------------------------------------------------------------- position interpolation
+# ------------------------------------------------------------------------------- the first new angle
 
-def _pi_inputs(gen):
-    return _pick(gen, _HEAD_DIMS), _pick(gen, _BASES), _pick(gen, (2.0, 4.0, 8.0, 16.0, 2.5))
-
-
-def _pi_reference(head_dim, base, factor):
-    return rope.rope_frequencies(head_dim, base, "linear", factor=factor)[0]
-
-
-def _as_float32(fn):
-    def wrapped(*args):
-        got = fn(*args)
-        if isinstance(got, np.ndarray):
-            got = torch.from_numpy(got)
-        if isinstance(got, torch.Tensor) and got.is_floating_point():
-            got = got.float()
-        return got
-    return wrapped
+_METHODS = ("linear", "ntk")
+# Lengths L with L - 1 odd and factors ending in .5: (L - 1) * s is never a whole number, so no position turns a
+# rescaled pair exactly to its largest trained angle, and no answer hangs on how float arithmetic rounds a tie.
+_TRAIN_LENGTHS = (512, 1000, 1024, 2048, 4096)
+_FACTORS = (1.5, 2.5, 3.5, 6.5, 12.5)
 
 
-@exercise
-def check_position_interpolation(fn) -> Result:
-    """Check ``fn(head_dim, base, factor) -> tensor (head_dim // 2,)``: the inverse frequencies that squeeze
-    positions ``0 .. factor * L`` into the trained range ``0 .. L``."""
-    hint = ("re-read 'Stretching the frequencies': after interpolation, position factor * L must turn every "
-            "pair by the angle that position L turned it by in training.")
-    refused = _refuse_library("position interpolation", fn, _pi_inputs, 22, (rope.linear_frequencies,), hint)
-    if refused is not None:   # a Result is falsy unless passed: test for None
-        return refused
-    return check_function("position interpolation", _as_float32(fn), _pi_reference, _pi_inputs,
-                                     trials=6, seed=22, hint=hint)
+def _first_new_inputs(gen):
+    while True:
+        args = (_pick(gen, _HEAD_DIMS), _pick(gen, _BASES), _pick(gen, _TRAIN_LENGTHS), _pick(gen, _METHODS),
+                _pick(gen, _FACTORS))
+        if _first_new_reference(*args, margin=True) is not None:
+            return args
 
 
-# ----------------------------------------------------------------------------------------------- NTK base
-
-def _ntk_inputs(gen):
-    return _pick(gen, _BASES), _pick(gen, (2.0, 4.0, 8.0, 16.0, 3.0)), _pick(gen, _HEAD_DIMS)
-
-
-def _ntk_reference(base, factor, head_dim):
-    return rope.ntk_base(base, factor, head_dim)
-
-
-@exercise
-def check_ntk_base(fn) -> Result:
-    """Check ``fn(base, factor, head_dim) -> float``: the base for which the slowest pair is slowed by exactly
-    ``factor`` while pair 0 keeps its frequency."""
-    hint = ("re-read the NTK-aware part of 'Stretching the frequencies' and check your base against the task's "
-            "condition on the slowest pair.")
-    refused = _refuse_library("NTK-aware base", fn, _ntk_inputs, 23,
-                              (rope.ntk_base, rope.ntk_frequencies, rope.dynamic_frequencies), hint)
-    if refused is not None:   # a Result is falsy unless passed: test for None
-        return refused
-    return check_function("NTK-aware base", as_number(fn), _ntk_reference, _ntk_inputs, trials=8,
-                                     seed=23, rtol=1e-6, hint=hint, explain=_explain_ntk)
+def _first_new_reference(head_dim, base, train_length, method, factor, margin=False):
+    """The shortest context (tokens, positions 0 .. n-1) in which some pair turns past the largest angle it
+    reached in training, for pairs that never completed a turn there. The angle of position m, counted in
+    trained positions of pair i, is m times the pair's slow-down ratio; the ratios are exact here (1, 1/s,
+    s^(-2i/(D-2))) so that a tie is a tie. With ``margin``, None for a configuration within 1e-6 of a tie."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    theta = base ** (-2 * i / head_dim)
+    slow = (train_length - 1) * theta < 2 * math.pi
+    if method == "linear":
+        stretch = torch.full_like(i, float(factor))
+    else:
+        stretch = float(factor) ** (2 * i / (head_dim - 2))
+    reach = (train_length - 1) * stretch[slow]        # the last position whose angle is not new, per slow pair
+    if margin and method == "ntk" and bool(((reach - reach.round()).abs() < 1e-6).any()):
+        return None
+    return int(torch.floor(reach).min()) + 2
 
 
-def _explain_ntk(got, expected, base, factor, head_dim) -> str:
-    """How much the student's base slows the slowest pair (the task's condition), as a number."""
-    if not isinstance(got, (int, float)) or got <= 0:
-        return "A base is a positive number."
-    slowest = (head_dim - 2) / head_dim
-    slowed = (got / base) ** slowest
-    return f"With your base the slowest pair turns {slowed:.4g} times slower than with base, not {factor:g} times."
-
-
-# ------------------------------------------------------------------------------------------ YaRN unscaled
-
-def _yarn_inputs(gen):
-    # Trained lengths of at least 1024 keep pair 0 above beta_fast turns, so "unscaled" is exactly the set of
-    # pairs that turn at least beta_fast times in training (no clamping corner case).
-    return (_pick(gen, _HEAD_DIMS), _pick(gen, _BASES), _pick(gen, (2.0, 4.0, 8.0, 16.0)),
-            _pick(gen, (1024, 2048, 4096, 8192)), _pick(gen, (16.0, 32.0, 64.0)), _pick(gen, (1.0, 2.0)))
-
-
-def _yarn_reference(head_dim, base, factor, original_max_position, beta_fast, beta_slow) -> list[int]:
-    default, _ = rope.rope_frequencies(head_dim, base)
-    yarn, _ = rope.rope_frequencies(head_dim, base, "yarn", factor=factor,
-                                    original_max_position=original_max_position, beta_fast=beta_fast,
-                                    beta_slow=beta_slow)
-    return [int(i) for i in torch.nonzero(yarn == default).flatten()]
-
-
-def _as_indices(got, n_pairs) -> tuple[list[int] | None, str]:
-    """The student's answer as a sorted list of pair indices, or None and what is wrong with it."""
-    if isinstance(got, np.ndarray):
-        got = torch.from_numpy(got)
-    if isinstance(got, torch.Tensor):
-        if got.dtype == torch.bool:
-            if got.shape != (n_pairs,):
-                return None, f"a boolean mask must have shape ({n_pairs},), got {tuple(got.shape)}."
-            got = torch.nonzero(got).flatten()
-        if got.is_floating_point():
-            return None, "pair indices must be integers."
-        got = got.flatten().tolist()
-    try:
-        items = list(got)
-    except TypeError:
-        return None, f"expected a list of pair indices (or a boolean mask), got {type(got).__name__}."
-    if not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in items):
-        return None, "pair indices must be integers."
-    if any(not 0 <= i < n_pairs for i in items):
-        return None, f"pair indices must lie in [0, {n_pairs})."
-    if len(set(items)) != len(items):
-        return None, "some pair index appears twice."
-    return sorted(int(i) for i in items), ""
-
-
-def _check_pair_set(name, fn, make_inputs, reference, seed, trials, hint, forbidden, *, extra, missing):
-    """The check shared by the exercises whose answer is a set of pair indices: ``fn(*inputs)`` against
-    ``reference(*inputs)`` on ``trials`` random configurations, saying which way a wrong set is off
-    (``extra``: it lists pairs it should not; ``missing``: it leaves some out), never which pairs."""
-    refused = _refuse_library(name, fn, make_inputs, seed, forbidden, hint)
-    if refused is not None:
-        return refused
-    if hidden():
-        seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
-    gen = torch.Generator().manual_seed(seed)
-    for trial in range(trials):
-        args = make_inputs(gen)
-        try:
-            got = fn(*args)
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
-        indices, problem = _as_indices(got, args[0] // 2)
-        if indices is not None:
-            expected = reference(*args)
-            if indices != expected:
-                wrong = ((extra, set(indices) - set(expected)), (missing, set(expected) - set(indices)))
-                problem = " and ".join(f"{text} ({len(pairs)} of them)" for text, pairs in wrong if pairs) + "."
-        if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} with inputs {args}: {problem} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"right on {trials} random configurations."))
+def _explain_first_new(got, expected, head_dim, base, train_length, method, factor) -> str:
+    if not isinstance(got, numbers.Real) or isinstance(got, bool):
+        return "Return a number of tokens (an int)."
+    if method == "ntk" and got >= _first_new_reference(head_dim, base, train_length, "linear", factor) - 2:
+        return ("For NTK your length is as late as position interpolation's: compare how much NTK slows each "
+                "slow pair, not only the slowest one.")
+    return ""
 
 
 @exercise
-def check_yarn_unscaled(fn) -> Result:
-    """Check ``fn(head_dim, base, factor, original_max_position, beta_fast, beta_slow)``: the indices of the
-    pairs whose frequency YaRN leaves exactly as trained (a list of ints or a boolean mask over the pairs)."""
-    name = "pairs YaRN leaves unscaled"
-    hint = ("re-read YaRN in 'Stretching the frequencies' and, with the interactive plot of angles, sort the "
-            "pairs of the failing configuration by how far they turn over original_max_position.")
-    return _check_pair_set(name, fn, _yarn_inputs, _yarn_reference, 24, 8, hint,
-                           (rope.yarn_correction_range, rope.yarn_frequencies),
-                           extra="your answer lists pairs that YaRN does scale",
-                           missing="it misses pairs that YaRN leaves alone")
+def check_first_new_angle(fn) -> Result:
+    """Check ``fn(head_dim, base, train_length, method, factor) -> int``: the shortest context (a number of
+    tokens, positions ``0 .. n-1``) at which a model trained at ``train_length`` with RoPE base ``base``, its
+    frequencies rescaled by ``method`` ("linear": position interpolation, "ntk": NTK-aware scaling, each
+    configured for ``factor``), rotates some pair past every angle that pair reached in training. An angle equal
+    to the largest trained one is not new."""
+    name = "first context with a new angle"
+    hint = ("re-read 'What a longer context shows the model' and 'Stretching the frequencies'; for the failing "
+            "configuration, find which pairs can meet a new angle at all, then when each of them does.")
+    return check_function(name, as_number(fn), _first_new_reference, _first_new_inputs, trials=10, seed=27,
+                          hint=hint, explain=_explain_first_new)
 
 
+# --------------------------------------------------------------------------- a decode step's rotation
 
-# ------------------------------------------------------------------------------------------- unseen pairs
+def _rotate_inputs(gen):
+    half = randint(gen, 2, 24)
+    heads, t = randint(gen, 1, 3), randint(gen, 1, 5)
+    inv_freq = _pick(gen, _BASES) ** (-torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half))
+    past = randint(gen, 1, 3000)
+    return torch.randn(heads, t, 2 * half, generator=gen), past, inv_freq.float()
 
-def _unseen_inputs(gen):
-    train = _pick(gen, (256, 512, 1000, 2048, 4096))
-    return (_pick(gen, _HEAD_DIMS), _pick(gen, _BASES), train,
-            int(train * _pick(gen, (1.0, 1.5, 2.0, 4.0, 8.0, 32.0, 256.0))))
+
+def _rotate_reference(x, past_len, inv_freq):
+    # angles in float64: at positions in the thousands a float32 angle is off by about 1e-4 radians
+    angles = torch.arange(past_len, past_len + x.shape[-2], dtype=torch.float64)[:, None] * inv_freq.double()
+    table = torch.cat([angles, angles], dim=-1)
+    return (x.double() * table.cos() + rope.rotate_half(x.double()) * table.sin()).to(x.dtype)
 
 
-def _unseen_reference(head_dim, base, train_length, new_length) -> list[int]:
-    # float64 frequencies: no pair of these configurations sits within float32 rounding of the 2 pi boundary
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    unseen = rope.max_angles(inv_freq, train_length, new_length).unseen
-    return [int(i) for i in torch.nonzero(unseen).flatten()]
+def _explain_rotation_step(got, expected, x, past_len, inv_freq) -> str:
+    """Recognise the two bugs of the given version: positions that restart at 0, pairs rotated unevenly."""
+    if not isinstance(got, torch.Tensor) or got.shape != x.shape:
+        return ""
+    half = x.shape[-1] // 2
+    pair_norm = lambda y: y[..., :half].double() ** 2 + y[..., half:].double() ** 2  # noqa: E731
+    if not torch.allclose(pair_norm(got), pair_norm(x), rtol=1e-3, atol=1e-4):
+        return ("Your output changes the length of some pairs (coordinates i and i + D/2): the two "
+                "coordinates of a pair are not turned by one angle.")
+    if torch.allclose(got.double(), _rotate_reference(x, 0, inv_freq).double(), rtol=1e-4, atol=1e-5):
+        return ("Your output is the right rotation for a sequence that starts at this step, not for tokens "
+                "that follow past_len cached ones.")
+    return ""
 
 
 @exercise
-def check_unseen_pairs(fn) -> Result:
-    """Check ``fn(head_dim, base, train_length, new_length)``: the indices of the pairs whose rotation angles at
-    positions ``< new_length`` include angles no position ``< train_length`` produced (a list of ints or a
-    boolean mask over the pairs)."""
-    name = "pairs that leave the trained range"
-    hint = ("re-read 'Wavelengths, and which pairs complete full turns in training' and, for the failing "
-            "configuration, draw the arc of angles one pair covers at train_length and at new_length.")
-    return _check_pair_set(name, fn, _unseen_inputs, _unseen_reference, 25, 10, hint, (rope.max_angles,),
-                           extra="your answer lists pairs whose angles were all seen in training",
-                           missing="it misses pairs that reach new angles")
+def check_rotate_new_tokens(fn) -> Result:
+    """Check ``fn(x, past_len, inv_freq) -> tensor``: the rotate-half RoPE of the ``T`` new tokens ``x (H, T, D)``
+    of a decode step, which follow ``past_len`` cached tokens, with inverse frequencies ``inv_freq (D/2,)``; the
+    output has ``x``'s shape and dtype (compared in float32 precision)."""
+    name = "rotation of a decode step's new tokens"
+    hint = ("re-read the real form of RoPE in 'The idea' and test your function on one token at a known position "
+            "against the chapter's rope_real.")
+    return check_function(name, fn, _rotate_reference, _rotate_inputs, trials=8, seed=28, rtol=1e-4, atol=1e-5,
+                          hint=hint, explain=_explain_rotation_step)
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -277,6 +199,7 @@ def _guarded(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _kernel_case(gen, size):
+    """One head ``x (T, D)``, half tables ``cos, sin (rows, D/2)`` (one angle per pair) and positions."""
     T, half = size
     D = 2 * half
     rows = T + randint(gen, 3, 60)
@@ -284,7 +207,18 @@ def _kernel_case(gen, size):
     cos, sin = rope.rope_cos_sin(inv_freq, rows, attention_scaling=_pick(gen, (1.0, 1.2)))
     x = torch.randn(T, D, generator=gen)
     positions = torch.randint(0, rows, (T,), generator=gen).to(_pick(gen, (torch.int64, torch.int32)))
-    return x, cos, sin, positions
+    return x, cos[:, :half].contiguous(), sin[:, :half].contiguous(), positions
+
+
+def interleaved_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor):
+    """RoPE in the interleaved (GPT-J) layout: pair i is coordinates 2i and 2i + 1, turned by the angle whose
+    cosine and sine are ``cos[positions, i]``, ``sin[positions, i]`` (tables of one column per pair)."""
+    c, s_ = cos[positions.long()], sin[positions.long()]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = even * c - odd * s_
+    out[..., 1::2] = odd * c + even * s_
+    return out
 
 
 def _run_kernel(kernel, x, cos, sin, positions):
@@ -304,34 +238,38 @@ def _run_kernel(kernel, x, cos, sin, positions):
 
 
 def _explain_rotation(out, x, cos, sin, positions) -> str:
-    """Recognise a kernel that rotates by the wrong position (the program id) or the wrong way round."""
+    """Recognise a kernel that uses the rotate-half pairing, the wrong position or the wrong direction."""
     rtol, atol = tolerance(torch.float32)
     T = x.shape[0]
-    guesses = (("by the angles of position t (the program id), not of positions[t]", cos, sin,
-                torch.arange(T, dtype=positions.dtype)),
-               ("the wrong way round (by minus the angle)", cos, -sin, positions))
-    for said, c, s_, p in guesses:
+    full = (torch.cat([cos, cos], -1), torch.cat([sin, sin], -1))
+    guesses = [("pairs coordinate i with i + D/2 (the rotate-half layout of the chapter's kernel), not with its "
+                "neighbour", lambda: rope.apply_rope_ref(x[None, None], x[None, None], *full, positions)[0][0, 0]),
+               ("rotates every token by the angles of position t (the program id), not of positions[t]",
+                lambda: interleaved_rope_ref(x, cos, sin, torch.arange(T))),
+               ("rotates the wrong way round (by minus the angle)",
+                lambda: interleaved_rope_ref(x, cos, -sin, positions))]
+    for said, alt in guesses:
         try:
-            alt = rope.apply_rope_ref(x[None, None], x[None, None], c, s_, p)[0][0, 0]
+            if torch.allclose(out, alt(), rtol=rtol, atol=atol):
+                return f" Your kernel {said}."
         except Exception:  # noqa: BLE001 - a guess that does not apply says nothing
             continue
-        if torch.allclose(out, alt, rtol=rtol, atol=atol):
-            return f" Your kernel rotates every token {said}."
     return ""
 
 
 @exercise
 def check_rope_kernel(kernel) -> Result:
     """Check a ``@triton.jit`` kernel ``kernel(x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr, HALF, BLOCK)`` that
-    rotates one head ``x (T, D)`` into ``out``, one program per token (grid ``(T,)``), against
-    :func:`labsrc.rope.apply_rope_ref`. ``x``, ``out``, ``cos``, ``sin`` are contiguous float32, ``D = 2 * HALF``,
-    ``BLOCK`` the next power of two >= ``HALF``, positions int32 or int64. Sizes are odd and ``HALF`` is
-    rarely a power of two. Without Triton (macOS, Windows) the check says it is skipped."""
-    name = "RoPE kernel for one head"
+    rotates one head ``x (T, D)`` into ``out`` in the interleaved layout (pair ``i`` = coordinates ``2i`` and
+    ``2i + 1``), one program per token (grid ``(T,)``), against :func:`interleaved_rope_ref`. ``x`` and ``out``
+    are contiguous float32 ``(T, D)``, ``cos`` and ``sin`` contiguous float32 ``(rows, HALF)`` (one column per
+    pair), ``D = 2 * HALF``, ``BLOCK`` the next power of two >= ``HALF``, positions int32 or int64. Sizes are odd
+    and ``HALF`` is rarely a power of two. Without Triton (macOS, Windows) the check says it is skipped."""
+    name = "interleaved RoPE kernel for one head"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("re-read 'The kernel' and compare your output for the token named above with apply_rope_ref on "
-            "that token alone; a message about writes or NaN points at the masks.")
+    hint = ("re-read 'The kernel' and the task's layout, and compare your output for the token named above "
+            "with a rotation of that token's pairs done by hand; a message about writes or NaN points at the masks.")
     seed, sizes = 26, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, h + 4) for t, h in sizes)
@@ -351,16 +289,17 @@ def check_rope_kernel(kernel) -> Result:
                                                 f"raised {type(cause or err).__name__}: {cause or err}. "
                                                 f"Hint: {hint}"))
         if problem is None:
-            expected = rope.apply_rope_ref(x[None, None], x[None, None], cos, sin, positions)[0][0, 0]
+            expected = interleaved_rope_ref(x, cos, sin, positions)
             if torch.isnan(out).any():
                 problem = f"{int(torch.isnan(out).sum())} output element(s) were never written."
             elif not torch.allclose(out, expected, rtol=rtol, atol=atol):
                 bad = ~torch.isclose(out, expected, rtol=rtol, atol=atol)
                 t, d = (int(i) for i in bad.nonzero()[0])
-                half = "first" if d < size[1] else "second"
+                parity = "even" if d % 2 == 0 else "odd"
                 problem = (f"{int(bad.sum())} of {bad.numel()} elements differ; the first at token {t}, column "
-                           f"{d} (the {half} half).{_explain_rotation(out, x, cos, sin, positions)}")
+                           f"{d} (an {parity} column).{_explain_rotation(out, x, cos, sin, positions)}")
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} (T={size[0]}, D={2 * size[1]}): {problem} "
                                                 f"Hint: {hint}"))
-    return _report(Result(name, PASSED, f"equal to apply_rope_ref on {len(sizes)} launches with odd sizes."))
+    return _report(Result(name, PASSED, f"equal to the interleaved reference on {len(sizes)} launches with odd "
+                                        "sizes."))

@@ -1,22 +1,22 @@
 """Checks for the exercises of the serving chapter (paged KV cache, scheduling, prefix caching).
 
-Each check calls the student's function on seeded random cases and compares it with :mod:`labsrc.serving`;
-it prints ``passed``, what is wrong (with a hint), or ``not solved yet`` while the function still raises
-``NotImplementedError``. Expected answers are computed here, never printed.
+Each check calls the student's function on seeded random cases and compares it with :mod:`labsrc.serving`
+(its block manager run on the same case, for a prediction); it prints ``passed``, what is wrong (with a
+hint), or ``not solved yet`` while the function still raises ``NotImplementedError``. Expected answers are
+computed here, never printed.
 
 * :func:`check_slot_mapping` -- ``fn(block_table, start, end, block_size)``: the pool slots of tokens
   ``start .. end - 1``.
-* :func:`check_cow_append` -- ``fn(table, ref_count, free, num_tokens, block_size)``: give the next token a
-  slot, opening a block when the last is full and copying the last when it is shared (copy-on-write).
+* :func:`check_fork_blocks` -- ``fn(prompt_len, n, new_tokens, block_size) -> (blocks_held, copies)``: a
+  prediction of what ``n`` parallel samples of one prompt hold, compared with the block manager's own run.
 * :func:`check_admission` -- ``fn(num_tokens, block_size, hits_owned, hits_evictable, num_free_blocks,
-  num_running, max_num_seqs)``: the scheduler's admission test.
+  num_running, max_num_seqs)``: the scheduler's admission test (the fix of a given test that over-admits).
 * :func:`check_prefix_hash` -- ``fn(token_ids, block_size)``: block hashes that do not collide across
   prefixes (the bug of hashing each block alone, fixed).
-* :func:`check_gather_kernel` -- a ``@triton.jit`` kernel that gathers one sequence's K rows from a paged pool
-  through its block table, launched under the interpreter and compared with
-  :func:`labsrc.kernels.paged_attention.gather_kv`.
+* :func:`check_packed_gather_kernel` -- a ``@triton.jit`` kernel that gathers many sequences of different
+  lengths from a paged pool through their block tables into one packed tensor, launched under the interpreter.
 
-A check refuses an answer that calls the :mod:`labsrc.serving.blocks` function the exercise asks for.
+A check refuses an answer that calls the :mod:`labsrc.serving.blocks` code the exercise asks for.
 """
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ import math
 import torch
 
 from labsrc import runtime
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _call, _report, exercise,
-                                   hidden, randint, refuse_library)
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, PASSED, Result, _call, _report,
+                                   diagnose_number, exercise, hidden, randint, refuse_library)
 from labsrc.serving import blocks as _blocks
 
-__all__ = ["check_slot_mapping", "check_cow_append", "check_admission", "check_prefix_hash",
-           "check_gather_kernel"]
+__all__ = ["check_slot_mapping", "check_fork_blocks", "check_admission", "check_prefix_hash",
+           "check_packed_gather_kernel", "fork_measurement", "packed_gather_reference"]
 
 
 def _trials(seed: int, trials: int) -> tuple[torch.Generator, int]:
@@ -92,68 +92,73 @@ def check_slot_mapping(fn) -> Result:
     return _report(Result(name, PASSED, f"agrees with the block manager on {trials} random tables."))
 
 
-# ------------------------------------------------------------------------------------------- copy-on-write
-def _cow_reference(table, ref_count, free, num_tokens, block_size):
-    table = list(table)
-    copy = None
-    if num_tokens % block_size == 0:
-        block = free.pop(0)
-        ref_count[block] = 1
-        table.append(block)
-    elif ref_count[table[-1]] > 1:
-        new = free.pop(0)
-        ref_count[table[-1]] -= 1
-        ref_count[new] = 1
-        copy = (table[-1], new)
-        table[-1] = new
-    return table, copy
+# ------------------------------------------------------------------------------------------- forks, predicted
+def fork_measurement(prompt_len, n, new_tokens, block_size, gen=None):
+    """What the block manager does for parallel sampling: a prompt of ``prompt_len`` tokens is allocated and its
+    K/V written, forked into ``n`` sequences, and each sequence then appends ``new_tokens`` tokens of its own
+    (round robin). Returns ``(blocks_held, copies)``: the distinct blocks the ``n`` tables name at the end and
+    the copy-on-write copies made on the way."""
+    gen = gen or torch.Generator().manual_seed(0)
+    need = n * (-(-(prompt_len + new_tokens) // block_size)) + 1
+    bm = _blocks.BlockManager(num_blocks=need, block_size=block_size)
+    bm.allocate(0, torch.randint(5, 4096, (prompt_len,), generator=gen).tolist())
+    bm.mark_computed(0, prompt_len)
+    for child in range(1, n):
+        bm.fork(0, child)
+    copies = 0
+    for _ in range(new_tokens):
+        for seq in range(n):
+            bm.append_slot(seq, randint(gen, 5, 4095))
+            copies += len(bm.take_copies())
+    bm.check_invariants()
+    return len({b for seq in range(n) for b in bm.block_table(seq)}), copies
 
 
-def _cow_inputs(gen):
+def _fork_inputs(gen):
     bs = (1, 2, 4, 16)[randint(gen, 0, 3)]
-    n = randint(gen, 1, 40)
-    num_blocks = -(-n // bs) + randint(gen, 1, 6)
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    table = order[: -(-n // bs)]
-    free = order[len(table):]
-    ref_count = [0] * num_blocks
-    for b in table:
-        ref_count[b] = 1 + (randint(gen, 0, 2) if randint(gen, 0, 1) else 0)  # shared by a fork or not
-    return table, ref_count, free, n, bs
+    prompt = randint(gen, 1, 60)
+    if randint(gen, 0, 2) == 0:
+        prompt = bs * max(1, prompt // bs)      # a prompt that fills its last block
+    return prompt, randint(gen, 1, 6), randint(gen, 1, 40), bs
 
 
 @exercise
-def check_cow_append(fn) -> Result:
-    """Check ``fn(table, ref_count, free, num_tokens, block_size) -> (new_table, copy)``: give token
-    ``num_tokens`` (0-based) of a sequence a slot. ``ref_count`` and ``free`` are updated in place; ``copy`` is
-    the ``(src, dst)`` block pair whose K/V must be copied, or None."""
-    name = "append with copy-on-write"
-    hint = ("re-read 'A block manager, one operation at a time'; the case named above (full, shared or private "
-            "last block) is the branch of the append to look at.")
+def check_fork_blocks(fn) -> Result:
+    """Check ``fn(prompt_len, n, new_tokens, block_size) -> (blocks_held, copies)``: the prediction, without a
+    block manager, of the blocks ``n`` parallel samples of one prompt hold after ``new_tokens`` tokens each, and of
+    the copy-on-write copies made. The truth is measured by running :class:`labsrc.serving.BlockManager`."""
+    name = "blocks and copies of parallel samples"
+    hint = ("re-read 'Blocks, block tables and slot mappings' and the fork in 'A block manager, one operation "
+            "at a time'; draw the tables of two samples of the failing case, block by block, and mark which "
+            "blocks they share and when the first write into a shared block happens.")
+    # the manager by name, its fork and append (caught when called through other code), and this measurement
+    refused = refuse_library(name, fn, (_blocks.BlockManager, _blocks.BlockManager.fork,
+                                        _blocks.BlockManager.append_slot, fork_measurement), hint,
+                             owner="labsrc.serving",
+                             args=_fork_inputs(torch.Generator().manual_seed(92)))
+    if refused is not None:
+        return refused
     gen, trials = _trials(92, 12)
-    saw_copy = False
     for trial in range(trials):
-        table, ref, free, n, bs = _cow_inputs(gen)
-        want_ref, want_free = list(ref), list(free)
-        want = _cow_reference(table, want_ref, want_free, n, bs)
-        got_ref, got_free = list(ref), list(free)
-        got, unsolved = _call(fn, list(table), got_ref, got_free, n, bs)
+        args = _fork_inputs(gen)
+        got, unsolved = _call(fn, *args)
         if unsolved is not None:
             return _unsolved(name, unsolved)
-        saw_copy |= want[1] is not None
-        if not (isinstance(got, tuple) and len(got) == 2):
-            return _report(Result(name, FAILED, f"return (new_table, copy), got {type(got).__name__}. Hint: {hint}"))
-        new_table, copy = list(got[0]), (tuple(got[1]) if got[1] is not None else None)
-        if new_table != want[0] or copy != want[1]:
-            case = "full last block" if n % bs == 0 else ("shared last block" if want[1] else "private last block")
-            return _report(Result(name, FAILED, f"trial {trial + 1} ({case}): wrong table or copy. Hint: {hint}"))
-        if got_ref != want_ref or got_free != want_free:
-            which = " and ".join(w for w, ok in (("ref_count", got_ref == want_ref), ("free", got_free == want_free))
-                                 if not ok)
-            return _report(Result(name, FAILED, f"trial {trial + 1}: the table is right but {which} was not "
-                                                f"updated as the block manager does. Hint: {hint}"))
-    assert saw_copy, "the check's cases must include a copy-on-write"
-    return _report(Result(name, PASSED, f"agrees with the block manager on {trials} appends."))
+        prompt, n, new, bs = args
+        case = (f"trial {trial + 1} (prompt of {prompt} tokens, {n} samples, {new} new tokens each, blocks of "
+                f"{bs}; the prompt's last block is {'full' if prompt % bs == 0 else 'partly filled'})")
+        if not (isinstance(got, (tuple, list)) and len(got) == 2
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in got)):
+            return _report(Result(name, FAILED, f"{case}: return a pair of whole numbers (blocks_held, copies), "
+                                                f"got {got!r}. Hint: {hint}"))
+        want = fork_measurement(*args, gen=torch.Generator().manual_seed(trial))
+        wrong = [what for what, g, w in zip(("the blocks held", "the copies"), got, want) if g != w]
+        if wrong:
+            detail = "".join(f" For {what}: {g!r} is {'too large' if g > w else 'too small'}.{diagnose_number(g, w)}"
+                             for what, g, w in zip(("the blocks held", "the copies"), got, want) if g != w)
+            return _report(Result(name, FAILED, f"{case}: {' and '.join(wrong)} differ from what the block "
+                                                f"manager does.{detail} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to the block manager's own count on {trials} forks."))
 
 
 # ------------------------------------------------------------------------------------------------- admission
@@ -241,22 +246,32 @@ def check_prefix_hash(fn) -> Result:
                                         "pairs of prompts."))
 
 
-# ---------------------------------------------------------------------------------------------- gather kernel
-_KERNEL_SIZES = ((13, 4, 40), (37, 16, 24), (5, 1, 8), (70, 32, 80))  # (tokens, block_size, Hkv * D)
+# ------------------------------------------------------------------------------------- packed gather kernel
+# (sequence lengths, PAGE, ROW = Hkv * D, BLOCK_T): ragged sequences, an empty one, blocks of 1 to 32 tokens,
+# tiles that cross blocks and blocks that cross tiles.
+_KERNEL_CASES = (((13, 1, 7), 4, 40, 8), ((37, 16), 16, 24, 16), ((5, 0, 9, 3), 1, 8, 4), ((70, 33), 32, 80, 32))
 
 
-def _run_gather(kernel, pool, table, n):
-    import triton  # only reached when Triton is installed
+def _packed_case(gen, lens, page):
+    """A pool with every sequence's blocks scattered over it, the padded tables (-1 past a sequence's blocks),
+    and the prefix sums of the lengths."""
+    need = [-(-n // page) for n in lens]
+    num_blocks = sum(need) + randint(gen, 1, 5)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(lens), max(1, max(need))), -1, dtype=torch.int32)
+    start = 0
+    for s, nb in enumerate(need):
+        tables[s, :nb] = order[start:start + nb]
+        start += nb
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return tables, cu
 
-    num_blocks, page, row = pool.shape
-    out = torch.full((n + 1, row), float("nan"))  # one guard row past the end
-    pool_before = pool.clone()
-    kernel[(n,)](pool, table, out, page, ROW=row, BLOCK=triton.next_power_of_2(row))
-    if not torch.equal(pool, pool_before):
-        return out[:n], "the kernel changed the pool."
-    if not bool(torch.isnan(out[n]).all()):
-        return out[:n], "the kernel wrote past its output (a lane past ROW stored without a mask?)."
-    return out[:n], None
+
+def packed_gather_reference(pool, tables, lens):
+    """Every sequence's rows, gathered through its table and packed one after another: ``(sum(lens), ROW)``."""
+    page = pool.shape[1]
+    parts = [pool[tables[s, :-(-n // page)].long()].reshape(-1, pool.shape[2])[:n] for s, n in enumerate(lens)]
+    return torch.cat(parts) if parts else pool.new_zeros(0, pool.shape[2])
 
 
 def _gather_source(row: torch.Tensor, pool: torch.Tensor) -> str:
@@ -270,42 +285,64 @@ def _gather_source(row: torch.Tensor, pool: torch.Tensor) -> str:
 
 
 @exercise
-def check_gather_kernel(kernel) -> Result:
-    """Check a ``@triton.jit`` kernel ``kernel(pool_ptr, table_ptr, out_ptr, PAGE, ROW, BLOCK)`` launched with
-    grid ``(n,)``: program ``t`` copies row ``t`` of a sequence, ``pool[table[t // PAGE], t % PAGE, :]``, to
-    ``out[t, :]``. The pool is contiguous float32 ``(num_blocks, PAGE, ROW)`` (``ROW = Hkv * D``), ``table`` int32,
-    ``BLOCK`` the next power of two >= ``ROW``. Without Triton the check says it is skipped."""
-    name = "gather through a block table (Triton)"
+def check_packed_gather_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(pool_ptr, tables_ptr, cu_ptr, out_ptr, PAGE, MAX_BLOCKS, ROW,
+    BLOCK_T, BLOCK_R)`` launched with grid ``(num_seqs, cdiv(max_len, BLOCK_T))``: program ``(s, j)`` copies
+    tokens ``j * BLOCK_T ..`` of sequence ``s`` (``cu[s + 1] - cu[s]`` tokens, its blocks in row ``s`` of the
+    int32 ``tables (num_seqs, MAX_BLOCKS)``) from the contiguous float32 pool ``(num_blocks, PAGE, ROW)`` to rows
+    ``cu[s] + t`` of the packed output ``(cu[-1], ROW)``. ``BLOCK_R`` is the next power of two >= ``ROW``. Without
+    Triton the check says it is skipped."""
+    name = "a packed gather of many sequences (Triton)"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("re-read 'Paged attention in PyTorch' and 'The kernel'; for the row named above, compare the pool "
-            "block and offset your kernel read with those the block table gives.")
-    if (unlaunchable := not_a_kernel(name, kernel, "a grid of n programs")) is not None:
+    hint = ("re-read 'Paged attention in PyTorch' and 'The kernel'; for the packed row named above, work out by "
+            "hand which sequence and token it is, which table entry and offset hold that token, and compare "
+            "with what your program read and where it wrote.")
+    if (unlaunchable := not_a_kernel(name, kernel, "a grid of (sequences, token tiles) programs")) is not None:
         return _report(unlaunchable)
-    seed = 95 + (HIDDEN_SEED_OFFSET if hidden() else 0)
-    gen = torch.Generator().manual_seed(seed)
-    from labsrc.kernels.paged_attention import gather_kv
-    for trial, (n, page, row) in enumerate(_KERNEL_SIZES):
-        num_blocks = -(-n // page) + randint(gen, 1, 5)
-        pool = torch.randn(num_blocks, page, row, generator=gen)
-        table = torch.randperm(num_blocks, generator=gen)[: -(-n // page)].to(torch.int32)
+    import triton  # only reached when Triton is installed
+
+    gen = torch.Generator().manual_seed(95 + (HIDDEN_SEED_OFFSET if hidden() else 0))
+    cases = _KERNEL_CASES
+    if hidden():
+        cases = cases + tuple((tuple(n + 3 for n in lens), page, row + 8, bt) for lens, page, row, bt in cases)
+    for trial, (lens, page, row, block_t) in enumerate(cases):
+        tables, cu = _packed_case(gen, lens, page)
+        num_blocks = int(tables.max()) + 1 + randint(gen, 0, 3)
+        # Guards, so that a kernel with a missing mask reads NaN and writes where the check looks, never into
+        # memory it does not own: a NaN block before the pool (a table's -1 padding lands there), -1 entries
+        # past the tables, and a tile's worth of NaN rows past the packed output.
+        pool_store = torch.full(((num_blocks + 2) * page * row,), float("nan"))
+        pool = pool_store[page * row:(num_blocks + 1) * page * row].view(num_blocks, page, row)
+        pool.copy_(torch.randn(num_blocks, page, row, generator=gen))
+        table_store = torch.full((tables.numel() + 64,), -1, dtype=torch.int32)
+        table_store[:tables.numel()] = tables.flatten()
+        tables = table_store[:tables.numel()].view(tables.shape)
+        total = int(cu[-1])
+        out = torch.full((total + block_t + 1, row), float("nan"))
+        pool_before = pool_store.clone()
+        grid = (len(lens), triton.cdiv(max(lens), block_t))
         try:
-            out, problem = _run_gather(kernel, pool, table, n)
+            kernel[grid](pool, tables, cu, out, page, tables.shape[1], ROW=row, BLOCK_T=block_t,
+                         BLOCK_R=triton.next_power_of_2(row))
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1}: the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
-        if problem is None:
-            expected = gather_kv(pool[:, :, None], pool[:, :, None], table, n)[0][0]  # (n, ROW)
-            if torch.isnan(out).any():
-                problem = f"{int(torch.isnan(out).any(1).sum())} row(s) were never written."
-            elif not torch.equal(out, expected):
-                bad = (out != expected).any(1).nonzero()[0].item()
-                problem = f"row {bad} (of {n}) holds the wrong token's K{_gather_source(out[bad], pool)}."
+            return _report(launch_failed(name, err, f"trial {trial + 1}", hint))
+        problem = None
+        got = out[:total]
+        expected = packed_gather_reference(pool, tables, lens)
+        if not torch.equal(pool_store.nan_to_num(7.0), pool_before.nan_to_num(7.0)):
+            problem = "the kernel changed the pool."
+        elif not bool(torch.isnan(out[total:]).all()):
+            problem = "the kernel wrote past the packed output (a token past its sequence stored without a mask?)."
+        elif torch.isnan(got).any():
+            problem = f"{int(torch.isnan(got).any(1).sum())} packed row(s) were never written."
+        elif not torch.equal(got, expected):
+            bad = int((got != expected).any(1).nonzero()[0])
+            s = int((cu[1:] > bad).nonzero()[0])
+            problem = (f"packed row {bad} (sequence {s}, its token {bad - int(cu[s])}) holds the wrong row"
+                       f"{_gather_source(got[bad], pool)}.")
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (n={n}, PAGE={page}, ROW={row}): {problem} "
-                                                f"Hint: {hint}"))
-    return _report(Result(name, PASSED, f"equal to gather_kv on {len(_KERNEL_SIZES)} launches (block sizes 1 to "
-                                        "32, ragged last blocks)."))
+            return _report(Result(name, FAILED, f"trial {trial + 1} (lengths {list(lens)}, PAGE={page}, ROW={row}, "
+                                                f"BLOCK_T={block_t}): {problem} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to the packed gather on {len(cases)} launches (ragged and empty "
+                                        "sequences, blocks of 1 to 32 tokens)."))

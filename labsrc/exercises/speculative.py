@@ -1,108 +1,189 @@
 """Checks for the exercises of the speculative-decoding chapter.
 
-Each check calls the student's function on seeded random cases and compares it with :mod:`labsrc.speculative`;
-it prints ``passed``, what is wrong (with a hint), or ``not solved yet``. Expected answers are computed here,
-never printed. A check refuses an answer that calls the library function the exercise asks for.
+Each check calls the student's function on its cases and compares it with the truth it computes itself (from
+:mod:`labsrc.speculative`, or by running tiny models it builds); it prints ``passed``, what is wrong (with a
+hint), or ``not solved yet``. Expected answers are never printed. A check refuses an answer that calls the
+library function the exercise asks for.
 
-* :func:`check_spec_residual` -- ``fn(p, q)``: the normalised residual ``max(p - q, 0)`` of one row.
-* :func:`check_spec_expected_tokens` -- ``fn(alpha, k)``: expected tokens per target call.
+* :func:`check_spec_acceptance` -- ``fn() -> (sampled, greedy)``: a prediction of the acceptance of three
+  drafts of :func:`acceptance_target` (sampled at temperature 1, and greedy), compared with the exact values.
+* :func:`check_spec_tokens_by_position` -- ``fn(alphas)``: expected tokens per target call when the
+  acceptance depends on the position in the window.
 * :func:`check_spec_tree_mask` -- ``fn(parents)``: the ancestor-or-self mask of a draft tree.
-* :func:`check_spec_cache_keep` -- ``fn(cached, k, n_accepted)``: how many target-cache positions survive a
-  verification (the rollback that keeps greedy output identical).
-* :func:`check_spec_residual_kernel` -- a ``@triton.jit`` kernel computing the residual distribution, one
-  program per row, launched under the interpreter on odd vocabularies.
+* :func:`check_spec_rollback` -- ``fn(target, draft, ids, n, k)``: a greedy speculative loop (the fixed version
+  of the buggy one in the chapter), run on two tiny random models and compared with plain greedy decoding.
+* :func:`check_spec_residual_sample_kernel` -- a ``@triton.jit`` kernel that samples one token per row from
+  the residual distribution (inverse CDF, given uniforms), launched under the interpreter.
 """
 from __future__ import annotations
 
+import functools
+import math
 
 import torch
 
-from labsrc import runtime, speculative
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc import speculative
+from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
-                                   check_function, exercise, hidden, randint, refuse_library, tolerance)
+                                   check_function, exercise, hidden, randint, refuse_library)
 
-__all__ = ["check_spec_residual", "check_spec_expected_tokens", "check_spec_tree_mask", "check_spec_cache_keep",
-           "check_spec_residual_kernel"]
+__all__ = ["acceptance_target", "check_spec_acceptance", "check_spec_tokens_by_position", "check_spec_tree_mask",
+           "check_spec_rollback", "check_spec_residual_sample_kernel"]
 
 
 def _refuse(title, fn, forbidden, hint, args):
     return refuse_library(title, fn, forbidden, hint, owner="labsrc.speculative", args=args)
 
 
-def _dist(gen, v, sharp):
-    return torch.softmax(sharp * torch.randn(v, generator=gen, dtype=torch.float64), -1)
+def _number(x):
+    """A one-element tensor or NumPy value as the Python number it holds."""
+    if hasattr(x, "item") and not isinstance(x, (int, float)):
+        try:
+            return x.item()
+        except (TypeError, ValueError):
+            return x
+    return x
 
 
-# ------------------------------------------------------------------------------------------- residual
-def _residual_inputs(gen):
-    v = randint(gen, 2, 40)
-    sharp = float(torch.empty(1).uniform_(0.3, 4.0, generator=gen))
-    return _dist(gen, v, sharp), _dist(gen, v, sharp)
+# ------------------------------------------------------------------------------------ acceptance prediction
+DRAFTS = ("lookup", "mixed", "swapped")
+"""The three drafts of the prediction exercise, in the order the answer lists them."""
+
+PREDICTION_TOLERANCE = 0.01
+"""How far a predicted acceptance may be from the exact one: the target is printed to three decimals."""
 
 
-def _residual_reference(p, q):
-    return speculative.residual_distribution(p, q)
+def acceptance_target() -> torch.Tensor:
+    """The target distribution of the prediction exercise: float64 ``(8,)``, a fixed draw whose two most likely
+    tokens are clearly apart (so every draft's argmax is well defined)."""
+    gen = torch.Generator().manual_seed(2024)
+    while True:
+        p = torch.softmax(1.3 * torch.randn(8, generator=gen, dtype=torch.float64), -1)
+        top = p.sort(descending=True).values
+        if top[0] - top[1] > 0.05 and top[1] - top[2] > 0.02:
+            return p
 
 
-def _explain_residual(got, expected, p, q) -> str:
-    """Which property of a distribution over the draft's misses the answer breaks."""
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return ""
-    g = got.double()
-    if (g < -1e-12).any():
-        return "It has negative entries: it is not a distribution."
-    if not torch.isclose(g.sum(), torch.tensor(1.0, dtype=torch.float64), rtol=1e-6):
-        return f"It sums to {g.sum().item():.6g}, not 1."
-    covered = (q >= p) & (g > 1e-12)
-    if covered.any():
-        return (f"It gives probability to token {int(covered.nonzero()[0])}, where the draft already gives at "
-                f"least as much as the target.")
-    return ""
+def _drafts(p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The three drafts of the exercise, built from the target ``p`` as the task describes them."""
+    one_hot = torch.zeros_like(p)
+    one_hot[p.argmax()] = 1.0
+    order = p.argsort(descending=True)
+    swapped = p.clone()
+    swapped[order[0]], swapped[order[1]] = p[order[1]], p[order[0]]
+    return {"lookup": one_hot, "mixed": 0.5 * p + 0.5 / p.numel(), "swapped": swapped}
+
+
+def _acceptances(p: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Exact acceptance of each draft: sampled at temperature 1, and greedy (the draft's argmax proposed)."""
+    sampled, greedy = [], []
+    for q in _drafts(p).values():
+        sampled.append(float(speculative.acceptance_rate(p, q)))
+        greedy.append(float(q.argmax() == p.argmax()))
+    return sampled, greedy
+
+
+def _three_numbers(values) -> list[float] | None:
+    try:
+        out = [float(_number(v)) for v in values]
+    except (TypeError, ValueError):
+        return None
+    return out if len(out) == len(DRAFTS) and all(math.isfinite(v) for v in out) else None
 
 
 @exercise
-def check_spec_residual(fn) -> Result:
-    """``fn(p, q)`` for two float64 distributions ``(V,)`` with ``p != q``: ``max(p - q, 0)`` normalised."""
-    name = "residual distribution"
-    hint = ("re-read 'Draft, verify, accept or resample' and 'Why the output is exactly the target's', and check "
-            "your row against the properties the message names.")
-    refused = _refuse(name, fn, (speculative.residual_distribution, speculative._residual), hint,
-                      _residual_inputs(torch.Generator().manual_seed(3)))
+def check_spec_acceptance(fn) -> Result:
+    """Check ``fn() -> (sampled, greedy)``: two sequences of three numbers, the acceptance probability of one
+    drafted token for the drafts ``lookup``, ``mixed`` and ``swapped`` of :func:`acceptance_target` (see the
+    exercise), first when both models sample at temperature 1, then under greedy decoding. Each must be within
+    :data:`PREDICTION_TOLERANCE` of the exact value."""
+    name = "predicted acceptance of three drafts"
+    hint = ("re-read 'How many tokens per target call' (the acceptance of one position) and, for the draft "
+            "named, write its distribution next to the target's and mark the tokens where it gives more.")
+    refused = _refuse(name, fn, (speculative.acceptance_rate, speculative.total_variation), hint, ())
     if refused is not None:
         return refused
-    return check_function(name, fn, _residual_reference, _residual_inputs, trials=6, seed=3, hint=hint,
-                          explain=_explain_residual)
+    try:
+        got = fn()
+    except NotImplementedError:
+        return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+    try:
+        sampled, greedy = (_three_numbers(v) for v in got)
+    except (TypeError, ValueError):
+        sampled = greedy = None
+    if sampled is None or greedy is None:
+        return _report(Result(name, FAILED, f"expected two sequences of three numbers (sampled, greedy), got "
+                                            f"{got!r}. Hint: {hint}"))
+    want_s, want_g = _acceptances(acceptance_target())
+    for mode, mine, want in (("at temperature 1", sampled, want_s), ("under greedy decoding", greedy, want_g)):
+        for draft, a, b in zip(DRAFTS, mine, want):
+            if not 0.0 <= a <= 1.0:
+                return _report(Result(name, FAILED, f"the {draft} draft's acceptance {mode} is {a:.3g}, not a "
+                                                    f"probability. Hint: {hint}"))
+            if abs(a - b) > PREDICTION_TOLERANCE:
+                direction = "too high" if a > b else "too low"
+                return _report(Result(name, FAILED, f"the {draft} draft's acceptance {mode} is {direction} (the "
+                                                    f"tolerance is {PREDICTION_TOLERANCE}). Hint: {hint}"))
+    return _report(Result(name, PASSED, f"all six predictions within {PREDICTION_TOLERANCE} of the exact "
+                                        f"acceptance."))
 
 
-# ------------------------------------------------------------------------------------------- E[tokens]
-def _tokens_inputs(gen):
-    alpha = round(float(torch.rand(1, generator=gen)) * 0.98, 4)
-    return alpha, randint(gen, 1, 12)
+# ------------------------------------------------------------------------------------ tokens by position
+def _position_inputs(gen):
+    k = randint(gen, 1, 10)
+    kind = randint(gen, 0, 3)
+    if kind == 0:                          # the source's decay: alpha_1 (1 - eps)^(i - 1)
+        a1, eps = float(torch.rand(1, generator=gen)), 0.2 * float(torch.rand(1, generator=gen))
+        alphas = [a1 * (1 - eps) ** i for i in range(k)]
+    elif kind == 1:                        # a rejection-free start, then a sure rejection
+        alphas = [1.0] * (k - 1) + [0.0] if k > 1 else [0.5]
+    else:
+        alphas = [float(x) for x in torch.rand(k, generator=gen, dtype=torch.float64)]
+    return ([round(a, 4) for a in alphas],)
 
 
-@exercise
-def check_spec_expected_tokens(fn) -> Result:
-    """``fn(alpha, k)``: expected tokens one target call emits with window ``k`` and i.i.d. acceptance
-    ``alpha`` (accepted drafts plus the token the target adds)."""
-    name = "expected tokens per target call"
-    hint = ("re-read 'How many tokens per target call' and check your function at the two ends of alpha, where "
-            "you can count the tokens of one call without a formula.")
-    refused = _refuse(name, fn, (speculative.expected_tokens_per_step, speculative.speedup), hint, (0.6, 4))
-    if refused is not None:
-        return refused
-    return check_function(name, fn, speculative.expected_tokens_per_step, _tokens_inputs, trials=8, seed=4,
-                          rtol=1e-9, hint=hint, explain=_explaining_tokens(fn))
+def _tokens_reference(alphas):
+    # the window stops at the first rejection; the target always adds one token
+    total, reach = 1.0, 1.0
+    for a in alphas:
+        reach *= a
+        total += reach
+    return total
 
 
-def _explaining_tokens(fn):
-    """``explain`` for the expected tokens: at alpha = 0 a call emits exactly 1 token."""
-    def explain(got, expected, alpha, k) -> str:
-        at_zero = fn(0.0, k)
-        if not (isinstance(at_zero, (int, float)) and abs(at_zero - 1.0) < 1e-9):
-            return f"At alpha = 0 (every draft rejected) your function gives {at_zero!r} tokens per call."
+def _explaining_positions(fn):
+    """``explain`` for the tokens by position: a few answers that are right in special cases only."""
+    def explain(got, expected, alphas) -> str:
+        if not isinstance(got, (int, float)):
+            return ""
+        k = len(alphas)
+        mean = sum(alphas) / k
+        iid = float(k + 1) if mean == 1.0 else (1 - mean ** (k + 1)) / (1 - mean)
+        if len(set(alphas)) > 1 and math.isclose(got, iid, rel_tol=1e-9):
+            return ("It is the i.i.d. value for the mean acceptance: the positions differ here, and the order in "
+                    "which they come matters.")
+        if math.isclose(got, 1 + sum(alphas), rel_tol=1e-9):
+            return "It counts draft i as emitted whenever draft i alone is accepted, even after a rejection."
+        zero = _number(fn([0.0] * k))
+        if isinstance(zero, (int, float)) and not math.isclose(zero, 1.0, rel_tol=1e-9):
+            return f"With every acceptance 0 your function gives {zero!r} tokens per call."
         return ""
     return explain
+
+
+@exercise
+def check_spec_tokens_by_position(fn) -> Result:
+    """``fn(alphas)``: expected tokens one target call emits when draft ``i`` of the window (1-based) is
+    accepted with probability ``alphas[i - 1]`` given that every earlier draft was; ``len(alphas)`` is ``k``."""
+    name = "expected tokens per call, acceptance by position"
+    hint = ("re-read 'Draft, verify, accept or resample' (when the window stops, and which token the target "
+            "always adds) and count, for k = 2, the tokens of each way one call can end.")
+    refused = _refuse(name, fn, (speculative.expected_tokens_per_step, speculative.speedup), hint,
+                      ([0.8, 0.7, 0.6],))
+    if refused is not None:
+        return refused
+    return check_function(name, fn, _tokens_reference, _position_inputs, trials=10, seed=4, rtol=1e-9,
+                          hint=hint, explain=_explaining_positions(fn))
 
 
 # ------------------------------------------------------------------------------------------- tree mask
@@ -143,68 +224,185 @@ def _explain_tree(got, expected, parents) -> str:
 
 
 # ------------------------------------------------------------------------------------------- cache rollback
-def _keep_inputs(gen):
-    k = randint(gen, 1, 8)
-    return randint(gen, 0, 500), k, randint(gen, 0, k)
+_TINY_VOCAB = 24
 
 
-def _keep_reference(cached, k, n_accepted):
-    # the forward appended the newest verified token and k drafts; the accepted drafts stay, the rest go.
-    # The token the target emits at the end is not cached yet: it is fed with the next window.
-    return cached + 1 + n_accepted
+@functools.lru_cache(maxsize=1)
+def tiny_pair():
+    """Two tiny random Llama models on the CPU: a target, and a draft that is the target with its weights
+    nudged (it agrees with the target's argmax about two times in three). Built once; a few milliseconds a
+    forward pass, so the rollback check can run a speculative loop against plain greedy decoding."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    config = LlamaConfig(vocab_size=_TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=1, tie_word_embeddings=True,
+                         initializer_range=0.3)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            target = LlamaForCausalLM(config).eval()
+            draft = LlamaForCausalLM(config).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    draft.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for w in draft.parameters():
+            w.add_(0.02 * w.std() * torch.randn(w.shape, generator=gen))
+    for model in (target, draft):
+        model.requires_grad_(False)
+    return target, draft
 
 
-def _explaining_keep(fn):
-    """``explain`` for the rollback: compare the answer when no draft and when every draft is accepted."""
-    def explain(got, expected, cached, k, n_accepted) -> str:
-        said = []
-        for n, what in ((0, "no draft is accepted"), (k, "every draft is accepted")):
-            if fn(cached, k, n) != _keep_reference(cached, k, n):
-                said.append(what)
-        return f"Your count is wrong when {' and when '.join(said)}." if said else ""
-    return explain
+@torch.no_grad()
+def _greedy_ref(target, ids, n):
+    """Plain greedy decoding without a cache: the whole sequence through the target for every new token."""
+    seq = ids.tolist()
+    for _ in range(n):
+        seq.append(int(target(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))
+    return torch.tensor(seq)
+
+
+def _count_calls(model, counter: dict, key: str):
+    """A forward hook on ``model`` that counts its forward passes in ``counter[key]`` (generate's included)."""
+    return model.register_forward_hook(lambda *_: counter.__setitem__(key, counter[key] + 1))
+
+
+_ROLLBACK_CASES = ((7, 2), (5, 3), (9, 4), (6, 2), (8, 3))
 
 
 @exercise
-def check_spec_cache_keep(fn) -> Result:
-    """``fn(cached, k, n_accepted)``: target-cache positions to keep after a verification that started from
-    ``cached`` positions and fed the newest verified token plus ``k`` drafts."""
-    name = "target cache after rollback"
-    hint = ("re-read 'Generation with two caches' and list, for the failing trial, the positions the "
-            "verification forward appended and the token each one holds the key of.")
-    return check_function(name, fn, _keep_reference, _keep_inputs, trials=10, seed=6, rtol=0.0, atol=0.0,
-                          hint=hint, explain=_explaining_keep(fn))
+def check_spec_rollback(fn) -> Result:
+    """Check ``fn(target, draft, ids, n, k) -> ids``: greedy speculative decoding of ``n`` new tokens after the
+    1-D prompt ``ids`` with a window of ``k`` drafts, returned as the 1-D prompt plus the ``n`` new tokens. It
+    runs on two tiny random models (:func:`tiny_pair`) and must equal plain greedy decoding token for token,
+    with fewer target calls than new tokens (a verification per window, not a forward per token)."""
+    name = "greedy speculation with a rollback"
+    hint = ("re-read 'Generation with two caches', then write down, for a window where the first draft is "
+            "rejected, which tokens' keys the target's cache holds after the rollback and which it should hold.")
+    refused = _refuse(name, fn, (speculative.speculative_generate, speculative._speculate,
+                                 speculative._rollback), hint, None)
+    if refused is not None:
+        return refused
+    target, draft = tiny_pair()
+    n, seed, cases = 12, 8, _ROLLBACK_CASES
+    if hidden():
+        seed, cases = seed + HIDDEN_SEED_OFFSET, cases + ((10, 5), (4, 1))
+    gen = torch.Generator().manual_seed(seed)
+    calls, new_tokens = 0, 0
+    for trial, (length, k) in enumerate(cases):
+        ids = torch.randint(2, _TINY_VOCAB, (length,), generator=gen)
+        counter = {"target": 0, "draft": 0}
+        hooks = [_count_calls(target, counter, "target"), _count_calls(draft, counter, "draft")]
+        try:
+            got = fn(target, draft, ids.clone(), n, k)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        except Exception as err:  # noqa: BLE001 - the student's loop may fail in any way; say how
+            return _report(Result(name, FAILED, f"trial {trial + 1} (prompt of {length} tokens, k = {k}): it "
+                                                f"raised {type(err).__name__}: {err}. Hint: {hint}"))
+        finally:
+            for h in hooks:
+                h.remove()
+        where = f"trial {trial + 1} (prompt of {length} tokens, k = {k}, {n} new tokens)"
+        if not isinstance(got, torch.Tensor) or got.dim() != 1:
+            return _report(Result(name, FAILED, f"{where}: expected a 1-D tensor of token ids, got "
+                                                f"{type(got).__name__}. Hint: {hint}"))
+        want = _greedy_ref(target, ids, n)
+        if got.numel() != want.numel():
+            return _report(Result(name, FAILED, f"{where}: {got.numel()} ids, where the prompt and the new "
+                                                f"tokens make {want.numel()}. Hint: {hint}"))
+        if not torch.equal(got[:length].cpu(), ids):
+            return _report(Result(name, FAILED, f"{where}: the returned ids do not start with the prompt. "
+                                                f"Hint: {hint}"))
+        if not torch.equal(got.cpu().long(), want):
+            first = int((got.cpu().long() != want).nonzero()[0]) - length
+            return _report(Result(name, FAILED, f"{where}: new token {first} differs from plain greedy decoding "
+                                                f"(the tokens before it agree). Hint: {hint}"))
+        calls += counter["target"]
+        new_tokens += n
+        if counter["draft"] == 0:
+            return _report(Result(name, FAILED, f"{where}: the draft was never called, so nothing was "
+                                                f"speculated. Hint: {hint}"))
+    if calls >= new_tokens:
+        return _report(Result(name, FAILED, f"the target ran {calls} forward passes for {new_tokens} new tokens: "
+                                            f"that is plain decoding, not one verification per window. "
+                                            f"Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to greedy decoding on {len(cases)} prompts, with {calls} target "
+                                        f"calls for {new_tokens} new tokens."))
 
 
 # ------------------------------------------------------------------------------------------- the kernel
 _KERNEL_CASES = ((3, 7), (1, 1), (5, 33), (2, 100), (4, 2), (6, 65))
-_GUARD = 64
+_GUARD = 16
+_POISON = -7
+_MARGIN = 1e-4
 
 
-def _guarded(values: torch.Tensor):
-    storage = torch.full((values.numel() + 2 * _GUARD,), float("nan"), dtype=values.dtype)
-    storage[_GUARD:_GUARD + values.numel()] = values.flatten()
-    return storage[_GUARD:_GUARD + values.numel()].view(values.shape), storage
+def _sample_ref(p, q, u):
+    """Inverse-CDF sample of each row from its residual (float64): the first index whose cumulative weight
+    exceeds ``u`` times the row's total; the target's own row where the residual is empty."""
+    p, q, u = p.double(), q.double(), u.double()
+    w = (p - q).clamp(min=0)
+    w = torch.where(w.sum(-1, keepdim=True) > 0, w, p)
+    c = w.cumsum(-1)
+    return (c <= u[:, None] * c[:, -1:]).sum(-1).clamp(max=p.shape[-1] - 1)
 
 
 def _kernel_inputs(gen, rows, v):
+    """``p``, ``q`` (float32, contiguous) and uniforms ``u`` kept away from every CDF step (so rounding in the
+    kernel's cumulative sum cannot move a sample). Row 0 has ``q == p``; row 1 (when there is one) a one-hot
+    draft, as prompt lookup proposes."""
     p = torch.softmax(2 * torch.randn(rows, v, generator=gen), -1)
     q = torch.softmax(2 * torch.randn(rows, v, generator=gen), -1)
-    q[0] = p[0]                      # a row where draft and target agree: the residual falls back to p
-    return p.contiguous(), q.contiguous()
+    q[0] = p[0]
+    if rows > 1:
+        q[1] = torch.nn.functional.one_hot(torch.randint(0, v, (1,), generator=gen), v)[0].float()
+    u = torch.empty(rows, dtype=torch.float64)
+    for r in range(rows):
+        w = (p[r].double() - q[r].double()).clamp(min=0)
+        w = w if w.sum() > 0 else p[r].double()
+        cdf = w.cumsum(0) / w.sum()
+        while True:
+            x = float(torch.rand(1, generator=gen, dtype=torch.float64)) * (1 - 2 * _MARGIN)
+            if float((cdf - x).abs().min()) > _MARGIN:
+                u[r] = x
+                break
+    return p.contiguous(), q.contiguous(), u.float().contiguous()
+
+
+def _explain_samples(got, p, q, u) -> str:
+    """Which rows are wrong, and whether the tokens are the target's own samples (no residual taken)."""
+    want = _sample_ref(p, q, u)
+    bad = (got != want).nonzero().flatten().tolist()
+    from_p = _sample_ref(p, torch.zeros_like(q), u)
+    said = "only row 0, where p == q" if bad == [0] else f"rows {bad[:5]}"
+    extra = ""
+    if len(bad) > 1 and torch.equal(got[bad], from_p[bad]):
+        extra = " Those rows hold the token the target's own distribution gives for u, not the residual's."
+    elif ((got < 0) | (got >= p.shape[-1])).any():
+        extra = " Some tokens are outside the vocabulary."
+    return f"the sampled token is wrong in {said}.{extra}"
 
 
 @exercise
-def check_spec_residual_kernel(kernel) -> Result:
-    """Check a ``@triton.jit`` kernel ``kernel(p_ptr, q_ptr, out_ptr, V, BLOCK)`` that writes, for each row of
-    ``p`` and ``q`` (contiguous float32 ``(R, V)``, one program per row, grid ``(R,)``), the normalised
-    residual ``max(p - q, 0) / sum`` into ``out``, or ``p`` itself where that sum is 0 (``p == q``).
-    ``BLOCK`` is the next power of two >= ``V``. Without Triton the check says it is skipped."""
-    name = "residual-distribution kernel"
+def check_spec_residual_sample_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(p_ptr, q_ptr, u_ptr, out_ptr, V, BLOCK)`` launched on grid
+    ``(R,)``, one program per row of ``p`` and ``q`` (contiguous float32 ``(R, V)``): it writes into the int64
+    ``out[r]`` the token drawn from row ``r``'s residual by inverse CDF with the uniform ``u[r]`` (float32
+    ``(R,)``): the first index whose cumulative residual weight exceeds ``u[r]`` times the row's total weight,
+    the target's own row ``p`` standing in where the residual is empty (``p == q``). ``BLOCK`` is the next
+    power of two >= ``V``. Without Triton the check says it is skipped."""
+    name = "residual-sampling kernel"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("re-read the task of Exercise 5 (row 0 of every trial is a row where draft and target agree) and "
-            "the masks of the chapter's kernels; the rows named above are the ones to follow.")
+    hint = ("re-read the task of this exercise (row 0 of every trial is a row where draft and target agree, "
+            "row 1 a one-hot draft) and the masks of the chapter's kernel; follow one of the rows named above "
+            "by hand.")
     seed, cases = 7, _KERNEL_CASES
     if hidden():
         seed, cases = seed + HIDDEN_SEED_OFFSET, cases + tuple((r + 1, v + 3) for r, v in cases)
@@ -213,34 +411,22 @@ def check_spec_residual_kernel(kernel) -> Result:
     import triton
 
     gen = torch.Generator().manual_seed(seed)
-    rtol, atol = tolerance(torch.float32)
     for trial, (rows, v) in enumerate(cases):
-        p, q = _kernel_inputs(gen, rows, v)
-        out, store = _guarded(torch.full_like(p, float("nan")))
+        p, q, u = _kernel_inputs(gen, rows, v)
+        store = torch.full((rows + 2 * _GUARD,), _POISON, dtype=torch.int64)
+        out = store[_GUARD:_GUARD + rows]
+        where = f"trial {trial + 1} (R={rows}, V={v})"
         try:
-            kernel[(rows,)](p, q, out, v, BLOCK=triton.next_power_of_2(v))
+            kernel[(rows,)](p, q, u, out, v, BLOCK=triton.next_power_of_2(v))
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
-            cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
-                return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): the launch raised "
-                                                f"{type(cause or err).__name__}: {cause or err}. Hint: {hint}"))
+            return _report(launch_failed(name, err, where, hint))
         guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
-        if not bool(torch.isnan(guards).all()):
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): the kernel wrote outside "
-                                                f"the output tensor. Hint: {hint}"))
-        expected = speculative._residual(p, q)
-        if torch.isnan(out).any():
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): "
-                                                f"{int(torch.isnan(out).sum())} output element(s) were never "
-                                                f"written (or are NaN: a row with p == q?). Hint: {hint}"))
-        if not torch.allclose(out, expected, rtol=rtol, atol=atol):
-            wrong = ~torch.isclose(out, expected, rtol=rtol, atol=atol)
-            rows_bad = wrong.any(1).nonzero().flatten().tolist()
-            said = "only row 0, where p == q" if rows_bad == [0] else f"rows {rows_bad[:5]}"
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={rows}, V={v}): {int(wrong.sum())} of "
-                                                f"{out.numel()} elements differ from the residual, in {said}. "
+        if not bool((guards == _POISON).all()):
+            return _report(Result(name, FAILED, f"{where}: the kernel wrote outside the output tensor. "
                                                 f"Hint: {hint}"))
+        if (out == _POISON).any():
+            return _report(Result(name, FAILED, f"{where}: {int((out == _POISON).sum())} row(s) were never "
+                                                f"written. Hint: {hint}"))
+        if not torch.equal(out, _sample_ref(p, q, u)):
+            return _report(Result(name, FAILED, f"{where}: {_explain_samples(out, p, q, u)} Hint: {hint}"))
     return _report(Result(name, PASSED, f"agrees with the reference on {len(cases)} launches."))
-
-

@@ -1,27 +1,34 @@
 """Checks for the exercises of the state-space chapter (S4, Mamba's selective scan, Mamba-2's SSD).
 
-Each check calls the student's function on seeded random inputs and compares it with :mod:`labsrc.ssm`; it
-prints ``passed``, what is wrong (with a hint), or ``not solved yet``. Expected answers are never printed.
+Each check calls the student's function on seeded random inputs and compares it with :mod:`labsrc.ssm` or with
+a measurement; it prints ``passed``, what is wrong (with a hint), or ``not solved yet``. Expected answers are
+never printed.
 
 * :func:`check_zoh_diagonal` -- ``fn(a, b, dt) -> (Ab, Bb)``: zero-order hold for a diagonal ``A``.
-* :func:`check_scan_combine` -- ``fn(left, right) -> (a, b)``: the associative operator of ``h -> a h + b``,
-  checked against sequential application and for associativity on random triples.
-* :func:`check_ssd_chunk_state` -- ``fn(S, x, dt, A, B) -> S'``: one chunk of SSD's inter-chunk state passing.
-* :func:`check_scan_kernel` -- a ``@triton.jit`` kernel that scans rows longer than one block (the carry
-  between blocks), launched under Triton's interpreter and compared with :func:`labsrc.ssm.linear_scan_loop`.
+* :func:`check_mamba_cache_bytes` -- ``fn(config, batch) -> bytes``: a prediction of the cache a transformers
+  Mamba-2 keeps, compared with the cache measured on small random models.
+* :func:`check_chunk_state_reset` -- ``fn(S, x, a, B) -> S'``: one chunk of SSD's state passing in float32 that
+  survives a gate that (nearly) resets the state: the fix of a given function that does not.
+* :func:`check_scan_grad_kernel` -- a ``@triton.jit`` kernel for the gradient of the linear scan, a scan that
+  runs from the end of each row (the chapter's kernel runs forward), launched under Triton's interpreter and
+  compared with autograd through :func:`labsrc.ssm.linear_scan_loop`.
 
-A check refuses an answer that calls the :mod:`labsrc.ssm` function the exercise asks the student to write.
+A check refuses an answer that calls the :mod:`labsrc.ssm` function that would do the exercise for it.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
 from labsrc import runtime, ssm
 from labsrc.exercises.core import not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, check_function,
-                                   exercise, hidden, randint, refuse_library)
+from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _call, _compare_tensors,
+                                   _report, check_function, diagnose_number, exercise, hidden, randint,
+                                   refuse_library)
 
-__all__ = ["check_zoh_diagonal", "check_scan_combine", "check_ssd_chunk_state", "check_scan_kernel"]
+__all__ = ["check_zoh_diagonal", "check_mamba_cache_bytes", "check_chunk_state_reset", "check_scan_grad_kernel",
+           "scan_grad_reference"]
 
 
 def _refuse(title, fn, forbidden, hint, args):
@@ -84,117 +91,175 @@ def _explain_zoh(got, expected, a, b, dt) -> str:
     return ""
 
 
-# ------------------------------------------------------------------------------------------- the combine
+# ------------------------------------------------------------------------------- the recurrent cache
+def _mamba_config(gen):
+    """A small random Mamba-2 configuration whose heads fill the inner width, as transformers requires."""
+    from transformers import Mamba2Config
 
-def _pair(gen, shape):
-    return torch.rand(shape, generator=gen, dtype=torch.float64) * 2 - 0.5, torch.randn(
-        shape, generator=gen, dtype=torch.float64)
+    head_dim = randint(gen, 1, 4) * 2
+    num_heads = (2, 3, 4, 6)[randint(gen, 0, 3)]
+    n_groups = [g for g in (1, 2, 3) if num_heads % g == 0][randint(gen, 0, 1)]
+    expand = (1, 2)[randint(gen, 0, 1)]
+    if (num_heads * head_dim) % expand:
+        expand = 1
+    return Mamba2Config(vocab_size=32, hidden_size=num_heads * head_dim // expand, expand=expand,
+                        num_hidden_layers=randint(gen, 1, 3), head_dim=head_dim, num_heads=num_heads,
+                        n_groups=n_groups, state_size=randint(gen, 1, 9), conv_kernel=randint(gen, 2, 5),
+                        chunk_size=8)
 
 
-def _combine_inputs(gen):
-    shape = (randint(gen, 1, 6),)
-    return _pair(gen, shape), _pair(gen, shape), _pair(gen, shape), torch.randn(shape, generator=gen,
-                                                                                 dtype=torch.float64)
+def _measured_cache_bytes(config, batch, gen) -> int:
+    """Build a float32 ``Mamba2ForCausalLM`` with random weights, prefill ``batch`` random prompts and measure
+    every tensor its cache holds (:func:`labsrc.ledger.cache_bytes`, as the chapter's memory experiment does)."""
+    from transformers import Mamba2ForCausalLM
+
+    from labsrc import ledger
+
+    torch.manual_seed(int(torch.randint(0, 2 ** 31 - 1, (1,), generator=gen)))
+    model = Mamba2ForCausalLM(config).eval()
+    ids = torch.randint(0, config.vocab_size, (batch, randint(gen, 1, 20)), generator=gen)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+    cache = out["cache"] if "cache" in out else out["past_key_values"]
+    return ledger.cache_bytes(cache)
+
+
+_CACHE_FIELDS = ("num_hidden_layers", "num_heads", "head_dim", "state_size", "n_groups", "conv_kernel")
+
+
+def _cache_formula(config, batch) -> int:
+    """The cache's size from the shapes of its tensors, for the diagnosis only (the check compares with a
+    measurement)."""
+    conv_dim = config.num_heads * config.head_dim + 2 * config.n_groups * config.state_size
+    return ssm.ssm_state_bytes(config.num_hidden_layers, config.num_heads, config.head_dim, config.state_size,
+                               conv_dim=conv_dim, conv_kernel=config.conv_kernel, bytes_per_el=4, batch=batch)
+
+
+def _cache_diagnosis(fn, config, batch) -> str:
+    """The field (or the batch) whose doubling moves the prediction unlike the cache: what the prediction
+    leaves out, counts twice or puts in the wrong place."""
+    try:
+        base_got, base_want = float(fn(config, batch)), _cache_formula(config, batch)
+        changes = [("batch", config, 2 * batch)]
+        for field in _CACHE_FIELDS:
+            doubled = config.__class__.from_dict(config.to_dict())
+            setattr(doubled, field, 2 * getattr(config, field))
+            if field in ("num_heads", "head_dim"):
+                doubled.hidden_size = doubled.num_heads * doubled.head_dim // doubled.expand
+            changes.append((field, doubled, batch))
+        for field, cfg, b in changes:
+            want, got = _cache_formula(cfg, b) / base_want, float(fn(cfg, b)) / base_got
+            if not math.isclose(want, got, rel_tol=1e-9):
+                return (f" Doubling {field} multiplies the cache by {want:.4g} but your prediction by {got:.4g}: "
+                        f"look at how {field} enters your count.")
+    except Exception:  # noqa: BLE001 - a prediction that fails on the changed config is reported plainly
+        pass
+    return ""
 
 
 @exercise
-def check_scan_combine(fn) -> Result:
-    """Check ``fn(left, right) -> (a, b)`` where ``left = (a1, b1)`` is applied first, then ``right``: the
-    single step ``h -> a h + b`` equal to both. Checked on random triples of steps: composing equals applying
-    them one after another, and ``fn(fn(p, q), r) == fn(p, fn(q, r))`` (associativity)."""
-    name = "the scan's combine operator"
-    hint = ("re-read 'The scan: an associative operator and Blelloch's two sweeps' and compose two scalar "
-            "steps by hand, left first.")
-    refused = _refuse(name, fn, (ssm.scan_combine,), hint,
-                      _combine_inputs(torch.Generator().manual_seed(72))[:2])
+def check_mamba_cache_bytes(fn) -> Result:
+    """Check ``fn(config, batch) -> bytes``: the prediction, from a transformers ``Mamba2Config`` alone, of the
+    bytes of the cache a float32 ``Mamba2ForCausalLM`` keeps for ``batch`` sequences after a prefill. The
+    truth is measured: the check builds small random models, prefills random prompts and counts every tensor
+    their caches hold."""
+    name = "the recurrent cache of a Mamba-2"
+    hint = ("re-read 'Memory per generated token' and, for one layer of the Mamba-2 block, list what a decode step "
+            "needs from the past: the SSM state and the window of the short convolution (over which channels?).")
+    example = _mamba_config(torch.Generator().manual_seed(75))
+    refused = _refuse(name, fn, (ssm.ssm_state_bytes,), hint, (example, 1))
     if refused is not None:
         return refused
-    seed, trials = 72, 8
+    seed, trials = 75, 4
     if hidden():
         seed, trials = seed + HIDDEN_SEED_OFFSET, 2 * trials
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
-        p, q, r, h = _combine_inputs(gen)
-        try:
-            pq = fn(p, q)
-            left, right = fn(pq, r), fn(p, fn(q, r))
-        except NotImplementedError:
-            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
-        seq = h
-        for a, b in (p, q, r):
-            seq = a * seq + b
-        problem = None
-        try:
-            applied = pq[0] * h + pq[1]
-            three = left[0] * h + left[1]
-            if not torch.allclose(applied, q[0] * (p[0] * h + p[1]) + q[1], rtol=1e-9, atol=1e-12):
-                problem = "applying fn(p, q) to h differs from applying p, then q."
-                if torch.allclose(applied, p[0] * (q[0] * h + q[1]) + p[1], rtol=1e-9, atol=1e-12):
-                    problem += " It equals applying q first, then p: the order is reversed."
-            elif not (torch.allclose(left[0], right[0], rtol=1e-9, atol=1e-12)
-                      and torch.allclose(left[1], right[1], rtol=1e-9, atol=1e-12)):
-                problem = "fn(fn(p, q), r) differs from fn(p, fn(q, r)): the operator is not associative."
-            elif not torch.allclose(three, seq, rtol=1e-9, atol=1e-12):
-                problem = "composing three steps differs from applying them one after another."
-        except (TypeError, IndexError, RuntimeError) as err:
-            problem = f"the result is not a pair (a, b) of tensors ({type(err).__name__})."
-        if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1}: {problem} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"right and associative on {trials} random triples."))
+        config, batch = _mamba_config(gen), randint(gen, 1, 3)
+        got, unsolved = _call(fn, config, batch)
+        if unsolved is not None:
+            unsolved.name = name
+            return _report(unsolved)
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        shape = ", ".join(f"{f} {getattr(config, f)}" for f in _CACHE_FIELDS)
+        case = f"trial {trial + 1} ({shape}, expand {config.expand}; {batch} sequence(s))"
+        if not isinstance(got, (int, float)) or isinstance(got, bool):
+            return _report(Result(name, FAILED, f"{case}: expected a number of bytes, got {type(got).__name__}. "
+                                                f"Hint: {hint}"))
+        measured = _measured_cache_bytes(config, batch, gen)
+        if not math.isclose(got, measured, rel_tol=1e-9):
+            direction = "too large" if got > measured else "too small"
+            problem = (f"your prediction is {direction} against the measured cache."
+                       f"{diagnose_number(got, measured)}{_cache_diagnosis(fn, config, batch)}")
+            return _report(Result(name, FAILED, f"{case}: {problem} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to the measured cache of {trials} random Mamba-2 models."))
 
 
-# ------------------------------------------------------------------------------------- SSD state passing
+# ----------------------------------------------------------------------- the chunk state, after a reset
 
-def _chunk_inputs(gen):
-    q, p, n = randint(gen, 1, 24), randint(gen, 1, 6), randint(gen, 1, 10)
-    S = torch.randn(p, n, generator=gen, dtype=torch.float64)
-    x = torch.randn(q, p, generator=gen, dtype=torch.float64)
-    dt = torch.rand(q, generator=gen, dtype=torch.float64) * 0.5 + 0.01
-    A = -float(torch.rand(1, generator=gen, dtype=torch.float64)) * 2 - 0.05
-    B = torch.randn(q, n, generator=gen, dtype=torch.float64)
-    return S, x, dt, A, B
-
-
-def _chunk_reference(S, x, dt, A, B):
-    q, p = x.shape
-    n = B.shape[1]
-    C = torch.zeros(1, q, 1, n, dtype=torch.float64)
-    _, final = ssm.ssd_recurrent(x[None, :, None], dt[None, :, None], torch.tensor([A], dtype=torch.float64),
-                                 B[None, :, None], C, initial_state=S[None, None])
-    return final[0, 0]
+def _reset_inputs(gen, kind):
+    """One chunk in float32: ``S (p, n)``, ``x (Q, p)`` (already scaled by its step), log-decays ``a (Q,)``,
+    ``B (Q, n)``. ``kind``: "small" gates only, a "near reset" (one very negative log-decay, small ones after
+    it), or a "hard reset" (one log-decay of -inf, a decay of exactly zero)."""
+    q, p, n = randint(gen, 6, 24), randint(gen, 1, 6), randint(gen, 1, 8)
+    S = torch.randn(p, n, generator=gen)
+    x = torch.randn(q, p, generator=gen)
+    B = torch.randn(q, n, generator=gen)
+    if kind == "small":
+        a = -torch.rand(q, generator=gen) * 0.5
+    else:
+        a = -torch.rand(q, generator=gen) * 2e-3 - 1e-4
+        at = randint(gen, 1, q - 3)
+        a[at] = -float("inf") if kind == "hard reset" else -(1e4 + float(torch.rand(1, generator=gen)) * 4e4)
+    return S, x, a, B
 
 
-def _explaining_chunk(fn):
-    """``explain`` for the chunk state: with x = 0 only the decay of the starting state remains, so the answer on
-    that input separates the decay of S from the chunk's own writes."""
-    def explain(got, expected, S, x, dt, A, B) -> str:
-        quiet = torch.zeros_like(x)
-        decay_ok = torch.allclose(fn(S, quiet, dt, A, B), _chunk_reference(S, quiet, dt, A, B), rtol=1e-9,
-                                  atol=1e-10)
-        writes_ok = torch.allclose(fn(torch.zeros_like(S), x, dt, A, B),
-                                   _chunk_reference(torch.zeros_like(S), x, dt, A, B), rtol=1e-9, atol=1e-10)
-        if decay_ok and not writes_ok:
-            return "With x = 0 your state is right: the decay of S is right, the chunk's own inputs are not."
-        if writes_ok and not decay_ok:
-            return "From S = 0 your state is right: the chunk's inputs are right, the decay of S is not."
-        return ""
-    return explain
+def _reset_reference(S, x, a, B):
+    """The recurrence itself, one step at a time in float64: ``S <- exp(a_t) S + x_t B_t^T``."""
+    state = S.double()
+    for t in range(a.shape[0]):
+        state = torch.exp(a[t].double()) * state + torch.outer(x[t].double(), B[t].double())
+    return state.float()
 
 
 @exercise
-def check_ssd_chunk_state(fn) -> Result:
-    """Check ``fn(S, x, dt, A, B) -> S_next`` for one head and one chunk: ``S (p, n)`` the state the chunk
-    starts from, ``x (Q, p)``, ``dt (Q,)``, ``A`` a negative float, ``B (Q, n)``; returns the state after the
-    chunk, computed the chunked way (no loop over the Q steps needed)."""
-    name = "one chunk of SSD state passing"
-    hint = ("re-read 'Mamba-2's SSD: recurrence, masked attention and chunks' and compare your state with a "
-            "step-by-step loop on a chunk of one and of two steps.")
-    refused = _refuse(name, fn, (ssm.ssd_recurrent, ssm.ssd_chunked, ssm.ssd_attention), hint,
-                      _chunk_inputs(torch.Generator().manual_seed(73)))
+def check_chunk_state_reset(fn) -> Result:
+    """Check ``fn(S, x, a, B) -> S_next`` in float32 for one head and one chunk: ``S (p, n)`` the state the chunk
+    starts from, ``x (Q, p)`` the inputs already scaled by their steps, ``a (Q,)`` the log-decays (``<= 0``,
+    possibly ``-inf``), ``B (Q, n)``; the state after the chunk without a loop over its steps. Compared with the
+    step-by-step recurrence in float64, on chunks with small gates, a near reset and a hard reset."""
+    name = "the chunk state after a reset"
+    hint = ("re-read the paragraph under the four steps of 'Mamba-2's SSD: recurrence, masked attention and "
+            "chunks' and print, for the failing chunk, the exponent your code gives each position next to the "
+            "same exponent summed by hand.")
+    example = _reset_inputs(torch.Generator().manual_seed(76), "small")
+    refused = _refuse(name, fn, (ssm.ssd_recurrent, ssm.ssd_chunked, ssm.ssd_attention), hint, example)
     if refused is not None:
         return refused
-    return check_function(name, fn, _chunk_reference, _chunk_inputs, trials=6, seed=73, rtol=1e-9, atol=1e-10,
-                          hint=hint, explain=_explaining_chunk(fn))
+    seed, kinds = 76, ("small", "near reset", "hard reset") * 2
+    if hidden():
+        seed, kinds = seed + HIDDEN_SEED_OFFSET, kinds * 2
+    gen = torch.Generator().manual_seed(seed)
+    for trial, kind in enumerate(kinds):
+        S, x, a, B = _reset_inputs(gen, kind)
+        got, unsolved = _call(fn, S.clone(), x, a.clone(), B)
+        if unsolved is not None:
+            unsolved.name = name
+            return _report(unsolved)
+        expected = _reset_reference(S, x, a, B)
+        problem = _compare_tensors(got, expected, 1e-4, 1e-5)
+        if problem:
+            at = int((a < -1).nonzero()[0]) if kind != "small" else None
+            where = "" if at is None else f" (log-decay {float(a[at]):.3g} at position {at})"
+            if kind != "small":
+                small = _reset_inputs(torch.Generator().manual_seed(seed + trial), "small")
+                small_got, _ = _call(fn, small[0].clone(), small[1], small[2].clone(), small[3])
+                if _compare_tensors(small_got, _reset_reference(*small), 1e-4, 1e-5) is None:
+                    where += "; your state is right on a chunk whose gates are all small"
+            return _report(Result(name, FAILED, f"trial {trial + 1}, a chunk of {a.shape[0]} steps with a {kind}"
+                                                f"{where}: {problem} Hint: {hint}"))
+    return _report(Result(name, PASSED, f"equal to the recurrence on {len(kinds)} chunks, resets included."))
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -210,20 +275,45 @@ def _guarded(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return storage[_GUARD:_GUARD + values.numel()].view(values.shape), storage
 
 
+def scan_grad_reference(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The gradient of a loss with respect to ``b`` of ``h = linear_scan(a, b)``, given ``g``, its gradient with
+    respect to ``h``: autograd through :func:`labsrc.ssm.linear_scan_loop`, in float64."""
+    a64 = a.double()
+    b = torch.zeros_like(a64, requires_grad=True)
+    h = ssm.linear_scan_loop(a64, b)
+    (grad,) = torch.autograd.grad(h, b, g.double())
+    return grad.to(g.dtype)
+
+
+def _explain_grad(got: torch.Tensor, a: torch.Tensor, g: torch.Tensor, expected: torch.Tensor) -> str:
+    """A wrong gradient that is a known other scan: in the wrong direction, or with each step's own factor."""
+    def close(x):
+        return bool(torch.allclose(got, x.float(), rtol=1e-4, atol=1e-5))
+
+    if close(ssm.linear_scan_loop(a.double(), g.double())):
+        return " It equals the forward scan of (a, g): this recurrence runs the other way along the row."
+    unshifted = ssm.linear_scan_loop(a.double().flip(-1), g.double().flip(-1)).flip(-1)
+    if close(unshifted):
+        return (" It runs the right way but multiplies by each position's own a: re-read which a links a "
+                "position to the one after it.")
+    return ""
+
+
 @exercise
-def check_scan_kernel(kernel) -> Result:
-    """Check a ``@triton.jit`` kernel ``kernel(a_ptr, b_ptr, h_ptr, L, BLOCK_L)`` that computes
-    ``h_t = a_t h_{t-1} + b_t`` (``h_{-1} = 0``) along each row of contiguous float32 ``(rows, L)`` tensors,
-    one program per row (grid ``(rows,)``), walking the row in blocks of ``BLOCK_L`` (a power of two, often
-    smaller than ``L``) and carrying the last ``h`` of each block into the next. Without Triton (macOS,
-    Windows) the check says it is skipped."""
-    name = "a blocked scan kernel"
+def check_scan_grad_kernel(kernel) -> Result:
+    """Check a ``@triton.jit`` kernel ``kernel(a_ptr, g_ptr, d_ptr, L, BLOCK_L)`` that writes the gradient of a
+    linear scan, ``d_t = g_t + a_{t+1} d_{t+1}`` with ``d_{L-1} = g_{L-1}``, along each row of contiguous float32
+    ``(rows, L)`` tensors, one program per row (grid ``(rows,)``), in blocks of ``BLOCK_L`` (a power of two,
+    often smaller than ``L``). Compared with autograd through the forward scan. Without Triton (macOS, Windows)
+    the check says it is skipped."""
+    name = "the scan's gradient, a reverse scan (Triton)"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("re-read '`linear_scan`: `tl.associative_scan` and a carry'. Wrong only from a later block on "
-            "points at what passes from one block to the next (on a row whose length BLOCK_L does not divide "
-            "too); writes outside or never made point at the masks.")
-    seed, sizes = 74, _KERNEL_SIZES
+    hint = ("re-read '`linear_scan`: `tl.associative_scan` and a carry' and ask, for your kernel, in which order "
+            "the blocks must be visited, which lane of a block the next block needs, and which a multiplies "
+            "which d. A first wrong element past a block boundary points at the carry; writes outside or never "
+            "made point at the masks.")
+    seed, sizes = 77, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, L + 21, B) for r, L, B in sizes)
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of rows programs")) is not None:
@@ -231,12 +321,12 @@ def check_scan_kernel(kernel) -> Result:
     gen = torch.Generator().manual_seed(seed)
     for trial, (rows, L, block) in enumerate(sizes):
         a = torch.rand(rows, L, generator=gen) * 0.5 + 0.6
-        b = torch.randn(rows, L, generator=gen)
+        g = torch.randn(rows, L, generator=gen)
         ag, _ = _guarded(a)
-        bg, _ = _guarded(b)
-        h, h_store = _guarded(torch.full_like(a, float("nan")))
+        gg, _ = _guarded(g)
+        d, d_store = _guarded(torch.full_like(a, float("nan")))
         try:
-            kernel[(rows,)](ag, bg, h, L, BLOCK_L=block)
+            kernel[(rows,)](ag, gg, d, L, BLOCK_L=block)
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
             cause = err.__cause__ or err.__context__
             if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
@@ -245,19 +335,23 @@ def check_scan_kernel(kernel) -> Result:
                                                 f"launch raised {type(cause or err).__name__}: {cause or err}. "
                                                 f"Hint: {hint}"))
         problem = None
-        guards = torch.cat([h_store[:_GUARD], h_store[-_GUARD:]])
-        expected = ssm.linear_scan_loop(a, b)
+        guards = torch.cat([d_store[:_GUARD], d_store[-_GUARD:]])
+        expected = scan_grad_reference(a, g)
         if not bool(torch.isnan(guards).all()):
-            problem = "the kernel wrote outside the output tensor (a lane past L stored without a mask?)."
-        elif torch.isnan(h).any():
-            problem = f"{int(torch.isnan(h).sum())} output element(s) were never written."
-        elif not torch.allclose(h, expected, rtol=1e-4, atol=1e-5):
-            bad = ~torch.isclose(h, expected, rtol=1e-4, atol=1e-5)
-            t = int(bad.nonzero()[0][1])
-            where = "in the first block" if t < block else f"from block {t // block} on (position {t})"
-            problem = f"{int(bad.sum())} of {bad.numel()} elements differ, the first {where}."
+            problem = "the kernel wrote outside the output tensor (a lane past the row stored without a mask?)."
+        elif torch.isnan(d).any():
+            problem = f"{int(torch.isnan(d).sum())} output element(s) were never written."
+        elif not torch.allclose(d, expected, rtol=1e-4, atol=1e-5):
+            bad = ~torch.isclose(d, expected, rtol=1e-4, atol=1e-5)
+            t = int(bad.any(0).nonzero()[-1])           # the wrong element nearest the row's end
+            back = L - 1 - t
+            where = ("within the row's last BLOCK_L positions" if back < block else
+                     f"{back} positions before the row's end, past a block boundary when blocks are counted "
+                     f"from the end")
+            problem = (f"{int(bad.sum())} of {bad.numel()} elements differ; the one nearest the row's end is at "
+                       f"position {t}, {where}.{_explain_grad(d, a, g, expected)}")
         if problem:
             return _report(Result(name, FAILED, f"trial {trial + 1} (rows={rows}, L={L}, BLOCK_L={block}): "
                                                 f"{problem} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"equal to the sequential scan on {len(sizes)} launches, rows longer "
-                                        "than a block included."))
+    return _report(Result(name, PASSED, f"equal to autograd through the scan on {len(sizes)} launches, rows "
+                                        "longer than a block included."))

@@ -6,7 +6,9 @@ without materialising a probability.
     KL_row = KL(softmax(teacher / T) || softmax(student / T))
 
 the soft term of :func:`labsrc.distill.kd_loss` before its ``T²`` weight and its mean over tokens (the
-reference :func:`kd_kl_ref` *is* that soft term, :func:`labsrc.distill.soft_kl`). Written in the scaled logits
+reference :func:`kd_kl_ref` computes what :func:`labsrc.distill.soft_kl` does, and the tests hold them equal;
+it is written out here because the mechanism module imports this one for ``kd_loss(..., fused=True)``, and a
+kernel module never imports back from the module that uses it). Written in the scaled logits
 ``a = teacher / T`` and ``b = student / T``, with ``p = softmax(a)``::
 
     KL = sum_v p_v (a_v - b_v) - logsumexp(a) + logsumexp(b)
@@ -75,14 +77,23 @@ def check_kd_kl_inputs(student_logits, teacher_logits, T, allow_float64: bool = 
 
 
 def kd_kl_ref(student_logits: torch.Tensor, teacher_logits: torch.Tensor, T: float = 1.0) -> torch.Tensor:
-    """Per-row ``KL(softmax(teacher/T) || softmax(student/T))`` in PyTorch: :func:`labsrc.distill.soft_kl`,
-    the soft term of ``kd_loss`` (float32; float64 in, float64 out)."""
+    """Per-row ``KL(softmax(teacher/T) || softmax(student/T))`` in PyTorch, the soft term of ``kd_loss``
+    before its ``T²`` and its mean (float32; float64 in, float64 out). The same arithmetic as
+    :func:`labsrc.distill.soft_kl` (tests/test_distill.py holds them equal bit for bit)."""
     check_kd_kl_inputs(student_logits, teacher_logits, T, allow_float64=True)
-    if student_logits.dtype == torch.float64:
-        from labsrc.distill import _kl_terms
-        return _kl_terms(torch.log_softmax(teacher_logits / T, dim=-1), torch.log_softmax(student_logits / T, dim=-1))
-    from labsrc.distill import soft_kl
-    return soft_kl(student_logits, teacher_logits, T)
+    work = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
+    log_q = torch.log_softmax(student_logits.to(work) / T, dim=-1)
+    log_p = torch.log_softmax(teacher_logits.to(work) / T, dim=-1)
+    return _kl_rows(log_p, log_q)
+
+
+def _kl_rows(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """``sum_v a_v (log a_v - log b_v)`` with ``0 log 0 = 0``: an entry where ``a = 0`` (a teacher logit of
+    ``-inf``) adds nothing, and its gradient is 0 rather than the ``0 * inf = NaN`` a plain product gives."""
+    a = log_a.exp()
+    has_mass = a > 0
+    diff = torch.where(has_mass, log_a - log_b, torch.zeros_like(a))
+    return (torch.where(has_mass, a, torch.zeros_like(a)) * diff).sum(-1)
 
 
 def kd_kl_backward_ref(grad_kl: torch.Tensor, student_logits: torch.Tensor, teacher_logits: torch.Tensor,

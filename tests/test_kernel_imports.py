@@ -1,0 +1,86 @@
+"""Kernel modules and the modules that use them import in one direction only.
+
+A kernel family has a mechanism module (``labsrc/<family>.py``: the from-scratch version and the reference) and
+a kernel module (``labsrc/kernels/<family>.py``). Either may use the other, but not both: a cycle makes the
+result of an import depend on which module a reader imports first (a name looked up while the other module is
+half-initialised is missing), and hides which one is the reference. This reads every ``import`` statement in
+the package's source (function-level ones too: a lazy import is still a dependency) without importing
+anything, and fails naming each cycle that passes through a kernel module.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "labsrc"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports_of(name: str) -> set[str]:
+    """The ``labsrc`` modules that ``name``'s source imports anywhere in it (``from labsrc import runtime``
+    names the module ``labsrc.runtime``; ``from labsrc.kernels.distill import kd_kl`` the module
+    ``labsrc.kernels.distill``)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # a relative import: resolve against this module's package
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)
+    return {m for m in found if m in MODULES and m != name}
+
+
+GRAPH = {name: imports_of(name) for name in MODULES}
+KERNELS = sorted(m for m in MODULES if m.startswith("labsrc.kernels.") and not m.endswith("._triton"))
+
+
+def path_back(start: str, goal: str) -> list[str] | None:
+    """A chain of imports from ``start`` to ``goal`` (breadth first: the shortest), or None."""
+    seen, frontier = {start: None}, [start]
+    while frontier:
+        nxt = []
+        for m in frontier:
+            for n in sorted(GRAPH[m]):
+                if n in seen:
+                    continue
+                seen[n] = m
+                if n == goal:
+                    chain = [n]
+                    while seen[chain[-1]] is not None:
+                        chain.append(seen[chain[-1]])
+                    return chain[::-1]
+                nxt.append(n)
+        frontier = nxt
+    return None
+
+
+def test_the_graph_sees_the_imports_the_kernel_families_are_built_on():
+    """The parser finds a module-level import, a lazy one inside a function and a ``from package import
+    module`` one: without these the cycle test below would pass on an empty graph."""
+    assert "labsrc.rope" in GRAPH["labsrc.kernels.rope"]                 # from labsrc.rope import ...
+    assert "labsrc.kernels.distill" in GRAPH["labsrc.distill"]           # inside kd_loss (fused=True)
+    assert "labsrc.runtime" in GRAPH["labsrc.kernels.distill"]           # from labsrc import runtime
+    assert "labsrc.kernels.attention" in GRAPH["labsrc.kernels.paged_attention"]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_no_module_a_kernel_imports_imports_it_back(kernel):
+    cycles = [chain for dep in sorted(GRAPH[kernel]) if (chain := path_back(dep, kernel))]
+    assert not cycles, (f"{kernel} imports a module that imports it back: "
+                        + "; ".join(" -> ".join([kernel, *c]) for c in cycles)
+                        + ". Keep one direction: the kernel module holds the reference it needs, or the "
+                          "mechanism module does not import the kernel")
