@@ -1,6 +1,6 @@
 """The lab's models: ``load(name_or_path) -> (model, tokenizer)``.
 
-Shipped names (see :data:`SHIPPED`): ``lab-target`` (about 9M parameters, trained at a 512-token context),
+Shipped names (see :data:`SHIPPED`): ``lab-target`` (about 9M parameters, trained at a 1,024-token context),
 ``lab-draft`` (its small draft for speculative decoding), ``lab-mamba`` (a 3.5M-parameter Mamba-2, chapter 7's
 state-space model, trained on the same data with a smaller budget) and ``lab-draft-distilled`` (a draft of
 lab-draft's shape distilled from lab-target, chapter 13). They live in ``labsrc/models/checkpoints/<name>/``
