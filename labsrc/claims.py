@@ -10,12 +10,16 @@ Every row says how it knows what it says (its *basis*) and by which rule its ver
   sign). There is no sampling error, so no sample size or interval.
 * ``"measured"``: a sampled measurement on the lab's models. The row carries the runtime profile, the sample
   size ``n`` and a 95% interval (Wilson's for an accuracy, :func:`wilson`), and its verdict treats a
-  difference whose intervals overlap as *inconclusive* (:func:`compare`, :func:`judge`).
+  difference whose intervals overlap as *inconclusive* (:func:`compare`, :func:`judge`). A row decided by a
+  hypothesis test (a chi-square goodness of fit) carries the test as a :class:`HypothesisTest` instead: a
+  p-value is not an interval and is never stored as one.
 * ``"reading"``: the text read against itself or against the paper it cites (``cite`` names the paper's key
   in ``book/references.bib``); this is how a row reaches *misattributed*.
 
 The verdict rule (``rule``) is stated in words with the row, and it is the rule the notebook's code applied:
-a verdict is computed from the measurement, never typed.
+a verdict is computed from the measurement, never typed. When a row's rule changes between runs (a new metric,
+a new threshold), the row keeps the old rule and the reason in ``rule_changes`` (:class:`RuleChange`), and the
+page shows them: a verdict whose rule moved without a word would look decided in advance.
 
 A measured row also declares its :class:`Scope`: the scale and metric the text's figure is about (a 70B model
 on A100s, end-to-end throughput) and, where the lab measured something else, the lab's scale and metric (the
@@ -44,6 +48,9 @@ VERDICTS = ("reproduced", "reproduced in trend only", "not reproduced", "inconcl
 
 BASES = ("exact", "measured", "reading")
 """How a row knows what it says: exact arithmetic, a sampled measurement, or a reading of the text/paper."""
+
+READING_NOTE = "a judgement, not a computation (the verdict is a reader's, typed with its citation): reading of"
+"""How the page introduces a reading row's evidence: its verdict is a judgement that its citation supports."""
 
 OFF_SCALE_RULE = ("Measured off the text's scale or metric: a success is reproduced in trend only, a failure "
                   "inconclusive.")
@@ -217,6 +224,66 @@ class Scope:
         return {name: getattr(self, name) for name in _SCOPE_FIELDS}
 
 
+@dataclass(frozen=True)
+class HypothesisTest:
+    """The outcome of a hypothesis test that decides a measured row: its name, statistic and p-value.
+
+    A p-value is the probability, under the test's null hypothesis, of a statistic at least as extreme as the
+    one observed; it is not an estimate of anything and has no interval. A row decided by a test (a
+    chi-square goodness of fit) records it here, so the page prints "chi-square = 9.3, dof = 15, p = 0.86"
+    instead of a zero-width "interval" [0.86, 0.86].
+    """
+
+    name: str
+    statistic: float
+    p_value: float
+    dof: int | None = None
+
+    def __post_init__(self):
+        _text("HypothesisTest.name", self.name)
+        for field in ("statistic", "p_value"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"HypothesisTest.{field} must be a finite number, got {v!r}")
+        if not 0.0 <= self.p_value <= 1.0:
+            raise ValueError(f"HypothesisTest.p_value must lie in [0, 1], got {self.p_value!r}")
+        if self.dof is not None and (isinstance(self.dof, bool) or not isinstance(self.dof, int)
+                                     or self.dof < 1):
+            raise ValueError(f"HypothesisTest.dof must be a positive int or None, got {self.dof!r}")
+
+    def fields(self) -> dict:
+        return {"name": self.name, "statistic": float(self.statistic), "p_value": float(self.p_value),
+                "dof": self.dof}
+
+
+def _test_text(test: dict) -> str:
+    """A stored test as the page prints it: ``chi-square = 9.3, dof = 15, p = 0.86``."""
+    dof = f", dof = {test['dof']}" if test.get("dof") is not None else ""
+    return f"{test['name']} = {test['statistic']:.4g}{dof}, p = {test['p_value']:.3g}"
+
+
+@dataclass(frozen=True)
+class RuleChange:
+    """One change of a row's verdict rule between runs: when, what the rule was before, and why it changed.
+
+    ``date`` is an ISO date (``"2026-12-01"``); ``old_rule`` is the rule as the row stated it before the
+    change; ``why`` says what was wrong with it. A row lists its changes oldest first in ``rule_changes``.
+    """
+
+    date: str
+    old_rule: str
+    why: str
+
+    def __post_init__(self):
+        if not isinstance(self.date, str) or not re.fullmatch(r"\d{4}-\d\d-\d\d", self.date):
+            raise ValueError(f"RuleChange.date must be an ISO date like '2026-12-01', got {self.date!r}")
+        _text("RuleChange.old_rule", self.old_rule)
+        _text("RuleChange.why", self.why)
+
+    def fields(self) -> dict:
+        return {"date": self.date, "old_rule": self.old_rule, "why": self.why}
+
+
 class Verdict(str):
     """A verdict (one of :data:`VERDICTS`, usable as a plain string) with the reason :func:`judge` gave it.
 
@@ -301,15 +368,37 @@ def _validate(row: dict, where: str) -> dict:
     if not re.fullmatch(r"\d\d_[a-z0-9_]+", row["notebook"]):
         raise ValueError(f"{where}: notebook must be the chapter's stem like '01_kv_cache' (the page links "
                          f"/chapters/<stem>), got {row['notebook']!r}")
+    if row.get("test") is not None:
+        test = row["test"]
+        try:
+            HypothesisTest(**test)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: test must be a HypothesisTest's fields (name, statistic, p_value, "
+                             f"dof): {e}") from None
     if row["basis"] == "measured":
         n, interval = row.get("n"), row.get("interval")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{where}: a measured row needs n, a positive int sample size, got {n!r}")
-        if (not isinstance(interval, (list, tuple)) or len(interval) != 2
+        if interval is None and row.get("test") is not None:
+            pass  # decided by a hypothesis test: its p-value is the evidence, not an interval
+        elif (not isinstance(interval, (list, tuple)) or len(interval) != 2
                 or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in interval)
                 or interval[0] > interval[1]):
-            raise ValueError(f"{where}: a measured row needs interval, a finite [lo, hi] 95% interval, "
-                             f"got {interval!r}")
+            raise ValueError(f"{where}: a measured row needs interval, a finite [lo, hi] 95% interval (or, "
+                             f"for a hypothesis test, test=HypothesisTest(...)), got {interval!r}")
+    changes = row.get("rule_changes")
+    if changes is not None:
+        if not isinstance(changes, list) or not changes:
+            raise ValueError(f"{where}: rule_changes must be a non-empty list of RuleChange fields or None, "
+                             f"got {changes!r}")
+        for change in changes:
+            try:
+                RuleChange(**change)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where}: rule_changes holds a bad entry ({e})") from None
+        dates = [c["date"] for c in changes]
+        if dates != sorted(dates):
+            raise ValueError(f"{where}: rule_changes must be listed oldest first, got dates {dates}")
     for name in _SCOPE_FIELDS + ("reason",):
         value = row.get(name)
         if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -343,7 +432,8 @@ def _validate(row: dict, where: str) -> dict:
 def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: str, notebook: str, rule: str,
            basis: str, estimate: Estimate | None = None, n: int | None = None,
            interval: tuple[float, float] | None = None, cite: str | list[str] | None = None,
-           anchor: str | None = None, scope: Scope | None = None, reason: str | None = None) -> dict:
+           anchor: str | None = None, scope: Scope | None = None, reason: str | None = None,
+           test: HypothesisTest | None = None, rule_changes: list[RuleChange] | None = None) -> dict:
     """Record one row of the claims ledger and return it.
 
     Args:
@@ -364,6 +454,10 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
             same one given to :func:`judge`).
         reason: why the verdict is what it is, in a sentence; taken from ``verdict`` when it is a
             :class:`Verdict` from :func:`judge` (give one or the other).
+        test: the :class:`HypothesisTest` that decided a measured row (a chi-square fit): its p-value is
+            stored as a p-value, never as an interval.
+        rule_changes: each change of ``rule`` since the row was first recorded, oldest first, as
+            :class:`RuleChange` (date, the old rule, why it changed); the page shows them with the rule.
 
     The runtime profile (``cpu`` or ``gpu``) is recorded with every row.
     """
@@ -383,6 +477,12 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
     reason = judged if judged is not None else reason
     if isinstance(cite, str):
         cite = [cite]
+    if test is not None and not isinstance(test, HypothesisTest):
+        raise TypeError(f"test must be a labsrc.claims.HypothesisTest, got {type(test).__name__}")
+    if rule_changes is not None:
+        if isinstance(rule_changes, RuleChange) or not all(isinstance(c, RuleChange) for c in rule_changes):
+            raise TypeError("rule_changes must be a list of labsrc.claims.RuleChange")
+        rule_changes = [c.fields() for c in rule_changes]
     if anchor is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", str(anchor)):
         raise ValueError(f"anchor must be a lowercase MyST label like 'kv-quant-table', got {anchor!r}")
     row = Row(id=claim_id, claim=claim, section=section, measured=measured,
@@ -390,7 +490,8 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
               rule=rule, basis=basis, profile=runtime.PROFILE, n=n,
               interval=[float(interval[0]), float(interval[1])] if interval is not None else None,
               cite=list(cite) if cite else None, anchor=anchor,
-              **(scope.fields() if scope is not None else dict.fromkeys(_SCOPE_FIELDS)), reason=reason)
+              **(scope.fields() if scope is not None else dict.fromkeys(_SCOPE_FIELDS)), reason=reason,
+              test=test.fields() if test is not None else None, rule_changes=rule_changes or None)
     _validate(row, f"claim {claim_id!r}")
     folder = claims_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -434,9 +535,13 @@ def _evidence(r: dict) -> str:
     if r["basis"] == "exact":
         return "exact arithmetic"
     if r["basis"] == "reading":
-        return "reading of " + ", ".join(f"{{cite:p}}`{k}`" for k in r["cite"])
-    lo, hi = r["interval"]
-    out = f"measured, {r['profile']} profile, n = {r['n']}, 95% CI {lo:.3g} to {hi:.3g}"
+        return (READING_NOTE + " " + ", ".join(f"{{cite:p}}`{k}`" for k in r["cite"]))
+    out = f"measured, {r['profile']} profile, n = {r['n']}"
+    if r.get("interval") is not None:
+        lo, hi = r["interval"]
+        out += f", 95% CI {lo:.3g} to {hi:.3g}"
+    if r.get("test") is not None:
+        out += f", {_test_text(r['test'])}"
     if r.get("text_scale"):
         out += (f". *Text's figure:* {r['text_scale']}, {r['text_metric']}. *Lab:* "
                 f"{r.get('lab_scale') or 'the same scale'}, {r.get('lab_metric') or 'the same metric'}")
@@ -447,6 +552,8 @@ def _verdict_cell(r: dict) -> str:
     """The verdict in bold, then its reason where it has one (why inconclusive, why only a trend)."""
     if r.get("reason"):
         return f"**{r['verdict']}**: {_cell(r['reason'])}"
+    if r["basis"] == "reading":
+        return f"**{r['verdict']}** (judged, not computed)"
     return f"**{r['verdict']}**"
 
 
@@ -471,6 +578,8 @@ def render_markdown(rows: list[dict]) -> str:
         for r in by_chapter[notebook]:
             where = f"{{ref}}`{_cell(r['section'])} <{r['anchor']}>`" if r.get("anchor") else _cell(r["section"])
             rule = r["rule"] + (" " + OFF_SCALE_RULE if r.get("lab_scale") or r.get("lab_metric") else "")
+            rule += "".join(f" *Rule changed {c['date']}:* it was \"{c['old_rule']}\"; {c['why']}"
+                            for c in r.get("rule_changes") or ())
             out.append(f"| {_cell(r['claim'])} | {where} | {_cell(r['measured'])} | {_evidence(r)}. "
                        f"*Rule:* {_cell(rule)} | {_verdict_cell(r)} |")
         out.append("")

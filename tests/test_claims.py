@@ -423,3 +423,114 @@ def test_measured_and_exact_verdicts_are_computed_not_typed():
     assert not literal, f"literal verdicts on computed rows: {literal}"
     assert not unjudged, f"measured rows whose verdict does not come from claims.judge: {unjudged}"
     assert not unscoped, f"measured rows without the scope judge read them against: {unscoped}"
+
+
+# --- p-values, reading rows, rule changes -------------------------------------------------------------------
+CHI = claims.HypothesisTest(name="chi-square", statistic=9.31, p_value=0.86, dof=15)
+
+
+def test_a_p_value_is_stored_as_a_test_not_an_interval(ledger):
+    """A chi-square p-value used to be stored as a zero-width interval [p, p]: the page then read it as an
+    estimate "95% CI 0.86 to 0.86". A measured row decided by a test stores the test, and the page prints it
+    as one."""
+    row = claims.record("equiv", claim="c", section="10.4.3", measured="m", notebook="10_speculative",
+                        verdict=claims.judge(True, scope=TEXT), scope=TEXT, basis="measured", rule="r",
+                        n=20000, test=CHI)
+    assert row["interval"] is None and row["test"] == {"name": "chi-square", "statistic": 9.31,
+                                                       "p_value": 0.86, "dof": 15}
+    table = claims.render_markdown(claims.load())
+    assert "n = 20000, chi-square = 9.31, dof = 15, p = 0.86" in table
+    assert "95% CI" not in table, "a test row shows no interval"
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(name="chi-square", statistic=1.0, p_value=1.5), ValueError, r"p_value must lie in \[0, 1\]"),
+    (dict(name="chi-square", statistic=float("nan"), p_value=0.5), ValueError, "statistic must be a finite"),
+    (dict(name=" ", statistic=1.0, p_value=0.5), ValueError, "name"),
+    (dict(name="chi-square", statistic=1.0, p_value=0.5, dof=0), ValueError, "dof must be a positive int"),
+])
+def test_hypothesis_test_rejects_bad_fields(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        claims.HypothesisTest(**kwargs)
+
+
+def test_a_measured_row_needs_an_interval_or_a_test(ledger):
+    with pytest.raises(ValueError, match="or, for a hypothesis test, test="):
+        claims.record("x", claim="c", section="1", measured="m", notebook="10_speculative", scope=TEXT,
+                      verdict=claims.judge(True, scope=TEXT), basis="measured", rule="r", n=10)
+    with pytest.raises(TypeError, match="test must be a labsrc.claims.HypothesisTest"):
+        claims.record("x", claim="c", section="1", measured="m", notebook="10_speculative", scope=TEXT,
+                      verdict=claims.judge(True, scope=TEXT), basis="measured", rule="r", n=10,
+                      test=(9.3, 0.86))
+    (ledger / "bad.json").write_text(json.dumps(dict(
+        id="bad", claim="c", section="1", measured="m", verdict="reproduced", notebook="10_speculative",
+        rule="r", basis="exact", profile="cpu", test={"name": "chi-square", "statistic": 1.0, "p_value": 2.0})))
+    with pytest.raises(ValueError, match=r"bad\.json: test must be"):
+        claims.load()
+
+
+def test_reading_rows_say_their_verdict_is_a_judgement_with_its_citation(ledger):
+    claims.record("read", claim="c", section="10.4.2", measured="the paper says otherwise",
+                  verdict="misattributed", notebook="10_speculative", basis="reading", rule="r",
+                  cite=["chen2025clasp", "elhoushi2024layerskip"])
+    claims.record("calc", claim="c", section="10.4.1", measured="m", verdict="reproduced",
+                  notebook="10_speculative", **EXACT)
+    table = claims.render_markdown(claims.load())
+    read_line = next(line for line in table.splitlines() if "the paper says otherwise" in line)
+    assert claims.READING_NOTE + " {cite:p}`chen2025clasp`, {cite:p}`elhoushi2024layerskip`" in read_line
+    assert "a judgement, not a computation" in read_line and "**misattributed** (judged, not computed)" \
+        in read_line
+    calc_line = next(line for line in table.splitlines() if "exact arithmetic" in line)
+    assert "judge" not in calc_line, "a computed row is not presented as a judgement"
+
+
+def test_a_rule_change_is_logged_in_the_row_and_shown(ledger):
+    old = "reproduced if the relative output error's 95% interval is below 0.1"
+    change = claims.RuleChange(date="2026-12-01", old_rule=old,
+                               why="the output-based ratio blew up for flat attention")
+    row = claims.record("perf", claim="c", section="10.2.1", measured="m", verdict="reproduced",
+                        notebook="08_linear_attention", rule="reproduced if the distance is below 0.1",
+                        basis="exact", rule_changes=[change])
+    assert row["rule_changes"] == [{"date": "2026-12-01", "old_rule": old,
+                                    "why": "the output-based ratio blew up for flat attention"}]
+    table = claims.render_markdown(claims.load())
+    assert (f'*Rule changed 2026-12-01:* it was "{old}"; the output-based ratio blew up for flat attention'
+            in table), "the page shows the old rule and why it changed beside the current rule"
+    unchanged = claims.record("other", claim="c", section="10.2.1", measured="m", verdict="reproduced",
+                              notebook="08_linear_attention", **EXACT)
+    assert unchanged["rule_changes"] is None
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(date="1 Dec 2026", old_rule="r", why="w"), ValueError, "ISO date"),
+    (dict(date="2026-12-01", old_rule="", why="w"), ValueError, "old_rule"),
+    (dict(date="2026-12-01", old_rule="r", why=" "), ValueError, "why"),
+])
+def test_rule_change_rejects_bad_fields(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        claims.RuleChange(**kwargs)
+
+
+def test_rule_changes_must_be_rule_change_objects_oldest_first(ledger):
+    a = claims.RuleChange(date="2026-11-01", old_rule="r0", why="w0")
+    b = claims.RuleChange(date="2026-12-01", old_rule="r1", why="w1")
+    with pytest.raises(TypeError, match="list of labsrc.claims.RuleChange"):
+        claims.record("x", claim="c", section="1", measured="m", verdict="reproduced", notebook="01_kv",
+                      rule_changes=[("2026-12-01", "r", "w")], **EXACT)
+    with pytest.raises(ValueError, match="oldest first"):
+        claims.record("x", claim="c", section="1", measured="m", verdict="reproduced", notebook="01_kv",
+                      rule_changes=[b, a], **EXACT)
+    assert [c["date"] for c in claims.record("x", claim="c", section="1", measured="m", verdict="reproduced",
+                                             notebook="01_kv", rule_changes=[a, b], **EXACT)["rule_changes"]] \
+        == ["2026-11-01", "2026-12-01"]
+
+
+def test_no_chapter_stores_a_point_as_an_interval():
+    """A zero-width interval written as interval=(x, x) is a point (a p-value, a count) posing as an
+    estimate's 95% interval; a test belongs in test=, an exact figure in basis="exact"."""
+    import ast
+
+    points = [f"{nb}:{call.args[0].value}" for nb, call, _ in _record_calls()
+              if isinstance(_kw(call, "interval"), ast.Tuple) and len(_kw(call, "interval").elts) == 2
+              and ast.unparse(_kw(call, "interval").elts[0]) == ast.unparse(_kw(call, "interval").elts[1])]
+    assert not points, f"rows storing a point as an interval: {points}"
