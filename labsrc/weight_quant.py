@@ -791,11 +791,15 @@ PROBES = ("needle", "variable_tracking")
 the needle with 3 distractors, variable tracking over 2 hops; :data:`labsrc.models.train.PROBE_SETTINGS`).
 
 Why these two: they are the eval card's probes that lab-target answers about half the time in full
-precision (0.56 and 0.40 at 921 tokens), so a configuration can move them either way, and each sample is one
-right-or-wrong answer, so every point has a Wilson interval. The pass key is saturated (0.99) and MQAR and
-passage copying score fractions of a sample (no Wilson interval); and the budget allows two probes: at
-n = 100 one probe costs about 40 s per configuration (one thread of a busy 2-core CPU, 921-token samples),
-and the run scores 16 configurations."""
+precision (see its eval card), so a configuration can move them either way, and each sample is one
+right-or-wrong answer, so every point has a Wilson interval. The pass key is saturated, and MQAR and passage
+copying score fractions of a sample (no Wilson interval); and the budget allows two probes: at n = 100 one
+probe costs 40-70 s per configuration (one thread of a busy 2-core CPU, 921-token samples), and the run
+scores 16 configurations, about half an hour in all."""
+
+
+ONE_ANSWER_PROBES = ("passkey", "needle", "variable_tracking")
+"""The eval-card probes whose samples are each one right-or-wrong answer (what :func:`score_probes` counts)."""
 
 
 def probe_context(model) -> int:
@@ -806,16 +810,17 @@ def probe_context(model) -> int:
     return int(train.PROBE_FRACTION * train.trained_context(model))
 
 
-def probe_sets(tokenizer, probes=PROBES, context_len: int = 921, n: int = 100, seed: int = 0) -> dict:
-    """``{probe: samples}``: the eval card's samples of each probe (:func:`labsrc.models.train.probe_set`),
-    drawn by the probes' own seeded generators (validation split, seeded by the probe's name and ``seed``,
-    never by training's seed), so the full-precision model's answers are its eval card's, sample for sample."""
+def probe_sets(tokenizer, probes, context_len: int, n: int = 100, seed: int = 0) -> dict:
+    """``{probe: samples}``: the eval card's ``n`` samples at ``context_len`` tokens of each probe of
+    ``probes`` (names from :data:`ONE_ANSWER_PROBES`; :func:`labsrc.models.train.probe_set`), drawn by the
+    probes' own seeded generators (validation split, seeded by the probe's name and ``seed``, never by
+    training's seed), so the full-precision model's answers are its eval card's, sample for sample."""
     from labsrc.models import train
 
-    bad = [p for p in probes if p not in train.PROBE_SETTINGS and p != "passkey"]
-    if not probes or bad:
-        raise ValueError(f"probes must name eval-card probes ({('passkey', *train.PROBE_SETTINGS)}), "
-                         f"got {probes!r}")
+    if not probes or any(p not in ONE_ANSWER_PROBES for p in probes):
+        raise ValueError(f"probes must name eval-card probes with one right-or-wrong answer per sample "
+                         f"({', '.join(ONE_ANSWER_PROBES)}; MQAR and passage copying score fractions of a "
+                         f"sample), got {probes!r}")
     return {p: train.probe_set(tokenizer, p, context_len, n, seed) for p in probes}
 
 

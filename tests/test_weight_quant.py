@@ -357,6 +357,8 @@ def test_probes_are_the_eval_cards_at_nine_tenths_of_the_trained_context(lab_tar
         wq.probe_sets(tok, ("needle", "haystack"), 128, n=1)
     with pytest.raises(ValueError, match="probes"):
         wq.probe_sets(tok, (), 128, n=1)
+    with pytest.raises(ValueError, match="fractions"):  # MQAR scores 8 queries a sample
+        wq.probe_sets(tok, ("mqar",), 128, n=1)
 
 
 def test_stored_run_scores_every_config_on_the_eval_cards_probes(lab_target):
