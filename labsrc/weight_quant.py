@@ -794,8 +794,9 @@ Why these two: they are the eval card's probes that lab-target answers about hal
 precision (see its eval card), so a configuration can move them either way, and each sample is one
 right-or-wrong answer, so every point has a Wilson interval. The pass key is saturated, and MQAR and passage
 copying score fractions of a sample (no Wilson interval); and the budget allows two probes: at n = 100 one
-probe costs 40-70 s per configuration (one thread of a busy 2-core CPU, 921-token samples), and the run
-scores 16 configurations, about half an hour in all."""
+probe costs 40-70 s per configuration (one thread of a busy 2-core CPU, 921-token samples; LLM.int8()'s
+split product is several times slower), and the run scores 16 configurations: the stored run took 42
+minutes, nice'd on a 2-core machine shared with a training run."""
 
 
 ONE_ANSWER_PROBES = ("passkey", "needle", "variable_tracking")
