@@ -174,13 +174,13 @@ SIZES: dict[str, dict[str, dict]] = {
         # live_*: the one small case the CPU profile reruns (the rest is read from the stored results of
         # `python -m labsrc.weight_quant`); the GPU profile reruns the whole experiment (full_* sizes).
         "cpu": dict(demo_rows=64, demo_cols=256, calib_tokens=1024, kernel_shape=(5, 37, 320, 64),
-                    mx_shape=(3, 29, 128), live_calib=1, live_windows=2, awq_grid=10, rerun_all=False,
-                    full_windows=16, full_probe_n=24, full_calib=8, full_qat_steps=80,
-                    ledger_n=1, ledger_windows=1, ledger_decode=16),
+                    mx_shape=(3, 29, 128), live_calib=1, live_windows=2, live_probe_n=8, awq_grid=10,
+                    rerun_all=False, full_windows=16, full_probe_n=100, full_calib=8, full_qat_steps=80,
+                    ledger_ctx=512, ledger_n=1, ledger_windows=1, ledger_decode=16),
         "gpu": dict(demo_rows=256, demo_cols=1024, calib_tokens=4096, kernel_shape=(16, 4096, 4096, 128),
-                    mx_shape=(16, 4096, 4096), live_calib=4, live_windows=8, awq_grid=20, rerun_all=True,
-                    full_windows=16, full_probe_n=24, full_calib=8, full_qat_steps=80,
-                    ledger_n=10, ledger_windows=4, ledger_decode=64),
+                    mx_shape=(16, 4096, 4096), live_calib=4, live_windows=8, live_probe_n=20, awq_grid=20,
+                    rerun_all=True, full_windows=16, full_probe_n=100, full_calib=8, full_qat_steps=80,
+                    ledger_ctx=512, ledger_n=10, ledger_windows=4, ledger_decode=64),
     },
     "lab_bench": {
         # lab-target is trained at 1,024 tokens: the CPU grid reaches 1.5x and 2x beyond it, and the

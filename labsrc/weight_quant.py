@@ -786,15 +786,69 @@ def qat_mxfp4(model, tokenizer, steps: int, lr: float = 1e-4, seq_len: int = 256
     return q, losses, m
 
 
-def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib_len: int = 512,
-                   eval_windows: int = 8, eval_len: int = 512, probe_ctx: int = 512, probe_n: int = 8,
-                   qat_steps: int = 60, qat_lr: float = 1e-4, seed: int = 0, log=print,
-                   reuse: dict | None = None) -> dict:
-    """The chapter's experiment: lab-target under every method; per-window losses and pass-key counts.
+PROBES = ("needle", "variable_tracking")
+"""The in-context probes every configuration of :func:`run_experiment` is scored on (eval-card settings:
+the needle with 3 distractors, variable tracking over 2 hops; :data:`labsrc.models.train.PROBE_SETTINGS`).
 
-    Returns a JSON-ready dict: ``configs`` (name -> ``bytes``, ``nll`` per evaluation window, ``passkey``
-    right answers out of ``passkey_n``), the QAT loss curves, the layer-wise output errors of RTN, GPTQ and
-    AWQ (4 bits, g128) on held-out activations, and the activation outlier ratios.
+Why these two: they are the eval card's probes that lab-target answers about half the time in full
+precision (see its eval card), so a configuration can move them either way, and each sample is one
+right-or-wrong answer, so every point has a Wilson interval. The pass key is saturated, and MQAR and passage
+copying score fractions of a sample (no Wilson interval); and the budget allows two probes: at n = 100 one
+probe costs 40-70 s per configuration (one thread of a busy 2-core CPU, 921-token samples; LLM.int8()'s
+split product is several times slower), and the run scores 16 configurations: the stored run took 42
+minutes, nice'd on a 2-core machine shared with a training run."""
+
+
+ONE_ANSWER_PROBES = ("passkey", "needle", "variable_tracking")
+"""The eval-card probes whose samples are each one right-or-wrong answer (what :func:`score_probes` counts)."""
+
+
+def probe_context(model) -> int:
+    """The probes' context: :data:`labsrc.models.train.PROBE_FRACTION` (0.9) of the context ``model`` was
+    trained at, as on its eval card (room for the question at the end of a context it was trained on)."""
+    from labsrc.models import train
+
+    return int(train.PROBE_FRACTION * train.trained_context(model))
+
+
+def probe_sets(tokenizer, probes, context_len: int, n: int = 100, seed: int = 0) -> dict:
+    """``{probe: samples}``: the eval card's ``n`` samples at ``context_len`` tokens of each probe of
+    ``probes`` (names from :data:`ONE_ANSWER_PROBES`; :func:`labsrc.models.train.probe_set`), drawn by the
+    probes' own seeded generators (validation split, seeded by the probe's name and ``seed``, never by
+    training's seed), so the full-precision model's answers are its eval card's, sample for sample."""
+    from labsrc.models import train
+
+    if not probes or any(p not in ONE_ANSWER_PROBES for p in probes):
+        raise ValueError(f"probes must name eval-card probes with one right-or-wrong answer per sample "
+                         f"({', '.join(ONE_ANSWER_PROBES)}; MQAR and passage copying score fractions of a "
+                         f"sample), got {probes!r}")
+    return {p: train.probe_set(tokenizer, p, context_len, n, seed) for p in probes}
+
+
+def score_probes(model, sets: dict) -> dict[str, list[int]]:
+    """``{probe: per-sample 1/0}``: whether greedy decoding answers each sample right (every answer span of
+    it; these probes have one)."""
+    from labsrc import tasks
+
+    return {p: [int(all(r)) for r in tasks.score(model, samples)] for p, samples in sets.items()}
+
+
+def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib_len: int = 512,
+                   eval_windows: int = 8, eval_len: int = 512, probe_n: int = 100, probes=PROBES,
+                   probe_seed: int = 0, qat_steps: int = 60, qat_lr: float = 1e-4, seed: int = 0, log=print,
+                   reuse: dict | None = None) -> dict:
+    """The chapter's experiment: lab-target under every method; per-window losses and per-sample probe answers.
+
+    Returns a JSON-ready dict: ``configs`` (name -> ``bytes`` of the decoder linears as stored, ``nll`` per
+    evaluation window, ``probes``: for each probe of ``probes`` the 1/0 answer of each of its ``probe_n``
+    samples at ``probe_ctx`` tokens, 0.9 of the trained context; ``seconds`` it took), ``weights`` (the
+    number of decoder linear weights, so bits per weight is ``8 * bytes / weights``), the QAT loss curves,
+    the layer-wise output errors of RTN, GPTQ and AWQ (4 bits, g128) on held-out activations, and the
+    activation outlier ratios. ``seed`` draws the calibration and evaluation windows and the fine-tuning;
+    ``probe_seed`` is the probes' own (the eval card's is 0), so the fp32 answers are the eval card's.
+
+    The configurations run from 32 bits down to 2 (RTN and GPTQ at 4, 3 and 2 bits with groups of 128),
+    so the probes trace a curve across bits instead of one saturated point.
 
     ``reuse``: an earlier result with the same settings; configurations (and the layer errors) it already
     holds are taken from it instead of being recomputed. Every step is deterministic (seeded windows,
@@ -802,16 +856,18 @@ def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib
     """
     import time
 
-    from labsrc import models, tasks
+    from labsrc import models
+    from labsrc.curves import samples_digest
 
     model, tok = models.load(model_name)
     calib = calibration_ids(tok, calib_windows, calib_len, "train", seed)
     evals = calibration_ids(tok, eval_windows, eval_len, "validation", seed + 1)
-    depths = (0.1, 0.5, 0.9)
-    per_depth = max(1, probe_n // len(depths))
+    probe_ctx = probe_context(model)
+    sets = probe_sets(tok, tuple(probes), probe_ctx, probe_n, probe_seed)
     result = {"model": model_name, "calib_windows": calib_windows, "calib_len": calib_len,
               "eval_windows": eval_windows, "eval_len": eval_len, "probe_ctx": probe_ctx,
-              "passkey_n": per_depth * len(depths), "configs": {}}
+              "probe_n": probe_n, "probe_seed": probe_seed, "probes": list(probes),
+              "probe_samples_digest": {p: samples_digest(s) for p, s in sets.items()}, "configs": {}}
     old = {}
     if reuse is not None:
         same = all(reuse.get(k) == v for k, v in result.items() if k != "configs") \
@@ -820,6 +876,7 @@ def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib
             raise ValueError("reuse holds a result with other settings; run without it")
         old = reuse.get("configs", {})
     result["qat_steps"] = qat_steps
+    result["weights"] = sum(m.weight.numel() for _, m in linear_layers(model))
 
     def add(name, make):
         if name in old:
@@ -829,10 +886,11 @@ def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib
         t = time.time()
         m, nbytes = make()
         nll = window_nll(m, evals)
-        acc = tasks.passkey_accuracy(m, tok, probe_ctx, depths, per_depth, seed)
-        result["configs"][name] = {"bytes": int(nbytes), "nll": nll.tolist(),
-                                   "passkey": round(acc * result["passkey_n"])}
-        log(f"{name}: {nbytes} bytes, ppl {math.exp(float(nll.mean())):.3f}, passkey {acc:.2f} "
+        answers = score_probes(m, sets)
+        result["configs"][name] = {"bytes": int(nbytes), "nll": nll.tolist(), "probes": answers,
+                                   "seconds": round(time.time() - t, 1)}
+        right = ", ".join(f"{p} {sum(a)}/{len(a)}" for p, a in answers.items())
+        log(f"{name}: {nbytes} bytes, ppl {math.exp(float(nll.mean())):.3f}, {right} "
             f"({time.time() - t:.0f}s)")
 
     add("fp32", lambda: (model, model_weight_bytes(model, 4)))
@@ -845,6 +903,8 @@ def run_experiment(model_name: str = "lab-target", calib_windows: int = 4, calib
     add("AWQ INT4 g128", lambda: quantize_model(model, "awq", calib, bits=4, group_size=128))
     add("RTN INT3 g128", lambda: quantize_model(model, "rtn", bits=3, group_size=128))
     add("GPTQ INT3 g128", lambda: quantize_model(model, "gptq", calib, bits=3, group_size=128))
+    add("RTN INT2 g128", lambda: quantize_model(model, "rtn", bits=2, group_size=128))
+    add("GPTQ INT2 g128", lambda: quantize_model(model, "gptq", calib, bits=2, group_size=128))
     add("MXFP4 PTQ", lambda: quantize_model(model, "mxfp4"))
     mx_bytes = quantize_model(model, "mxfp4")[1]
     if qat_steps:
@@ -896,7 +956,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--out", default=str(RESULTS_PATH))
     parser.add_argument("--eval-windows", type=int, default=24)
-    parser.add_argument("--probe-n", type=int, default=30)
+    parser.add_argument("--probe-n", type=int, default=100, help="samples per probe and configuration")
+    parser.add_argument("--probes", nargs="+", default=list(PROBES),
+                        help=f"eval-card probes to score every configuration on (default: {' '.join(PROBES)})")
     parser.add_argument("--calib-windows", type=int, default=8)
     parser.add_argument("--qat-steps", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
@@ -907,10 +969,11 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     reuse = json.loads(Path(args.out).read_text()) if args.reuse and Path(args.out).is_file() else None
     result = run_experiment(calib_windows=args.calib_windows, eval_windows=args.eval_windows,
-                            probe_n=args.probe_n, qat_steps=args.qat_steps,
+                            probe_n=args.probe_n, probes=tuple(args.probes), qat_steps=args.qat_steps,
                             log=lambda m: print(m, flush=True), reuse=reuse)
     result["command"] = (f"python -m labsrc.weight_quant --eval-windows {args.eval_windows} --probe-n "
-                         f"{args.probe_n} --calib-windows {args.calib_windows} --qat-steps {args.qat_steps}")
+                         f"{args.probe_n} --probes {' '.join(args.probes)} --calib-windows "
+                         f"{args.calib_windows} --qat-steps {args.qat_steps}")
     result["models"] = models_stamp("lab-target")  # labsrc.models.stored_runs: tells a stale file
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

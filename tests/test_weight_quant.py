@@ -332,3 +332,75 @@ def test_quantize_model_replaces_every_linear_and_counts_bytes(lab_target):
         wq.quantize_model(model, "gptq")
     with pytest.raises(ValueError, match="method"):
         wq.quantize_model(model, "nf4")
+
+
+# ----------------------------------------------------------------------------------------------- the experiment
+def _card():
+    import json
+
+    from labsrc.models.train import CHECKPOINTS
+
+    return json.loads((CHECKPOINTS / "lab-target" / "eval_card.json").read_text())
+
+
+def test_probes_are_the_eval_cards_at_nine_tenths_of_the_trained_context(lab_target):
+    model, tok = lab_target
+    card = _card()
+    assert wq.probe_context(model) == int(0.9 * card["trained_context"])
+    # The same samples and scoring as the eval card: full precision answers what its card says it does.
+    sets = wq.probe_sets(tok, wq.PROBES, wq.probe_context(model), n=3, seed=0)
+    assert {p: len(s) for p, s in sets.items()} == {p: 3 for p in wq.PROBES}
+    answers = wq.score_probes(model, sets)
+    for p in wq.PROBES:
+        assert answers[p] == [int(x) for x in card["probes"][p]["per_sample"][:3]], p
+    with pytest.raises(ValueError, match="probes"):
+        wq.probe_sets(tok, ("needle", "haystack"), 128, n=1)
+    with pytest.raises(ValueError, match="probes"):
+        wq.probe_sets(tok, (), 128, n=1)
+    with pytest.raises(ValueError, match="fractions"):  # MQAR scores 8 queries a sample
+        wq.probe_sets(tok, ("mqar",), 128, n=1)
+
+
+def test_stored_run_scores_every_config_on_the_eval_cards_probes(lab_target):
+    from labsrc.curves import samples_digest
+
+    model, tok = lab_target
+    R = __import__("json").loads(wq.RESULTS_PATH.read_text())
+    card = _card()
+    assert R["probe_ctx"] == wq.probe_context(model) and R["probe_n"] >= 100
+    assert R["weights"] == sum(m.weight.numel() for _, m in wq.linear_layers(model))
+    # scored on the samples the probes draw today (a change to the generators makes the run stale)
+    sets = wq.probe_sets(tok, tuple(R["probes"]), R["probe_ctx"], R["probe_n"], R["probe_seed"])
+    assert R["probe_samples_digest"] == {p: samples_digest(s) for p, s in sets.items()}
+    for name, c in R["configs"].items():
+        assert set(c["probes"]) == set(R["probes"]), name
+        assert all(len(a) == R["probe_n"] and set(a) <= {0, 1} for a in c["probes"].values()), name
+    # fp32 is the checkpoint itself: its answers are the eval card's, sample for sample
+    for p in R["probes"]:
+        assert R["configs"]["fp32"]["probes"][p] == [int(x) for x in card["probes"][p]["per_sample"]], p
+    # a curve across bits: RTN and GPTQ with groups of 128 at 4, 3 and 2 bits
+    for method in ("RTN", "GPTQ"):
+        assert all(f"{method} INT{b} g128" in R["configs"] for b in (4, 3, 2))
+
+
+@pytest.mark.slow
+def test_run_experiment_records_probe_answers_for_every_config(lab_target, monkeypatch):
+    # The quantizers are tested above; here they are stubbed (each returns the model itself), so that the
+    # test checks what run_experiment records, in seconds: then every config must answer as fp32 does.
+    model, tok = lab_target
+    monkeypatch.setattr(wq, "quantize_model", lambda m, *a, **k: (m, 1))
+    monkeypatch.setattr(wq, "int8_model", lambda m, *a, **k: (m, 1))
+    monkeypatch.setattr(wq, "qat_mxfp4", lambda m, *a, **k: (m, [1.0], m))
+    monkeypatch.setattr(wq, "gptq_quantize", lambda w, h, bits, g, **k: wq.quantize_rtn(w, bits, g))
+    monkeypatch.setattr(wq, "awq_search_scales", lambda w, x, *a, **k: torch.ones(w.shape[1]))
+    R = wq.run_experiment(calib_windows=1, calib_len=32, eval_windows=1, eval_len=32, probe_n=2,
+                          qat_steps=1, log=lambda m: None)
+    assert R["probe_ctx"] == wq.probe_context(model) and R["probe_n"] == 2 and R["probe_seed"] == 0
+    assert R["probes"] == list(wq.PROBES)
+    fp32 = R["configs"]["fp32"]["probes"]
+    assert fp32 == {p: [int(x) for x in _card()["probes"][p]["per_sample"][:2]] for p in wq.PROBES}
+    for name, c in R["configs"].items():
+        assert c["probes"] == fp32 and c["seconds"] >= 0 and len(c["nll"]) == 1, name
+    with pytest.raises(ValueError, match="other settings"):
+        wq.run_experiment(calib_windows=1, calib_len=32, eval_windows=1, eval_len=32, probe_n=3,
+                          qat_steps=1, log=lambda m: None, reuse=R)

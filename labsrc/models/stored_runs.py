@@ -85,7 +85,8 @@ STORED: tuple[StoredRun, ...] = (
     StoredRun("labsrc/models/checkpoints/lab-draft-distilled/eval_card.json", ("lab-target",),
               "chapters 10 and 13", "python -m labsrc.distill ship --method kd --steps 120 --T 2.0 --overwrite"),
     StoredRun("labsrc/data/results/weight_quant.json", ("lab-target",), "chapter 12",
-              "python -m labsrc.weight_quant --eval-windows 16 --probe-n 24 --calib-windows 8 --qat-steps 80"),
+              "python -m labsrc.weight_quant --eval-windows 16 --probe-n 100 --probes needle variable_tracking "
+              "--calib-windows 8 --qat-steps 80"),
     StoredRun("labsrc/data/results/memory_comparison_cpu.json", ("lab-target",), "chapter 14",
               "python -m labsrc.memory --profile cpu"),
     StoredRun("labsrc/pipeline/results/cpu.json", ("lab-target",), "chapter 11",
