@@ -96,23 +96,33 @@ def _exact_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     ``torch.topk`` finds the k-th largest value; its choice and order among equal scores is unspecified, so
     the rows it leaves are fixed here: every score above the k-th value, then the equal ones with the
     lowest indices, sorted stably by score. The answer is then a function of the scores alone.
+
+    One more value than asked for tells, row by row, whether a tie crosses the k-th place (the ``k+1``-th
+    largest equals the k-th): only those rows pay for the full pass over their scores, which is most of the
+    time retrieval decoding spends searching when done for every row.
     """
-    vals, ids = torch.topk(scores, k, dim=1)                                # best first
-    kth = vals[:, -1:]                                                     # (M, 1)
-    if bool(((scores == kth).sum(1) == (vals == kth).sum(1)).all()):
-        # no row has a tie across the k-th place: topk chose the right rows; order ties by index
-        order = torch.argsort(ids, dim=1)
-        vals, ids = vals.gather(1, order), ids.gather(1, order)
-        order = torch.sort(vals, dim=1, descending=True, stable=True).indices
-        return vals.gather(1, order), ids.gather(1, order)
-    above = scores > kth
-    tie = scores == kth
-    need = k - above.sum(1, keepdim=True)
-    chosen = above | (tie & (tie.cumsum(1) <= need))
-    ids = chosen.nonzero()[:, 1].view(scores.shape[0], k)                    # ascending index
-    vals = scores.gather(1, ids)
+    m, n = scores.shape
+    vals, ids = torch.topk(scores, min(k + 1, n), dim=1)                   # best first
+    crossing = vals[:, k] == vals[:, k - 1] if n > k else torch.zeros(m, dtype=torch.bool)
+    vals, ids = vals[:, :k], ids[:, :k]
+    # rows with no tie across the k-th place: topk chose the right rows; order ties by index
+    order = torch.argsort(ids, dim=1)
+    vals, ids = vals.gather(1, order), ids.gather(1, order)
     order = torch.sort(vals, dim=1, descending=True, stable=True).indices
-    return vals.gather(1, order), ids.gather(1, order)
+    vals, ids = vals.gather(1, order), ids.gather(1, order)
+    if bool(crossing.any()):
+        rows = crossing.nonzero()[:, 0]
+        sub = scores[rows]
+        kth = vals[rows, -1:]                                               # (r, 1)
+        above = sub > kth
+        tie = sub == kth
+        need = k - above.sum(1, keepdim=True)
+        chosen = above | (tie & (tie.cumsum(1) <= need))
+        sub_ids = chosen.nonzero()[:, 1].view(len(rows), k)                 # ascending index
+        sub_vals = sub.gather(1, sub_ids)
+        order = torch.sort(sub_vals, dim=1, descending=True, stable=True).indices
+        vals[rows], ids[rows] = sub_vals.gather(1, order), sub_ids.gather(1, order)
+    return vals, ids
 
 
 class KVMemory:
