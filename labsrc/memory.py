@@ -51,10 +51,10 @@ from labsrc.kernels.memory import knn_memory_attention, knn_memory_attention_ref
 
 __all__ = [
     "INDEXES", "KVMemory", "topk_merge", "recall_at_k", "index_benchmark", "knn_memory_attention",
-    "knn_memory_attention_ref", "joint_softmax_attention", "RULES", "RetrievalContext", "retrieval_logits", "chunk_spans",
-    "BM25Retriever", "DenseRetriever", "question_ids", "rag_sample", "truncate_sample", "METHODS",
-    "CHEAP", "comparison_plan", "planned_n", "run_method", "compare_methods", "NAME", "load_results",
-    "summarize", "results_path", "main",
+    "knn_memory_attention_ref", "joint_softmax_attention", "RULES", "RetrievalContext", "retrieval_logits",
+    "chunk_spans", "BM25Retriever", "DenseRetriever", "question_ids", "rag_sample", "truncate_sample", "METHODS",
+    "CHEAP", "comparison_plan", "comparison_documents", "planned_n", "run_method", "compare_methods", "NAME",
+    "load_results", "summarize", "results_path", "main",
 ]
 
 INDEXES = ("exact", "faiss-flat", "faiss-ivf", "faiss-hnsw")
@@ -765,6 +765,21 @@ def planned_n(label: str, n: int, n_cheap: int | None = None) -> int:
     return max(n, n_cheap or 0) if label in CHEAP else n
 
 
+def comparison_documents(tokenizer, length: int, count: int, *, seed: int = 0, depths=None) -> list:
+    """The first ``count`` pass-key documents of ``length`` tokens that :func:`compare_methods` reads (the same
+    list whatever ``count``: a longer list extends a shorter one). Each key depth is drawn uniformly from
+    ``[0, 1]`` by a generator seeded from ``seed`` and ``length``, or cycles through ``depths`` if given."""
+    from labsrc.tasks import passkey_sample
+
+    length, count = _positive_int("length", length), _positive_int("count", count)
+    rng = random.Random(f"memory-{seed}-{length}")
+    out = []
+    for i in range(count):
+        depth = depths[i % len(depths)] if depths is not None else rng.random()
+        out.append(passkey_sample(tokenizer, length, depth, rng))
+    return out
+
+
 def compare_methods(model, tokenizer, lengths, n, *, n_cheap: int | None = None, depths=None, top_ks=(8, 32),
                     seed: int = 0, window: int = 384, chunk: int = 128, trained: int | None = None,
                     skip=(), progress=None) -> list[dict]:
@@ -778,9 +793,7 @@ def compare_methods(model, tokenizer, lengths, n, *, n_cheap: int | None = None,
     ``skip`` holds ``(length, label)`` cells already measured (a resumed run); ``progress(length, label,
     rows)`` is called with each finished cell's rows. Returns one dict per (length, method label,
     document) with the fields of :func:`run_method` plus ``length``, ``label``, ``depth`` and ``doc`` (its
-    index at that length)."""
-    from labsrc.tasks import passkey_sample
-
+    index in :func:`comparison_documents`)."""
     lengths = list(lengths)
     ns = [n] * len(lengths) if isinstance(n, Integral) else list(n)
     if len(ns) != len(lengths):
@@ -792,12 +805,8 @@ def compare_methods(model, tokenizer, lengths, n, *, n_cheap: int | None = None,
     skip = set(skip)
     rows = []
     for length, n_len in zip(lengths, ns):
-        rng = random.Random(f"memory-{seed}-{length}")
         most = max(planned_n(label, n_len, n_cheap) for label, _, _ in plan)
-        samples = []
-        for i in range(most):
-            depth = depths[i % len(depths)] if depths is not None else rng.random()
-            samples.append(passkey_sample(tokenizer, length, depth, rng))
+        samples = comparison_documents(tokenizer, length, most, seed=seed, depths=depths)
         for label, method, kw in plan:
             if (length, label) in skip:
                 continue

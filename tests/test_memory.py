@@ -327,6 +327,9 @@ def test_compare_methods_shares_documents_and_gives_cheap_methods_more(lab):
     by = {(r["label"], r["doc"]): r for r in rows}
     assert by[("full", 0)]["depth"] == by[("truncate", 0)]["depth"], "the first n documents are shared"
     assert len({by[("truncate", i)]["depth"] for i in range(3)}) == 3, "depths are drawn, not repeated"
+    docs = M.comparison_documents(tok, 300, 3)
+    assert [d.meta["depth"] for d in docs] == [by[("truncate", i)]["depth"] for i in range(3)]
+    assert M.comparison_documents(tok, 300, 1)[0].ids == docs[0].ids, "a shorter list is a prefix"
     with pytest.raises(ValueError, match="one int per length"):
         M.compare_methods(model, tok, [300, 400], [1], top_ks=(4,))
     with pytest.raises(ValueError, match="n_cheap"):
