@@ -870,12 +870,13 @@ def main(argv=None) -> None:
     model digest are the ones it would use (``--fresh`` starts over).
 
     Why these sizes on the CPU (1,024-8,192 tokens; 20, 20, 10 and 10 documents per method, 100 for
-    truncation and BM25 RAG): the run has to fit about half an hour on two shared cores. Truncation and BM25
-    RAG read one trained window whatever the length (about 0.3 s a document), so they get n = 100 everywhere.
-    Every other method reads the whole document, and at 8,192 tokens one document costs seconds to half a
-    minute (retrieval searches every past key for every query, in every layer: about 30 s; eviction about
-    25 s; full attention and YaRN about 8 s), so n falls with length there; the chapter's intervals show
-    what that costs. One ``k`` (32) stands for retrieval; the GPU profile compares several."""
+    truncation and BM25 RAG): the run has to fit well under an hour on two cores shared with other jobs (the
+    stored run took the time its ``seconds`` field records). Truncation and BM25 RAG read one trained window
+    whatever the length (about half a second a document), so they get n = 100 everywhere. Every other method
+    reads the whole document, and at 8,192 tokens one document costs seconds to a minute on a busy machine
+    (retrieval searches every past key for every query, in every layer; eviction scores its cache at every
+    chunk; full attention and YaRN are one long forward pass), so n falls with length there; the chapter's
+    intervals show what that costs. One ``k`` (32) stands for retrieval; the GPU profile compares several."""
     import argparse
     import json
     import sys
