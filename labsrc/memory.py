@@ -1,6 +1,7 @@
 """Memory and retrieval: a kNN memory of past keys and values, attention over it, and RAG.
 
-Three ways to let a model trained at 512 tokens use a longer document by *retrieving* a little of it:
+Three ways to let a model trained on short windows (lab-target: 1,024 tokens) use a longer document by
+*retrieving* a little of it:
 
 * :class:`KVMemory` -- one set of ``(key, value)`` rows searched by inner product, best first: exactly
   (``torch.topk``) or approximately with FAISS {cite}`douze2024faiss` (flat, IVF, HNSW), with
@@ -16,11 +17,11 @@ Three ways to let a model trained at 512 tokens use a longer document by *retrie
   the way :mod:`labsrc.attention` registers the lab's kernels.
 * RAG {cite}`lewis2020rag` -- :func:`chunk_spans` (overlapping chunks, so that a short fact is never split),
   :class:`BM25Retriever` (``rank_bm25``) and :class:`DenseRetriever` (mean-pooled hidden states of the lab
-  model), and :func:`rag_sample`, which puts the retrieved chunks and the question into the 512-token window.
+  model), and :func:`rag_sample`, which puts the retrieved chunks and the question into the trained window.
 
 Positions of retrieved keys under RoPE (``rule``): with ``"original"`` a retrieved key keeps the position it
 had, so the query sees it at its true distance -- exact (the equality test: memory holding everything and
-``top_k`` covering it gives full attention), but a distance beyond the trained 512 tokens is one the model
+``top_k`` covering it gives full attention), but a distance beyond the trained context is one the model
 never saw. With ``"clamped"`` (InfLLM's choice) every retrieved or sink key is placed at the same distance
 ``delta`` (the local window length by default) from the query: the model only ever sees distances it was
 trained on, at the price of losing the order of what it retrieves. Both are implemented by storing keys in
@@ -29,7 +30,9 @@ searched with the query rotated by ``delta - p``, so that the inner product the 
 attention logit the key will get.
 
 :func:`compare_methods` runs the chapter's comparison: truncation, YaRN (chapter 4), value-aware eviction
-(chapter 6), retrieved past KV at several ``k``, and RAG (BM25 and dense), on pass keys.
+(chapter 6), retrieved past KV at several ``k``, and RAG (BM25 and dense), on pass keys, the one probe
+lab-target solves inside its trained context (0.99 at 921 tokens on its eval card), so that a method's
+failure beyond it is the method's and not the model's. ``python -m labsrc.memory`` stores it (:func:`main`).
 """
 from __future__ import annotations
 
@@ -48,9 +51,10 @@ from labsrc.kernels.memory import knn_memory_attention, knn_memory_attention_ref
 
 __all__ = [
     "INDEXES", "KVMemory", "topk_merge", "recall_at_k", "index_benchmark", "knn_memory_attention",
-    "knn_memory_attention_ref", "joint_softmax_attention", "RULES", "RetrievalContext", "retrieval_logits", "chunk_spans",
-    "BM25Retriever", "DenseRetriever", "question_ids", "rag_sample", "truncate_sample", "METHODS",
-    "run_method", "compare_methods", "NAME", "load_results", "summarize", "results_path", "main",
+    "knn_memory_attention_ref", "joint_softmax_attention", "RULES", "RetrievalContext", "retrieval_logits",
+    "chunk_spans", "BM25Retriever", "DenseRetriever", "question_ids", "rag_sample", "truncate_sample", "METHODS",
+    "CHEAP", "comparison_plan", "comparison_documents", "planned_n", "run_method", "compare_methods", "NAME",
+    "load_results", "summarize", "results_path", "main",
 ]
 
 INDEXES = ("exact", "faiss-flat", "faiss-ivf", "faiss-hnsw")
@@ -96,23 +100,33 @@ def _exact_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     ``torch.topk`` finds the k-th largest value; its choice and order among equal scores is unspecified, so
     the rows it leaves are fixed here: every score above the k-th value, then the equal ones with the
     lowest indices, sorted stably by score. The answer is then a function of the scores alone.
+
+    One more value than asked for tells, row by row, whether a tie crosses the k-th place (the ``k+1``-th
+    largest equals the k-th): only those rows pay for the full pass over their scores, which is most of the
+    time retrieval decoding spends searching when done for every row.
     """
-    vals, ids = torch.topk(scores, k, dim=1)                                # best first
-    kth = vals[:, -1:]                                                     # (M, 1)
-    if bool(((scores == kth).sum(1) == (vals == kth).sum(1)).all()):
-        # no row has a tie across the k-th place: topk chose the right rows; order ties by index
-        order = torch.argsort(ids, dim=1)
-        vals, ids = vals.gather(1, order), ids.gather(1, order)
-        order = torch.sort(vals, dim=1, descending=True, stable=True).indices
-        return vals.gather(1, order), ids.gather(1, order)
-    above = scores > kth
-    tie = scores == kth
-    need = k - above.sum(1, keepdim=True)
-    chosen = above | (tie & (tie.cumsum(1) <= need))
-    ids = chosen.nonzero()[:, 1].view(scores.shape[0], k)                    # ascending index
-    vals = scores.gather(1, ids)
+    m, n = scores.shape
+    vals, ids = torch.topk(scores, min(k + 1, n), dim=1)                   # best first
+    crossing = vals[:, k] == vals[:, k - 1] if n > k else torch.zeros(m, dtype=torch.bool)
+    vals, ids = vals[:, :k], ids[:, :k]
+    # rows with no tie across the k-th place: topk chose the right rows; order ties by index
+    order = torch.argsort(ids, dim=1)
+    vals, ids = vals.gather(1, order), ids.gather(1, order)
     order = torch.sort(vals, dim=1, descending=True, stable=True).indices
-    return vals.gather(1, order), ids.gather(1, order)
+    vals, ids = vals.gather(1, order), ids.gather(1, order)
+    if bool(crossing.any()):
+        rows = crossing.nonzero()[:, 0]
+        sub = scores[rows]
+        kth = vals[rows, -1:]                                               # (r, 1)
+        above = sub > kth
+        tie = sub == kth
+        need = k - above.sum(1, keepdim=True)
+        chosen = above | (tie & (tie.cumsum(1) <= need))
+        sub_ids = chosen.nonzero()[:, 1].view(len(rows), k)                 # ascending index
+        sub_vals = sub.gather(1, sub_ids)
+        order = torch.sort(sub_vals, dim=1, descending=True, stable=True).indices
+        vals[rows], ids[rows] = sub_vals.gather(1, order), sub_ids.gather(1, order)
+    return vals, ids
 
 
 class KVMemory:
@@ -677,17 +691,25 @@ def _evict_logits(model, sample, budget: int, chunk: int):
 
 
 @torch.no_grad()
-def run_method(method: str, model, tokenizer, sample, *, trained: int = 512, window: int = 384,
+def run_method(method: str, model, tokenizer, sample, *, trained: int | None = None, window: int = 384,
                chunk: int = 128, top_k: int = 32, sinks: int = 4, rule: str = "clamped",
                index: str = "exact") -> dict:
     """Answer one probe sample with ``method`` (one of :data:`METHODS`); returns ``right``, ``seconds``,
     ``kv_tokens_held`` (tokens whose KV the method stores), ``kv_tokens_read`` (KV rows one query attends
-    to at the end) and, for RAG, ``fact_retrieved``."""
+    to at the end) and, for RAG, ``fact_retrieved``.
+
+    ``trained`` is the window the bounded methods fill: truncation keeps BOS and the last ``trained - 1``
+    tokens, eviction a cache of ``trained - chunk`` tokens (plus the chunk being read), RAG a prompt of at most
+    ``trained`` tokens, YaRN stretches by ``len / trained``. By default it is the model's trained context
+    (``config.lab_trained_context``: 1,024 for lab-target), so every method reads at most what the model
+    was trained to read."""
     from labsrc.finetune import set_rope
+    from labsrc.models.train import trained_context
     from labsrc.tasks import score
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    trained = trained_context(model) if trained is None else _positive_int("trained", trained)
     n = len(sample.ids)
     t0 = time.perf_counter()
     extra = {}
@@ -726,27 +748,75 @@ def run_method(method: str, model, tokenizer, sample, *, trained: int = 512, win
                 kv_tokens_held=held, kv_tokens_read=read, **extra)
 
 
-def compare_methods(model, tokenizer, lengths, n: int, *, depths=None, top_ks=(8, 32), seed: int = 0,
-                    window: int = 384, chunk: int = 128, progress=None) -> list[dict]:
-    """Pass-key accuracy of every method at every length: ``n`` samples per length (depths spread evenly
-    over ``depths`` or ``[0, 1]``), the same samples for every method. Returns one dict per (length,
-    method label, sample) with the fields of :func:`run_method` plus ``length``, ``label`` and ``depth``."""
+CHEAP = ("truncate", "rag-bm25")   # methods whose cost does not grow with the document (one trained window)
+
+
+def comparison_plan(top_ks=(8, 32)) -> list[tuple[str, str, dict]]:
+    """The comparison's methods as ``(label, method, keyword arguments of run_method)``, in table order."""
+    plan = [(m, m, {}) for m in ("full", "truncate", "yarn", "evict")]
+    plan += [(f"retrieval k={_positive_int('top_k', k)}", "retrieval", dict(top_k=k)) for k in top_ks]
+    plan += [("rag-bm25", "rag-bm25", {}), ("rag-dense", "rag-dense", {})]
+    return plan
+
+
+def planned_n(label: str, n: int, n_cheap: int | None = None) -> int:
+    """Documents a method gets at one length: ``n_cheap`` for the methods of :data:`CHEAP` (``n`` if None or
+    smaller), ``n`` for the others."""
+    return max(n, n_cheap or 0) if label in CHEAP else n
+
+
+def comparison_documents(tokenizer, length: int, count: int, *, seed: int = 0, depths=None) -> list:
+    """The first ``count`` pass-key documents of ``length`` tokens that :func:`compare_methods` reads (the same
+    list whatever ``count``: a longer list extends a shorter one). Each key depth is drawn uniformly from
+    ``[0, 1]`` by a generator seeded from ``seed`` and ``length``, or cycles through ``depths`` if given."""
     from labsrc.tasks import passkey_sample
 
+    length, count = _positive_int("length", length), _positive_int("count", count)
+    rng = random.Random(f"memory-{seed}-{length}")
+    out = []
+    for i in range(count):
+        depth = depths[i % len(depths)] if depths is not None else rng.random()
+        out.append(passkey_sample(tokenizer, length, depth, rng))
+    return out
+
+
+def compare_methods(model, tokenizer, lengths, n, *, n_cheap: int | None = None, depths=None, top_ks=(8, 32),
+                    seed: int = 0, window: int = 384, chunk: int = 128, trained: int | None = None,
+                    skip=(), progress=None) -> list[dict]:
+    """Pass-key accuracy of every method at every length.
+
+    ``n`` documents per length (an int, or one per length) go to every method, the same documents for each;
+    the methods of :data:`CHEAP` (truncation and BM25 RAG, which read one trained window whatever the
+    document's length) get ``n_cheap`` documents instead, the first ``n`` of them the shared ones. Each
+    document's key depth is drawn uniformly from ``[0, 1]`` (or cycles through ``depths`` if given), so the
+    first ``n`` documents are as random a sample as all ``n_cheap``: a Wilson interval fits both.
+    ``skip`` holds ``(length, label)`` cells already measured (a resumed run); ``progress(length, label,
+    rows)`` is called with each finished cell's rows. Returns one dict per (length, method label,
+    document) with the fields of :func:`run_method` plus ``length``, ``label``, ``depth`` and ``doc`` (its
+    index in :func:`comparison_documents`)."""
+    lengths = list(lengths)
+    ns = [n] * len(lengths) if isinstance(n, Integral) else list(n)
+    if len(ns) != len(lengths):
+        raise ValueError(f"n must be an int or one int per length ({len(lengths)}), got {n!r}")
+    ns = [_positive_int("n", v) for v in ns]
+    if n_cheap is not None:
+        n_cheap = _positive_int("n_cheap", n_cheap)
+    plan = comparison_plan(top_ks)
+    skip = set(skip)
     rows = []
-    for length in lengths:
-        rng = random.Random(f"memory-{seed}-{length}")
-        ds = depths if depths is not None else [i / max(n - 1, 1) for i in range(n)]
-        samples = [passkey_sample(tokenizer, length, ds[i % len(ds)], rng) for i in range(n)]
-        plan = [(m, m, {}) for m in ("full", "truncate", "yarn", "evict")]
-        plan += [(f"retrieval k={k}", "retrieval", dict(top_k=k)) for k in top_ks]
-        plan += [("rag-bm25", "rag-bm25", {}), ("rag-dense", "rag-dense", {})]
+    for length, n_len in zip(lengths, ns):
+        most = max(planned_n(label, n_len, n_cheap) for label, _, _ in plan)
+        samples = comparison_documents(tokenizer, length, most, seed=seed, depths=depths)
         for label, method, kw in plan:
-            for s in samples:
-                r = run_method(method, model, tokenizer, s, window=window, chunk=chunk, **kw)
-                rows.append(dict(r, length=length, label=label, depth=s.meta["depth"]))
+            if (length, label) in skip:
+                continue
+            cell = []
+            for i, s in enumerate(samples[:planned_n(label, n_len, n_cheap)]):
+                r = run_method(method, model, tokenizer, s, window=window, chunk=chunk, trained=trained, **kw)
+                cell.append(dict(r, length=length, label=label, depth=s.meta["depth"], doc=i))
+            rows += cell
             if progress:
-                progress(length, label)
+                progress(length, label, cell)
     return rows
 
 
@@ -790,9 +860,23 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def main(argv=None) -> None:
-    """``python -m labsrc.memory [--profile cpu|gpu]``: run :func:`compare_methods` at the profile's sizes
-    (``labsrc.sizes("memory")``: ``compare_lengths``, ``compare_n``, ``top_ks``, ``window``, ``chunk``) and
-    write every row, with the run's stamp, to ``labsrc/data/results/memory_comparison_<profile>.json``."""
+    """``python -m labsrc.memory [--profile cpu|gpu] [--fresh]``: run :func:`compare_methods` at the profile's
+    sizes (``labsrc.sizes("memory")``: ``compare_lengths``, ``compare_n`` (one per length),
+    ``compare_n_cheap``, ``top_ks``, ``window``, ``chunk``) and write every row, with the run's stamp and the
+    digest of the lab-target it used, to ``labsrc/data/results/memory_comparison_<profile>.json``.
+
+    The file is rewritten after every (length, method) cell, so an interrupted run loses one cell at most:
+    run the command again and it resumes, keeping the cells already stored when the file's settings and
+    model digest are the ones it would use (``--fresh`` starts over).
+
+    Why these sizes on the CPU (1,024-8,192 tokens; 20, 20, 10 and 10 documents per method, 100 for
+    truncation and BM25 RAG): the run has to fit well under an hour on two cores shared with other jobs (the
+    stored run took the time its ``seconds`` field records). Truncation and BM25 RAG read one trained window
+    whatever the length (about half a second a document), so they get n = 100 everywhere. Every other method
+    reads the whole document, and at 8,192 tokens one document costs seconds to a minute on a busy machine
+    (retrieval searches every past key for every query, in every layer; eviction scores its cache at every
+    chunk; full attention and YaRN are one long forward pass), so n falls with length there; the chapter's
+    intervals show what that costs. One ``k`` (32) stands for retrieval; the GPU profile compares several."""
     import argparse
     import json
     import sys
@@ -803,26 +887,41 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--profile", default=labsrc.PROFILE, choices=("cpu", "gpu"))
+    parser.add_argument("--fresh", action="store_true", help="ignore a stored partial run and start over")
     args = parser.parse_args(argv)
     S = labsrc.sizes("memory", args.profile)
     labsrc.seed_everything(0)
     model, tok = load("lab-target", device=labsrc.DEVICE)
-    t0 = time.perf_counter()
+    lengths = list(S.compare_lengths)
+    ns = list(S.compare_n) if not isinstance(S.compare_n, Integral) else [S.compare_n] * len(lengths)
+    settings = dict(profile=args.profile, lengths=lengths, n=ns, n_cheap=S.compare_n_cheap, cheap=list(CHEAP),
+                    window=S.window, chunk=S.chunk, top_ks=list(S.top_ks), probe="passkey",
+                    models=models_stamp("lab-target"))
     RESULTS.mkdir(parents=True, exist_ok=True)
     info = labsrc.stamp(file=sys.stderr)
+    path = results_path(args.profile)
     rows: list[dict] = []
+    before = 0.0
+    if path.is_file() and not args.fresh:
+        old = json.loads(path.read_text())
+        if {k: old.get(k) for k in settings} == settings and not old.get("complete"):
+            rows, before = old["rows"], float(old["seconds"])
+            print(f"resuming: {len(rows)} rows stored ({before:.0f} s)", file=sys.stderr)
+    done = {(r["length"], r["label"]) for r in rows}
+    t0 = time.perf_counter()
+    cells = len(lengths) * len(comparison_plan(S.top_ks))
 
-    def save(done: bool):
-        out = dict(stamp=info, models=models_stamp("lab-target"), profile=args.profile, lengths=list(S.compare_lengths), n=S.compare_n,
-                   window=S.window, chunk=S.chunk, top_ks=list(S.top_ks), seconds=time.perf_counter() - t0,
-                   complete=done, command=f"python -m labsrc.memory --profile {args.profile}", rows=rows)
-        results_path(args.profile).write_text(json.dumps(out, indent=1))
+    def save(length, label, cell):
+        rows.extend(cell)
+        finished = len({(r["length"], r["label"]) for r in rows}) == cells
+        out = dict(stamp=info, **settings, seconds=before + time.perf_counter() - t0, complete=finished,
+                   command=f"python -m labsrc.memory --profile {args.profile}", rows=rows)
+        path.write_text(json.dumps(out, indent=1))
+        print(f"{before + time.perf_counter() - t0:7.1f}s  L={length} {label}: "
+              f"{sum(r['right'] for r in cell)}/{len(cell)}", file=sys.stderr, flush=True)
 
-    for length in S.compare_lengths:   # one length at a time, saved as it finishes
-        rows += compare_methods(model, tok, [length], S.compare_n, top_ks=S.top_ks, window=S.window,
-                                chunk=S.chunk, progress=lambda L, m: print(
-                                    f"{time.perf_counter() - t0:7.1f}s  L={L} {m}", file=sys.stderr, flush=True))
-        save(done=length == S.compare_lengths[-1])
+    compare_methods(model, tok, lengths, ns, n_cheap=S.compare_n_cheap, top_ks=S.top_ks, window=S.window,
+                    chunk=S.chunk, skip=done, progress=save)
 
 
 if __name__ == "__main__":

@@ -206,16 +206,20 @@ SIZES: dict[str, dict[str, dict]] = {
                     prune_windows=24),
     },
     "memory": {
-        # compare_*: the stored comparison (python -m labsrc.memory); live_*: the case the chapter reruns.
+        # compare_*: the stored comparison (python -m labsrc.memory; compare_n per length for every method,
+        # compare_n_cheap for truncation and BM25 RAG, which cost one window: why in labsrc.memory.main);
+        # live_*: the case the chapter reruns.
         "cpu": dict(index_sizes=(1000, 4000, 16000), index_dim=40, index_queries=64, index_k=16,
                     kernel_shape=(1, 4, 2, 5, 24, 8, 40), eq_len=160, eq_window=32, eq_chunk=16,
-                    compare_lengths=(1024, 2048, 4096), compare_n=6, top_ks=(8, 32), window=384, chunk=128,
-                    live_length=1024, live_depth=0.1, rag_size=64, rag_overlap=32),
+                    compare_lengths=(1024, 2048, 4096, 8192), compare_n=(20, 20, 10, 10), compare_n_cheap=100,
+                    top_ks=(32,), window=384, chunk=128,
+                    live_length=2048, live_depth=0.1, rag_size=64, rag_overlap=32),
         # The memories are searched on the CPU (FAISS CPU, torch.topk on CPU tensors), so the GPU profile
         # stops at 16K tokens and 200K rows; 64K needs the exact memory on the GPU.
         "gpu": dict(index_sizes=(10000, 50000, 200000), index_dim=128, index_queries=256, index_k=32,
                     kernel_shape=(4, 32, 8, 64, 2048, 64, 128), eq_len=1024, eq_window=128, eq_chunk=64,
-                    compare_lengths=(1024, 4096, 16384), compare_n=20, top_ks=(8, 32, 128),
+                    compare_lengths=(1024, 4096, 16384), compare_n=(20, 20, 20), compare_n_cheap=100,
+                    top_ks=(8, 32, 128),
                     window=384, chunk=128, live_length=4096, live_depth=0.1, rag_size=64, rag_overlap=32),
     },
     "linear_attention": {

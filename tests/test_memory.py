@@ -300,14 +300,57 @@ def test_run_method_rejects_unknown_method(lab):
     assert r["kv_tokens_held"] == 300 and isinstance(r["right"], bool)
 
 
+def test_run_method_fills_the_models_trained_window(lab):
+    """Truncation and RAG default to lab-target's trained context, not a constant."""
+    from labsrc.models.train import trained_context
+
+    model, tok = lab
+    window = trained_context(model)
+    s = tasks.passkey_sample(tok, window + 300, 0.9, random.Random(3))
+    r = M.run_method("truncate", model, tok, s)
+    assert r["kv_tokens_held"] == window, "truncation keeps BOS and the last trained - 1 tokens"
+    r = M.run_method("rag-bm25", model, tok, s)
+    assert window - 64 < r["kv_tokens_held"] <= window, "RAG fills the trained window, chunk by chunk"
+    with pytest.raises(ValueError, match="trained"):
+        M.run_method("truncate", model, tok, s, trained=0)
+
+
+def test_compare_methods_shares_documents_and_gives_cheap_methods_more(lab):
+    model, tok = lab
+    labels = [label for label, _, _ in M.comparison_plan((4,))]
+    keep = ("full", "truncate")
+    got = []
+    rows = M.compare_methods(model, tok, [300], [1], n_cheap=3, top_ks=(4,),
+                             skip=[(300, l) for l in labels if l not in keep],
+                             progress=lambda length, label, cell: got.append((label, len(cell))))
+    assert got == [("full", 1), ("truncate", 3)], "skipped cells are not run; cheap methods get n_cheap"
+    by = {(r["label"], r["doc"]): r for r in rows}
+    assert by[("full", 0)]["depth"] == by[("truncate", 0)]["depth"], "the first n documents are shared"
+    assert len({by[("truncate", i)]["depth"] for i in range(3)}) == 3, "depths are drawn, not repeated"
+    docs = M.comparison_documents(tok, 300, 3)
+    assert [d.meta["depth"] for d in docs] == [by[("truncate", i)]["depth"] for i in range(3)]
+    assert M.comparison_documents(tok, 300, 1)[0].ids == docs[0].ids, "a shorter list is a prefix"
+    with pytest.raises(ValueError, match="one int per length"):
+        M.compare_methods(model, tok, [300, 400], [1], top_ks=(4,))
+    with pytest.raises(ValueError, match="n_cheap"):
+        M.compare_methods(model, tok, [300], 1, n_cheap=0, top_ks=(4,))
+
+
 def test_stored_comparison_is_complete_and_summarizes():
-    """The chapter's CPU profile plots the stored run: every length and method with n samples each."""
+    """The chapter's CPU profile plots the stored run: every length and method with its planned n, on the
+    settings the CPU profile names now."""
+    import labsrc
+
     stored = M.load_results("cpu")
     assert stored["complete"] and stored["command"].startswith("python -m labsrc.memory")
+    S = labsrc.sizes("memory", "cpu")
+    assert stored["lengths"] == list(S.compare_lengths) and stored["n"] == list(S.compare_n)
+    assert stored["n_cheap"] == S.compare_n_cheap and stored["top_ks"] == list(S.top_ks)
     summary = M.summarize(stored["rows"])
     labels = {r["label"] for r in stored["rows"]}
-    assert {"full", "truncate", "yarn", "evict", "rag-bm25", "rag-dense"} <= labels
-    for length in stored["lengths"]:
+    assert labels == {label for label, _, _ in M.comparison_plan(S.top_ks)}
+    for length, n in zip(stored["lengths"], stored["n"]):
         for label in labels:
             cell = summary[(length, label)]
-            assert cell["n"] == stored["n"] and 0 <= cell["k"] <= cell["n"] and cell["sec"] > 0
+            assert cell["n"] == M.planned_n(label, n, stored["n_cheap"]), (length, label)
+            assert 0 <= cell["k"] <= cell["n"] and cell["sec"] > 0
