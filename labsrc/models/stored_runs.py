@@ -82,8 +82,10 @@ STORED: tuple[StoredRun, ...] = (
     StoredRun("labsrc/data/distill_results.json", ("lab-target", "lab-draft"), "chapter 13",
               "python -m labsrc.distill experiment --save-dir /tmp/students && "
               "python -m labsrc.distill drafts --students /tmp/students"),
-    StoredRun("labsrc/models/checkpoints/lab-draft-distilled/eval_card.json", ("lab-target",),
-              "chapters 10 and 13", "python -m labsrc.distill ship --method kd --steps 120 --T 2.0 --overwrite"),
+    StoredRun("labsrc/data/results/distill_finetune.json", ("lab-target", "lab-draft"), "chapter 13",
+              "python -m labsrc.distill finetune-experiment --steps 300 --seeds 0 1 2 --threads 1"),
+    StoredRun("labsrc/models/checkpoints/lab-draft-distilled/eval_card.json", ("lab-target", "lab-draft"),
+              "chapter 13", "python -m labsrc.distill ship-finetuned --method gkd --seed 1 --overwrite"),
     StoredRun("labsrc/data/results/weight_quant.json", ("lab-target",), "chapter 12",
               "python -m labsrc.weight_quant --eval-windows 16 --probe-n 100 --probes needle variable_tracking "
               "--calib-windows 8 --qat-steps 80"),
