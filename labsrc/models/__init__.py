@@ -87,9 +87,18 @@ def eval_card(name_or_path: str) -> dict:
 
 
 def train_log(name_or_path: str) -> list[dict]:
-    """The training log (one dict per step: loss, text loss, answer loss, lr, tokens, seconds)."""
+    """The training log (one dict per step: loss, text loss, answer loss, lr, tokens, seconds; a fine-tuned
+    draft's log also names each step's batch by a digest, kept as text)."""
     import csv
+
+    def value(v):
+        if v in ("", None):
+            return None
+        try:
+            return float(v)
+        except ValueError:  # a batch digest such as '31f5d42706bd'
+            return v
 
     where = Path(resolve(name_or_path))
     with open(where / "train_log.csv") as f:
-        return [{k: (float(v) if v not in ("", None) else None) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
