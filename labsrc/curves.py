@@ -14,8 +14,8 @@ keeps its per-sample results, so the slice must match sample for sample.
 A stored curve records what made it: ``command`` (every option spelled out), ``code_version`` (a digest of the
 source of the functions that score it, :func:`source_version`), ``samples_digest`` (of the probe samples it
 scored, :func:`samples_digest`), ``models`` (digests of the checkpoints' weights,
-:func:`labsrc.models.stored_runs.models_stamp`) and the machine. A test recomputes the digests from the code, the probes and the shipped checkpoint, so a stored curve
-cannot outlive what made it unnoticed.
+:func:`labsrc.models.stored_runs.models_stamp`) and the machine. A test recomputes the digests from the code,
+the probes and the shipped checkpoint, so a stored curve cannot outlive what made it unnoticed.
 
 :func:`sweep` writes the file after every point and, given the same header, resumes where an interrupted run
 stopped.

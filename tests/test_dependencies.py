@@ -15,7 +15,8 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 # MathJax for the offline book, the notebook runner.
 NOT_IMPORTED = {"ipykernel", "jupyterlab", "jupyter-book", "django-static-mathjax", "nbmake", "pytest-xdist",
                 "pytest-playwright"}
-LOCAL = {"labsrc", "browser_setup", "colab_cells", "exercise_contract", "no_triton", "solution_outputs"}
+# The package and the repository's own scripts and test helpers, which import each other by file name.
+LOCAL = {"labsrc"} | {p.stem for folder in ("tools", "tests") for p in (ROOT / folder).rglob("*.py")}
 
 
 def _name(requirement: str) -> str:

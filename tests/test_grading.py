@@ -7,6 +7,8 @@ every chapter, and this notebook executes in seconds, so no chapter is executed 
 (each executes once in `make execute`: as instructor, then its exercises as student, tools/student_suffix.py).
 """
 import copy
+import functools
+import importlib.util
 import json
 import re
 import time
@@ -20,6 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "chapters").glob("*.ipynb"))
 ROUND_TRIP_CHAPTER = ROOT / "chapters" / "01_kv_cache.ipynb"
 SOLUTION_REGION = re.compile(r"### BEGIN SOLUTION(.*?)### END SOLUTION", re.S)
+
+
+@functools.cache
+def _nbgrader_cells():
+    """tools/nbgrader_cells.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("nbgrader_cells", ROOT / "tools" / "nbgrader_cells.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def source(cell):
@@ -80,10 +91,7 @@ def test_every_exercise_cell_carries_nbgrader_metadata(path):
 
 
 def test_nbgrader_cells_is_idempotent_and_keeps_an_instructors_hidden_lines():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("nbgrader_cells", ROOT / "tools" / "nbgrader_cells.py")
-    cells_tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cells_tool)
+    cells_tool = _nbgrader_cells()
     nb = exercise_notebook(ROUND_TRIP_CHAPTER)
     test = next(c for c in nb["cells"] if nbgrader(c).get("grade"))
     test["source"] = source(test).replace("### END HIDDEN TESTS", "assert gqa_kv_bytes(1, 1, 1, 1, 1, 1, 1) == 2\n"
@@ -310,7 +318,6 @@ def test_grade_refuses_unknown_notebooks_and_empty_folders(tmp_path):
 
 # --------------------------------------------------------------------------------- the book shows the release
 def stage_book():
-    import importlib.util
     spec = importlib.util.spec_from_file_location("stage_book", ROOT / "tools" / "stage_book.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -423,7 +430,7 @@ def test_make_lab_hides_nbgraders_jupyterlab_extension():
 
 
 # --------------------------------------------------------------------------------- what the exercises ask
-THINKING = ("prediction", "derivation", "debugging", "experiment")
+THINKING = _nbgrader_cells().THINKING
 # Chapter 2 builds the bench and the model; every other chapter has a Triton kernel of its own.
 KERNEL_CHAPTERS = [p for p in CHAPTERS if not p.stem.startswith("02_")]
 

@@ -69,9 +69,8 @@ class StoredRun:
         for name in self.models:
             if name not in recorded:
                 out.append(f"it records no digest of {name}")
-            elif recorded[name] != model_digest(name):
-                out.append(f"it was computed with another {name} ({recorded[name]}, shipped "
-                           f"{model_digest(name)})")
+            elif recorded[name] != (shipped := model_digest(name)):
+                out.append(f"it was computed with another {name} ({recorded[name]}, shipped {shipped})")
         return out
 
 
