@@ -656,7 +656,8 @@ def lookup_draft(context, k: int, ngram: int = 3, min_ngram: int = 2) -> list[in
     takes a plain target step). ``min_ngram=1`` falls back to a single token, as
     transformers' ``prompt_lookup_num_tokens`` does. The default, 2, never drafts from a
     one-token match: in prose such a match is mostly a chance repeat of a common token,
-    and the draft it buys is almost always rejected (see :func:`prompt_lookup_generate`).
+    and the draft it buys is almost always rejected (:func:`prompt_lookup_generate`
+    gives the measurement).
     The most recent occurrence, not the first: text being quoted or edited is usually
     near the end, and a loop in the output repeats its latest turn. (transformers takes
     the first.)
