@@ -729,15 +729,18 @@ def prompt_lookup_generate(target, input_ids: torch.Tensor, max_new_tokens: int,
     time. ``window="adaptive"`` caps the draft by the acceptance EMA of :func:`speculative_generate`.
 
     Why ``min_ngram=2`` by default: drafting costs nothing, but verifying drafts does not. On a CPU a call
-    that checks 8 drafted tokens costs about 1.4-1.9 decode steps, so a rejected draft loses most of a step.
-    On lab-target (10 prompts of 128 tokens per kind, 20 new tokens, 4 interleaved repetitions, one thread),
+    that checks 8 drafted tokens costs about 1.4-2.4 decode steps, so a rejected draft loses most of a step.
+    On lab-target (10 prompts of 128 tokens per kind, 20 new tokens, interleaved repetitions, one thread),
     falling back to one-token matches drafted in half of the calls on plain prose, and the first looked-up
-    token was right in 14% of them: 0.78x plain decoding [0.73, 0.83]. With ``min_ngram=2`` 89% of prose
-    calls are plain steps: 0.90x [0.86, 0.94]. Passages being repeated lose the one-token resynchronisation
-    (the first token of the quotation, the token after a mismatch) and keep most of their gain: 1.68x
-    [1.34, 2.03] with one-token matches, 1.57x [1.27, 1.87] without. ``min_ngram=3`` made prose no faster
-    than noise could tell and cut the passages' gain further (1.46x), and the adaptive window changed
-    little in 20 tokens (its EMA starts high and moves 10% per call), so the default window stays fixed.
+    token was right in 14% of them: 0.78x plain decoding, 95% interval [0.73, 0.83]. With ``min_ngram=2``
+    89% of prose calls are plain steps: 0.90x [0.86, 0.94] (0.86-0.98x over six runs of the comparison on a
+    shared CPU; 0.75-0.81x with the fallback). Passages being repeated lose the one-token resynchronisation
+    (the first token of the quotation, the token after a mismatch) and keep most of their gain: 2.74 tokens
+    per target call and 1.68x [1.34, 2.03] with the fallback, 2.35 and 1.57x [1.27, 1.87] without.
+    ``min_ngram=3`` was not measurably faster on prose (paired against 2: 0.96x [0.89, 1.03]) and cut the
+    passages' tokens per call to 1.94; capping the draft of a short match, or the adaptive window (its EMA
+    starts high and moves 10% per call, too slowly for 20 tokens), changed nothing measurable, so the
+    default window stays fixed.
     Pass ``min_ngram=1`` for transformers' behaviour.
     """
     input_ids = _check_generate_args(input_ids, max_new_tokens, k, window, do_sample, temperature, top_p)
