@@ -624,8 +624,9 @@ def test_lookup_draft_takes_the_most_recent_match_then_shorter_ngrams():
     # "1 2" occurs at 0 and at 4: the most recent earlier one (4) wins, and what followed it is proposed
     assert spec.lookup_draft([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 3, ngram=2) == [5, 6, 1]
     assert spec.lookup_draft([1, 2, 3, 4, 1, 2, 5, 6, 1, 2], 8, ngram=2) == [5, 6, 1, 2]   # up to the end
-    # no earlier "9 2": the 1-gram "2" matches instead
-    assert spec.lookup_draft([1, 2, 3, 4, 9, 2], 2, ngram=2) == [3, 4]
+    # no earlier "9 2": with min_ngram=1 the 1-gram "2" matches instead (the default, 2, drafts nothing)
+    assert spec.lookup_draft([1, 2, 3, 4, 9, 2], 2, ngram=2) == []
+    assert spec.lookup_draft([1, 2, 3, 4, 9, 2], 2, ngram=2, min_ngram=1) == [3, 4]
     # the 3-gram matches and beats the more recent 1-gram match
     assert spec.lookup_draft([7, 8, 9, 1, 5, 9, 7, 8, 9], 2, ngram=3) == [1, 5]
     assert spec.lookup_draft([1, 2, 3], 4, ngram=3) == []          # nothing repeats: no draft
@@ -668,8 +669,8 @@ def test_prompt_lookup_is_greedy_identical_to_generate_and_to_transformers_promp
         ref = target.generate(ids, max_new_tokens=16, do_sample=False)
         hf = target.generate(ids, max_new_tokens=16, do_sample=False, prompt_lookup_num_tokens=4,
                              max_matching_ngram_size=2)
-        for k, ngram in ((2, 1), (8, 3)):
-            out, stats = spec.prompt_lookup_generate(target, ids, 16, k=k, ngram=ngram)
+        for k, ngram, min_ngram in ((2, 1, 1), (8, 3, 1), (8, 3, 2), (4, 2, 2)):
+            out, stats = spec.prompt_lookup_generate(target, ids, 16, k=k, ngram=ngram, min_ngram=min_ngram)
             assert torch.equal(out, ref) and torch.equal(hf, ref), (ids, k)
             assert stats.new_tokens == 16 and stats.draft_calls == 0
             assert stats.target_calls == len(stats.steps) <= 16
@@ -718,6 +719,40 @@ def test_prompt_lookup_errors():
         spec.prompt_lookup_generate(target, ids, -1)
     with pytest.raises(ValueError, match="temperature"):
         spec.prompt_lookup_generate(target, ids, 4, do_sample=True, temperature=-1.0)
+    with pytest.raises(ValueError, match="min_ngram must be >= 1"):
+        spec.prompt_lookup_generate(target, ids, 4, min_ngram=0)
+    with pytest.raises(TypeError, match="min_ngram must be"):
+        spec.prompt_lookup_generate(target, ids, 4, min_ngram=1.5)
+    with pytest.raises(ValueError, match="min_ngram must be <= ngram"):
+        spec.prompt_lookup_generate(target, ids, 4, ngram=2, min_ngram=3)
+    with pytest.raises(ValueError, match="window must be"):
+        spec.prompt_lookup_generate(target, ids, 4, window="auto")
+    with pytest.raises(ValueError, match="min_ngram must be <= ngram"):
+        spec.lookup_draft([5, 6, 5], 4, ngram=1, min_ngram=2)
+
+
+def test_lookup_draft_min_ngram_refuses_short_matches():
+    ctx = [7, 1, 2, 9, 4, 1, 2, 3, 8, 9]          # the last token, 9, occurs once before: a 1-token match
+    assert spec.lookup_draft(ctx, 3, ngram=3, min_ngram=1) == [4, 1, 2]
+    assert spec.lookup_draft(ctx, 3, ngram=3, min_ngram=2) == []
+    ctx2 = [5, 1, 2, 6, 0, 1, 2]                  # "1 2" repeats: a 2-token match, no 3-token one
+    assert spec.lookup_draft(ctx2, 2, ngram=3, min_ngram=2) == [6, 0]
+    assert spec.lookup_draft(ctx2, 2, ngram=3, min_ngram=3) == []
+    ctx3 = [4, 1, 2, 3, 7, 5, 1, 2, 3]            # the full 3-gram matches at its most recent occurrence
+    assert spec.lookup_draft(ctx3, 2, ngram=3, min_ngram=3) == [7, 5]
+
+
+def test_prompt_lookup_min_ngram_drafts_nothing_from_one_token_match_and_stays_exact():
+    target = _tiny_llama_d16(13, vocab=32, layers=2)
+    ids = torch.tensor([[3, 11, 20, 8, 11]])   # only the last token, 11, repeats
+    ref = target.generate(ids, max_new_tokens=12, do_sample=False)
+    _, st1 = spec.prompt_lookup_generate(target, ids, 12, k=4, ngram=3, min_ngram=1)
+    assert st1.steps[0].drafted > 0            # the default of transformers: a 1-token match drafts
+    for window in ("fixed", "adaptive"):
+        out, st2 = spec.prompt_lookup_generate(target, ids, 12, k=4, ngram=3, min_ngram=2, window=window)
+        assert st2.steps[0].drafted == 0       # min_ngram=2: the first cycle is a plain target step
+        assert torch.equal(out, ref)
+        assert all(s.drafted <= s.k <= 4 for s in st2.steps)
 
 
 def test_prompt_lookup_on_lab_target_quoting_and_prose(lab_pair):
