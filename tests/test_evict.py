@@ -525,26 +525,10 @@ def test_answer_accuracy_full_cache_and_errors(model, prompt):
         ev.answer_accuracy(model, [right], ev.FIFO(), None)
 
 
-# ---------------------------------------------------------------- the goal on the lab model
-
-@pytest.fixture(scope="module")
-def lab_target():
-    import labsrc.models
-    return labsrc.models.load("lab-target")
-
-
-def test_value_aware_keeps_pass_key_retrieval_at_half_eviction(lab_target):
-    # The eviction issue's goal: at 50% eviction value-aware keeps >= 90% of the full cache's pass-key accuracy.
-    # Eight 256-token pass keys with the key at depths 1/16 .. 15/16, a fresh draw per sample (seeded).
-    import random
-    from labsrc import tasks
-    model, tok = lab_target
-    rng = random.Random("test-evict-goal")
-    samples = [tasks.passkey_sample(tok, 256, (i + 0.5) / 8, rng) for i in range(8)]
-    full = ev.answer_accuracy(model, samples, None, None)
-    value_aware = ev.answer_accuracy(model, samples, ev.ValueAware(), 0.5)
-    assert full >= 0.875, f"the full cache itself retrieves only {full:.2f}: the comparison would be empty"
-    assert value_aware >= 0.9 * full, f"value-aware {value_aware:.2f} vs full cache {full:.2f}"
+# The eviction goal on the lab model (value-aware keeps >= 90% of the full cache's pass keys at 50% eviction)
+# is measured by chapter 6's stored curve (python -m labsrc.sweeps.evict), n = 100 per point at 0.9 of the
+# trained context. On the 1,024-token lab-target it is not met (0.58 against the full cache's 0.99), so the
+# eight-sample check that asserted it at 256 tokens is gone rather than moved to a setting where it passes.
 
 
 # --------------------------------------------------------------------------------------------------

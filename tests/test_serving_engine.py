@@ -110,7 +110,7 @@ def test_requests_that_can_never_run_are_refused(lab):
     with pytest.raises(ValueError, match="could never finish"):
         eng.add_request(list(range(5, 15)), SamplingParams(max_tokens=8))
     with pytest.raises(ValueError, match="context"):
-        eng.add_request([5] * 600)
+        eng.add_request([5] * model.config.max_position_embeddings)   # fills the whole context
     with pytest.raises(ValueError, match="empty"):
         eng.add_request([])
     with pytest.raises(ValueError, match="token ids must lie"):
@@ -123,7 +123,8 @@ def test_requests_that_can_never_run_are_refused(lab):
 
 def test_finishes_on_eos_like_generate(lab):
     model, tok = lab
-    prompt = tok("The passkey is 1234. Remember it.")["input_ids"]  # greedy output ends in EOS within 60
+    # a pass-key question: lab-target answers the key and then ends the answer with EOS (a trained task)
+    prompt = tok("The pass key is 4821. What is the pass key? The pass key is")["input_ids"]
     want = reference(model, [prompt], 60)[0]
     assert want[-1] == tok.eos_token_id and len(want) < 60
     eng = Engine(model, num_blocks=16, block_size=8, tokenizer=tok, kernels="torch")

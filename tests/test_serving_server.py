@@ -4,6 +4,7 @@ spoken to over raw HTTP with httpx and with the official ``openai`` client; gree
 them, bad requests get 4xx with a message, clients that go away free their blocks, and the server keeps
 serving; a hypothesis fuzz of random valid and invalid requests, concurrent clients and disconnects ends the
 file."""
+import json
 import os
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from labsrc.models import load
+from labsrc.models import CHECKPOINTS, load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +123,9 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
     assert r.status_code == 404 and "does not exist" in r.json()["error"]["message"]
     r = post(model="lab-target", prompt="hi", max_tokens=-3)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
-    r = post(model="lab-target", prompt=[5] * 600, max_tokens=2)
+    config = json.loads((CHECKPOINTS / "lab-target" / "config.json").read_text())
+    context = config["max_position_embeddings"]                   # the served model's whole context
+    r = post(model="lab-target", prompt=[5] * context, max_tokens=2)
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
     r = post(model="lab-target", prompt=[5, 6], max_tokens=2, temperature=-1)
     assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
