@@ -119,12 +119,20 @@ def write(path: Path, result: dict) -> None:
     tmp.replace(path)
 
 
-def load(path) -> dict:
-    """A stored curve; raises if the run did not finish."""
+def load(path, partial: bool = False) -> dict:
+    """A stored curve; raises if the run did not finish, unless ``partial`` (then the points scored so far,
+    with :func:`missing` naming the rest: a chapter drawn from a run still under way says so)."""
     result = json.loads(Path(path).read_text())
-    if not result.get("complete"):
+    if not result.get("complete") and not partial:
         raise ValueError(f"{path} holds an unfinished sweep: rerun its command ({result.get('command')})")
     return result
+
+
+def missing(curve: dict) -> list[tuple]:
+    """The ``(method, x, probe)`` points a curve's header asks for that it does not hold (empty when complete)."""
+    have = {_key(r) for r in curve["rows"]}
+    return [(m, x, p) for p in curve["probes"] for x in curve["xs"] for m in curve["methods"]
+            if (m, x, p) not in have]
 
 
 def estimate(row: dict) -> claims.Estimate:
@@ -142,10 +150,14 @@ def point(curve: dict, method: str, x, probe: str) -> claims.Estimate:
 
 def separations(curve: dict, probe: str, methods: Iterable[str] | None = None) -> dict:
     """For each ``x``: the pairs ``(a, b)`` where ``a``'s whole 95% interval lies above ``b``'s
-    (:func:`labsrc.claims.compare`), and the pairs the intervals cannot order."""
+    (:func:`labsrc.claims.compare`), and the pairs the intervals cannot order. An ``x`` where some method has
+    no point yet (a partial curve, :func:`missing`) is left out: comparing a subset would mislead."""
     methods = list(methods or curve["methods"])
+    have = {_key(r) for r in curve["rows"]}
     out = {}
     for x in curve["xs"]:
+        if any((m, x, probe) not in have for m in methods):
+            continue
         est = {m: point(curve, m, x, probe) for m in methods}
         above, tied = [], []
         for i, a in enumerate(methods):

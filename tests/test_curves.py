@@ -78,6 +78,27 @@ def test_separations_and_prose_come_from_the_intervals():
     assert "no two of them separate" in text[1]
 
 
+def test_a_partial_curve_loads_only_when_asked_and_names_what_it_lacks(tmp_path):
+    # A chapter may be drawn from a sweep still under way: it must say so, and compare only complete x's.
+    out = tmp_path / "c.json"
+    score, _ = fake_score(TABLE)
+
+    def dies_on_b2(method, x, probe):
+        if (method, x) == ("b", 2):
+            raise KeyboardInterrupt
+        return score(method, x, probe)
+    with pytest.raises(KeyboardInterrupt):
+        curves.sweep(dies_on_b2, ["a", "b"], [1, 2], ["p"], {"command": "x"}, out=out, echo=lambda *_: None)
+    with pytest.raises(ValueError, match="unfinished"):
+        curves.load(out)
+    part = curves.load(out, partial=True)
+    assert curves.missing(part) == [("b", 2, "p")]
+    assert list(curves.separations(part, "p")) == [1]
+    assert curves.describe(part, "p").startswith("At 1 ") and "At 2" not in curves.describe(part, "p")
+    full = curves.sweep(score, ["a", "b"], [1, 2], ["p"], {"command": "x"}, out=out, echo=lambda *_: None)
+    assert curves.missing(full) == [] and list(curves.separations(full, "p")) == [1, 2]
+
+
 def test_rescore_returns_stored_and_fresh_slices():
     score, _ = fake_score(TABLE)
     curve = curves.sweep(score, ["a", "b"], [1, 2], ["p"], {}, echo=lambda *_: None)
@@ -128,3 +149,20 @@ def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
     assert got == fresh
     with pytest.raises(ValueError, match="kept"):
         scorer("fifo", 1.0, "passkey")
+
+
+def test_the_stored_evict_curve_is_what_the_shipped_code_probes_and_model_make():
+    # Chapter 6 plots labsrc/data/results/evict_curve.json: its header must still describe the scoring code,
+    # the probe samples and the checkpoint that ship, or the chapter would plot another experiment's numbers.
+    from labsrc import models
+    from labsrc.sweeps import evict as sweep_evict
+    stored = curves.load(sweep_evict.PATH, partial=True)
+    assert stored["code_version"] == curves.source_version(*sweep_evict.scoring_code()), \
+        f"the eviction code changed since the stored curve: rerun {stored['command']}"
+    assert stored["models"] == {stored["model"]: model_digest(stored["model"])}
+    model, tok = models.load(stored["model"])
+    scorer = sweep_evict.Scorer(model, tok, n=stored["n"])
+    assert stored["context_len"] == scorer.context_len
+    for probe in stored["probes"]:
+        assert stored["samples_digest"][probe] == curves.samples_digest(scorer.samples(probe)), probe
+    assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])

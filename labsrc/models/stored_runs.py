@@ -92,6 +92,8 @@ STORED: tuple[StoredRun, ...] = (
               "python -m labsrc.memory --profile cpu"),
     StoredRun("labsrc/pipeline/results/cpu.json", ("lab-target",), "chapter 11",
               "python -m labsrc.pipeline.experiment"),
+    StoredRun("labsrc/data/results/evict_curve.json", ("lab-target",), "chapter 6",
+              "python -m labsrc.sweeps.evict --n 100 --probes passkey --kept 0.1 0.3 0.5 0.7 0.9"),
 )
 
 
