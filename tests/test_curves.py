@@ -166,3 +166,4 @@ def test_the_stored_evict_curve_is_what_the_shipped_code_probes_and_model_make()
     for probe in stored["probes"]:
         assert stored["samples_digest"][probe] == curves.samples_digest(scorer.samples(probe)), probe
     assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
+    assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
