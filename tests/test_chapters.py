@@ -175,3 +175,14 @@ def test_code_in_the_prose_fits_the_text_column(path):
             elif fence and len(line) > LONG_LINE_LIMIT:
                 too_long.append(line)
     assert not too_long, f"{path.name}: fenced code lines over {LONG_LINE_LIMIT} characters: {too_long}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_cell_has_a_stable_id(path):
+    """A cell without an id gets a random one from every tool that writes the notebook (the release build
+    among them), so the release notebooks could never be reproduced byte for byte."""
+    cells = json.loads(path.read_text())["cells"]
+    missing = [i for i, c in enumerate(cells) if not c.get("id")]
+    assert not missing, f"{path.name}: cells {missing} have no id"
+    ids = [c["id"] for c in cells]
+    assert len(ids) == len(set(ids)), f"{path.name}: repeated cell ids"
