@@ -37,8 +37,8 @@ def test_sweep_rows_and_file(tmp_path):
         curves.point(stored, "c", 2, "p")
 
 
-def test_an_interrupted_sweep_resumes_and_a_changed_header_starts_over(tmp_path):
-    out = tmp_path / "c.json"
+def interrupted_sweep(out):
+    """A sweep of methods a, b over x = 1, 2 stopped at (b, 2): the file holds three points and says unfinished."""
     score, _ = fake_score(TABLE)
 
     def dies_on_b2(method, x, probe):
@@ -49,6 +49,11 @@ def test_an_interrupted_sweep_resumes_and_a_changed_header_starts_over(tmp_path)
         curves.sweep(dies_on_b2, ["a", "b"], [1, 2], ["p"], {"command": "x"}, out=out, echo=lambda *_: None)
     with pytest.raises(ValueError, match="unfinished"):
         curves.load(out)
+
+
+def test_an_interrupted_sweep_resumes_and_a_changed_header_starts_over(tmp_path):
+    out = tmp_path / "c.json"
+    interrupted_sweep(out)
     score2, calls = fake_score(TABLE)
     curves.sweep(score2, ["a", "b"], [1, 2], ["p"], {"command": "x"}, out=out, echo=lambda *_: None)
     assert calls == [("b", 2, "p")]
@@ -82,15 +87,7 @@ def test_a_partial_curve_loads_only_when_asked_and_names_what_it_lacks(tmp_path)
     # A chapter may be drawn from a sweep still under way: it must say so, and compare only complete x's.
     out = tmp_path / "c.json"
     score, _ = fake_score(TABLE)
-
-    def dies_on_b2(method, x, probe):
-        if (method, x) == ("b", 2):
-            raise KeyboardInterrupt
-        return score(method, x, probe)
-    with pytest.raises(KeyboardInterrupt):
-        curves.sweep(dies_on_b2, ["a", "b"], [1, 2], ["p"], {"command": "x"}, out=out, echo=lambda *_: None)
-    with pytest.raises(ValueError, match="unfinished"):
-        curves.load(out)
+    interrupted_sweep(out)
     part = curves.load(out, partial=True)
     assert curves.missing(part) == [("b", 2, "p")]
     assert list(curves.separations(part, "p")) == [1]
