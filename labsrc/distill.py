@@ -781,10 +781,7 @@ class FinetuneConfig:
                        **extra)
 
     def lr_at(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / max(1, self.steps - self.warmup_steps))
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+        return _train_module().warmup_cosine(step, self.lr, self.warmup_steps, self.steps, self.min_lr_ratio)
 
 
 def batch_digest(ids: torch.Tensor) -> str:

@@ -315,11 +315,17 @@ def _synthetic(cfg: TrainConfig, tokenizer, rng: random.Random, names, probs, ro
         return tasks.make_sample("passkey", tokenizer, room, rng, split="train")
 
 
+def warmup_cosine(step: int, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The learning rate at ``step`` (from 0): a linear warm-up to ``lr`` over ``warmup_steps``, then a cosine
+    down to ``min_lr_ratio * lr`` at ``total_steps`` (held there after). Every lab training loop uses it."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def _lr(cfg: TrainConfig, step: int) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return warmup_cosine(step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
 
 
 def training_loss(logits: torch.Tensor, ids: torch.Tensor, answers: torch.Tensor, answer_weight: float):
