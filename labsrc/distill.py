@@ -980,8 +980,19 @@ SUMMARY_KEYS = ("alpha_prose", "kl", "tv", "alpha_probe", "alpha_probe_answer", 
                 "tokens_per_call", "wall_speedup", "nll")
 
 
+_ESTIMATE_FIELDS = ("value", "lo", "hi", "n", "method")
+
+
 def _estimate_dict(est) -> dict:
-    return {"value": est.value, "lo": est.lo, "hi": est.hi, "n": est.n, "method": est.method}
+    return {name: getattr(est, name) for name in _ESTIMATE_FIELDS}
+
+
+def summary_estimate(summary: dict, draft: str, key: str):
+    """One figure of :func:`summarize_finetune`'s table as a :class:`labsrc.claims.Estimate` (it needs an
+    interval: a figure of one seed, or one measured once, has none and is refused by ``Estimate``)."""
+    from labsrc.claims import Estimate
+
+    return Estimate(**{name: summary[draft][key][name] for name in _ESTIMATE_FIELDS})
 
 
 def summarize_finetune(results: dict) -> dict:
@@ -1054,7 +1065,7 @@ def ship_decision(results: dict, method: str, metric: str = "alpha_prose", min_s
     that separate: the Student-t 95% interval of its mean over at least ``min_seeds`` seeds lies wholly above
     lab-draft's 95% interval over the held-out windows (:func:`labsrc.claims.compare`). Returns ``(ship?,
     a sentence saying why)``."""
-    from labsrc.claims import Estimate, compare
+    from labsrc.claims import compare
 
     if metric not in ("alpha_prose", "alpha_probe", "alpha_probe_answer"):
         raise ValueError(f"metric must be an acceptance with an interval for lab-draft (alpha_prose, "
@@ -1071,8 +1082,7 @@ def ship_decision(results: dict, method: str, metric: str = "alpha_prose", min_s
     if "lab_draft" not in results:
         raise ValueError("the results hold no measurement of lab-draft to compare with")
     summ = summarize_finetune(results)
-    est = {m: Estimate(**{k: summ[m][metric][k] for k in ("value", "lo", "hi", "n", "method")})
-           for m in (method, "lab-draft")}
+    est = {m: summary_estimate(summ, m, metric) for m in (method, "lab-draft")}
     verdict = compare(est[method], est["lab-draft"])
     said = f"{metric}: {method} {est[method]} against lab-draft {est['lab-draft']}"
     if verdict > 0:
