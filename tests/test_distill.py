@@ -357,14 +357,14 @@ def test_ship_does_not_overwrite_a_shipped_student_without_overwrite(tmp_path, m
     monkeypatch.setattr(labsrc.models, "CHECKPOINTS", tmp_path)
     monkeypatch.setattr(labsrc.models, "load", lambda name, **kw: (f"model {name}", None))
     monkeypatch.setattr(labsrc.data, "load_tokenizer", lambda: "tokenizer")
-    monkeypatch.setattr(distill, "distill_run", lambda method, steps, **kw: (
+    monkeypatch.setattr(distill.scratch, "distill_run", lambda method, steps, **kw: (
         "student", [{"loss": 1.0}], {"method": method, "steps": steps, "T": kw["T"]}))
 
     def save_student(student, log, info, out, teacher, tokenizer):
         written.append(Path(out))
         return {"validation_perplexity": 1.0, "train_minutes": 0.0, "distillation": {}}
 
-    monkeypatch.setattr(distill, "save_student", save_student)
+    monkeypatch.setattr(distill.scratch, "save_student", save_student)
     shipped = tmp_path / "lab-draft-distilled"
     shipped.mkdir()
     (shipped / "model.safetensors").write_text("the shipped weights")

@@ -7,6 +7,7 @@ import labsrc  # noqa: F401
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -102,7 +103,7 @@ def test_the_symmetric_jsd_is_sandwiched_by_total_variation():
         s, t = torch.randn(64, 23, generator=gen) * scale, torch.randn(64, 23, generator=gen) * scale
         p, q = F.softmax(s.double(), -1), F.softmax(t.double(), -1)
         tv = 0.5 * (p - q).abs().sum(-1)
-        jsd = distill._gjsd_per_token(p.log(), q.log(), 0.5)
+        jsd = distill.losses._gjsd_per_token(p.log(), q.log(), 0.5)
         assert (tv ** 2 / 2 <= jsd + 1e-12).all() and (jsd <= tv * math.log(2) + 1e-12).all()
     # a small TV with a huge KL: a token the draft all but never proposes
     s, t = logits_of([0.999999, 1e-6]), logits_of([0.99, 0.01])
@@ -219,7 +220,7 @@ def fake_lab(monkeypatch):
     state = {"calls": [], "fail": set(), "stamp": {"lab-target": "t0", "lab-draft": "d0"}}
     monkeypatch.setattr(labsrc.models, "load", lambda name, **kw: (Model(f"model {name}"), "tok"))
     monkeypatch.setattr(labsrc.data, "load_tokenizer", lambda: "tok")
-    monkeypatch.setattr(distill, "models_stamp", lambda *names: {n: state["stamp"][n] for n in names})
+    monkeypatch.setattr(distill.finetune, "models_stamp", lambda *names: {n: state["stamp"][n] for n in names})
 
     def run(method, cfg, seed, **kw):
         if (method, seed) in state["fail"]:
@@ -228,13 +229,13 @@ def fake_lab(monkeypatch):
         return f"{method}-{seed}", [{"loss": 1.0 + seed, "batch": f"b{seed}"}], {
             "method": method, "seed": seed, "train_seconds": 1.0, "threads": 1, "train_config": {}}
 
-    monkeypatch.setattr(distill, "finetune_run", run)
+    monkeypatch.setattr(distill.finetune, "finetune_run", run)
     def figures(model, *args):   # lab-draft 0.5; a run of seed s 0.6 + 0.01 s; a saved folder 0.61
         tail = model.rsplit("-", 1)[-1]
         return fake_figures(0.5 if model == "model lab-draft" else 0.6 + 0.01 * int(tail) if tail.isdigit()
                             else 0.61)
 
-    monkeypatch.setattr(distill, "finetune_figures", figures)
+    monkeypatch.setattr(distill.finetune, "finetune_figures", figures)
     return state
 
 
@@ -278,7 +279,7 @@ def results_with(method_alphas, draft_windows, method="tv", stamp=None):
     rows = [{"method": method, "seed": i, "train": {"train_seconds": 1.0, "threads": 1},
              "eval": fake_figures(a), "losses": [1.0]} for i, a in enumerate(method_alphas)]
     return {"models": stamp or {"lab-target": "t0", "lab-draft": "d0"}, "rows": rows,
-            "config": {**distill.asdict(TINY)}, "eval": {**distill.asdict(distill.FinetuneEval()),
+            "config": {**asdict(TINY)}, "eval": {**asdict(distill.FinetuneEval()),
                                                         "probe_tasks": ["passkey"]},
             "lab_draft": fake_figures(sum(draft_windows) / len(draft_windows), draft_windows)}
 
@@ -311,7 +312,7 @@ def fake_ship(tmp_path, monkeypatch, fake_lab):
         Path(out).mkdir(parents=True, exist_ok=True)
         return {}
 
-    monkeypatch.setattr(distill, "save_student", save_student)
+    monkeypatch.setattr(distill.finetune, "save_student", save_student)
     shipped = tmp_path / "lab-draft-distilled"
     shipped.mkdir()
     (shipped / "model.safetensors").write_text("the shipped weights")

@@ -39,7 +39,7 @@ __all__ = ["jsd_buggy", "check_jsd_fix", "check_reverse_kl_gradient", "GRID", "b
 
 def _forbidden():
     from labsrc.kernels import distill as kd
-    return (distill.kd_loss, distill.soft_kl, distill.generalized_jsd, distill._gjsd_per_token, distill._kl_terms,
+    return (distill.kd_loss, distill.soft_kl, distill.generalized_jsd, distill.losses._gjsd_per_token, distill.losses._kl_terms,
             distill.fit_unimodal, distill.expected_acceptance, kd.kd_kl, kd.kd_kl_ref, kd.kd_kl_backward_ref)
 
 

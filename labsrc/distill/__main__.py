@@ -1,0 +1,4 @@
+"""``python -m labsrc.distill ...``: see :mod:`labsrc.distill.cli`."""
+from labsrc.distill.cli import main
+
+raise SystemExit(main())
