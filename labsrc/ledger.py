@@ -75,7 +75,9 @@ def cache_bytes(cache) -> int:
     This counts what a cache *really* stores, so a quantized cache's packed codes and scales, or an evicting
     cache's shorter tensors, show up as they are. A cache that states its own storage in an ``nbytes``
     attribute (the quantized caches do: they also keep a dequantized working copy, which is a simulation
-    artefact, not storage) is taken at its word.
+    artefact, not storage) is taken at its word. A zero-dimensional tensor is a counter, not cached state (from
+    version 5.25 ``transformers`` keeps each recurrent layer's token count in an int64 scalar): it is not counted,
+    so the figure is the state a sequence carries and does not move when a library adds bookkeeping.
     """
     stated = getattr(cache, "nbytes", None)
     if isinstance(stated, int) and not isinstance(stated, bool):
@@ -90,7 +92,7 @@ def cache_bytes(cache) -> int:
         visited.add(id(obj))
         if isinstance(obj, torch.Tensor):
             key = (obj.untyped_storage().data_ptr(), obj.untyped_storage().nbytes())
-            if key not in seen and obj.numel() > 0:
+            if key not in seen and obj.dim() > 0 and obj.numel() > 0:
                 seen.add(key)
                 total += obj.untyped_storage().nbytes()
         elif isinstance(obj, (list, tuple)):

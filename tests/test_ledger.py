@@ -123,6 +123,22 @@ def test_cache_bytes_takes_a_cache_that_states_its_storage_at_its_word(model):
     assert ledger.cache_bytes(cache) == 2 * k.numel() * 4
 
 
+def test_cache_bytes_counts_state_not_a_librarys_counters():
+    """A recurrent layer's cache (transformers 5.25 adds an int64 token count to each) is its states: the
+    conv window and the SSM state, nothing more, as chapter 7's exercise and memory table expect."""
+    class Layer:
+        def __init__(self):
+            self.conv_states = {0: torch.zeros(1, 12, 4)}
+            self.recurrent_states = {0: torch.zeros(1, 2, 2, 2)}
+            self.cumulative_length = torch.tensor(5)           # a counter: not state
+
+    class Cache:
+        def __init__(self):
+            self.layers = [Layer(), Layer()]
+
+    assert ledger.cache_bytes(Cache()) == 2 * (12 * 4 + 2 * 2 * 2) * 4
+
+
 def test_two_ledgers_on_one_file_keep_each_others_rows(tmp_path):
     """Two notebooks executed side by side add to the same ledger file: no row may be lost."""
     row = dict({f: 0.0 for f in ledger.FIELDS}, notes="")
