@@ -15,7 +15,7 @@ import torch
 
 from labsrc.serving.scheduler import SamplingParams
 
-__all__ = ["poisson_trace", "replay", "concurrent_fit", "allocated_slots"]
+__all__ = ["poisson_trace", "replay", "concurrent_fit", "allocated_slots", "blocks_to_keep", "paged_eviction_matches"]
 
 
 def poisson_trace(n: int, rate: float, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0,
@@ -103,3 +103,52 @@ def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
     config.max_new_tokens = max_tokens
     out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
     return out[0, len(prompt):].tolist()
+
+
+def blocks_to_keep(n_tokens: int, kept: float, block_size: int, protect: int = 1) -> int:
+    """How many of a prompt's ``ceil(n_tokens / block_size)`` blocks to keep so that the tokens they hold come
+    closest to chapter 6's token budget for the same share, :func:`labsrc.evict.budget_for` ``(n_tokens,
+    1 - kept)``: the last block (partly filled, never dropped) holds ``n_tokens`` mod ``block_size`` tokens
+    (or a full block), every other block ``block_size``. At least the ``protect`` first blocks and the last
+    stay, so the two budgets are equal within half a block."""
+    from labsrc.evict import budget_for
+
+    if not 0.0 < kept < 1.0:
+        raise ValueError(f"kept must lie in (0, 1), got {kept!r}")
+    n_blocks = -(-n_tokens // block_size)
+    last = n_tokens - (n_blocks - 1) * block_size
+    budget = budget_for(n_tokens, 1.0 - kept)
+    return min(n_blocks, max(protect + 1, 1 + round((budget - last) / block_size)))
+
+
+def paged_eviction_matches(model, samples, policy: str | None, kept: float | None, seed: int = 0,
+                           block_size: int = 16, window: int = 8, kernels: str = "torch", tokenizer=None) -> list[bool]:
+    """For each probe sample (:class:`labsrc.tasks.Sample`): does greedy decoding through the paged engine
+    reproduce its answer exactly, when whole blocks of its prompt are dropped after the prefill?
+
+    One request per sample: the engine prefills the whole prompt in one chunk (recording the last ``window``
+    queries of every layer, for the scores) and samples the first answer token from the full cache, as chapter
+    6's evicting cache does; then :meth:`~labsrc.serving.engine.Engine.evict_blocks` drops all but
+    :func:`blocks_to_keep` ``(prompt length, kept)`` blocks by ``policy`` (the first block and the last always
+    stay) and the rest of the answer is decoded from what is left. ``policy=None`` with ``kept=None`` is the
+    full cache. Sample j's random choices use seed ``seed + j``."""
+    from labsrc.serving.engine import Engine
+
+    if (policy is None) != (kept is None):
+        raise ValueError("give both policy and kept, or neither (the full cache)")
+    right = []
+    for j, s in enumerate(samples):
+        prompt, answer = list(s.prompt_ids), list(s.answer_ids)
+        engine = Engine(model, num_blocks=-(-(len(prompt) + len(answer)) // block_size) + 1, block_size=block_size,
+                        max_num_batched_tokens=len(prompt), max_num_seqs=1, tokenizer=tokenizer, kernels=kernels)
+        engine.record_queries = window
+        rid = engine.add_request(prompt, SamplingParams(max_tokens=len(answer), ignore_eos=True))
+        engine.step()  # the whole prompt: its cache, and the first answer token
+        if policy is not None:
+            n_table = len(engine.blocks.block_table(rid))
+            drop = n_table - blocks_to_keep(len(prompt), kept, block_size)
+            engine.evict_blocks(rid, drop, policy=policy, generator=torch.Generator().manual_seed(seed + j))
+        while engine.has_unfinished():
+            engine.step()
+        right.append(engine.seqs[rid].output == answer)
+    return right
