@@ -47,10 +47,21 @@ class Scorer:
         self.model, self.tokenizer, self.n, self.seed = model, tokenizer, n, seed
         self.block_size = block_size
         self.context_len = context_len(model)
+        self._prefilled = {}
 
     @functools.cache
     def samples(self, probe: str) -> list:
         return tasks.probe_samples(probe, self.tokenizer, self.context_len, self.n, self.seed)
+
+    def prefilled(self, probe: str, m: int | None = None) -> list:
+        """The first ``m`` samples' prefilled engines, each prefilled once and kept: every policy and budget
+        drops blocks from a copy of the same prefill (:func:`labsrc.serving.experiments.evict_and_answer`)."""
+        samples = self.samples(probe)[:m]
+        for j, s in enumerate(samples):
+            if (probe, j) not in self._prefilled:
+                self._prefilled[probe, j] = X.prefill_for_eviction(self.model, s, self.block_size,
+                                                                   tokenizer=self.tokenizer)
+        return [self._prefilled[probe, j] for j in range(len(samples))]
 
     def __call__(self, method: str, kept: float, probe: str, m: int | None = None) -> list[bool]:
         if not 0.0 < kept < 1.0:
@@ -58,11 +69,11 @@ class Scorer:
         if method not in serving_engine.BLOCK_POLICIES:
             raise ValueError(f"method must be one of {serving_engine.BLOCK_POLICIES}, got {method!r}")
         return X.paged_eviction_matches(self.model, self.samples(probe)[:m], method, kept,
-                                        block_size=self.block_size, tokenizer=self.tokenizer)
+                                        prefilled=self.prefilled(probe, m))
 
     def baseline(self, probe: str) -> list[bool]:
-        return X.paged_eviction_matches(self.model, self.samples(probe), None, None, block_size=self.block_size,
-                                        tokenizer=self.tokenizer)
+        return X.paged_eviction_matches(self.model, self.samples(probe), None, None,
+                                        prefilled=self.prefilled(probe))
 
     def kept_tokens(self, probe: str, kept: float) -> list[int]:
         """Tokens of each sample's prompt the blocks kept at share ``kept`` hold (the equal-budget check)."""
@@ -77,7 +88,7 @@ class Scorer:
 def scoring_code() -> list:
     """Everything whose source decides a point's result (the samples are pinned by their own digest)."""
     E = serving_engine.Engine
-    return [X.paged_eviction_matches, X.blocks_to_keep, ev.budget_for, E.evict_blocks, E.block_scores,
+    return [X.paged_eviction_matches, X.prefill_for_eviction, X.evict_and_answer, X.blocks_to_keep, ev.budget_for, E.evict_blocks, E.block_scores,
             ev.value_aware_scores, ev.recency, serving_blocks.BlockManager.drop_blocks,
             serving_engine.paged_attention_forward, Scorer]
 
