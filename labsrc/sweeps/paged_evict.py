@@ -88,9 +88,9 @@ class Scorer:
 def scoring_code() -> list:
     """Everything whose source decides a point's result (the samples are pinned by their own digest)."""
     E = serving_engine.Engine
-    return [X.paged_eviction_matches, X.prefill_for_eviction, X.evict_and_answer, X.blocks_to_keep, ev.budget_for, E.evict_blocks, E.block_scores,
-            ev.value_aware_scores, ev.recency, serving_blocks.BlockManager.drop_blocks,
-            serving_engine.paged_attention_forward, Scorer]
+    return [X.paged_eviction_matches, X.prefill_for_eviction, X.evict_and_answer, X.blocks_to_keep,
+            ev.budget_for, E.evict_blocks, E.block_scores, ev.value_aware_scores, ev.recency,
+            serving_blocks.BlockManager.drop_blocks, serving_engine.paged_attention_forward, Scorer]
 
 
 def header(scorer: Scorer, model_name: str, probes, command: str) -> dict:
