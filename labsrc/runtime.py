@@ -156,19 +156,20 @@ SIZES: dict[str, dict[str, dict]] = {
                     decode_lengths=(1024, 4096, 16384, 65536)),
     },
     "serving": {
-        # trace: Poisson arrivals per engine step; reps: timed repeats of each replay (>= 2 for an interval)
+        # trace: Poisson arrivals per engine step; reps: timed repeats of each replay (>= 2 for an interval);
+        # evict_slice: samples per point of the stored paged-eviction curve rescored live
         "cpu": dict(kernel_lens=(1, 37, 70), kernel_page=16, mix_n=200, mix_max_len=2048, pool_tokens=65536,
                     n_requests=12, rate=0.5, prompt_range=(8, 40), output_range=(8, 24), block_size=16,
                     num_blocks=24, max_seqs=16, budget=256, reps=3,
                     prefix_n=3, prefix_len=48, prefix_requests=10, suffix_range=(4, 12), prefix_out=6,
                     preempt_requests=6, preempt_pools=(40, 12, 8), preempt_block=8, identity_n=4,
-                    evict_n=8, evict_ctx=256, evict_frac=0.5, http_n=8, compare_reps=3),
+                    evict_slice=8, http_n=8, compare_reps=3),
         "gpu": dict(kernel_lens=(1, 377, 4099), kernel_page=16, mix_n=2000, mix_max_len=2048, pool_tokens=65536,
                     n_requests=64, rate=2.0, prompt_range=(16, 200), output_range=(16, 200), block_size=16,
                     num_blocks=256, max_seqs=64, budget=1024, reps=5,
                     prefix_n=4, prefix_len=256, prefix_requests=48, suffix_range=(8, 64), prefix_out=32,
                     preempt_requests=16, preempt_pools=(256, 48, 32), preempt_block=16, identity_n=8,
-                    evict_n=40, evict_ctx=448, evict_frac=0.5, http_n=64, compare_reps=5),
+                    evict_slice=25, http_n=64, compare_reps=5),
     },
     "weight_quant": {
         # live_*: the one small case the CPU profile reruns (the rest is read from the stored results of

@@ -164,3 +164,54 @@ def test_the_stored_evict_curve_is_what_the_shipped_code_probes_and_model_make()
         assert stored["samples_digest"][probe] == curves.samples_digest(scorer.samples(probe)), probe
     assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
     assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
+
+
+def test_paged_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
+    # Chapter 9's command on 2 pass keys, 2 block policies, one share kept: header, baseline and every point,
+    # and re-scoring a slice reproduces the stored per-sample results.
+    from labsrc.sweeps import paged_evict
+    out = tmp_path / "paged.json"
+    result = paged_evict.main(["--n", "2", "--probes", "passkey", "--kept", "0.3", "--policies", "value", "recency",
+                               "--out", str(out)])
+    stored = curves.load(out)
+    assert stored["command"].startswith("python -m labsrc.sweeps.paged_evict --n 2 --probes passkey --kept 0.3")
+    assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("value", 0.3),
+                                                               ("recency", 0.3)}
+    assert stored["code_version"] == curves.source_version(*paged_evict.scoring_code())
+    assert stored["models"] == {"lab-target": model_digest("lab-target")} and stored["block_size"] == 16
+    assert result["rows"] == stored["rows"]
+    from labsrc import models
+    model, tok = models.load("lab-target")
+    scorer = paged_evict.Scorer(model, tok, n=2)
+    assert stored["samples_digest"]["passkey"] == curves.samples_digest(scorer.samples("passkey"))
+    got, fresh = curves.rescore(stored, scorer, "value", 0.3, "passkey", 2)
+    assert got == fresh
+    with pytest.raises(ValueError, match="kept"):
+        scorer("value", 1.0, "passkey")
+    with pytest.raises(ValueError, match="method"):
+        scorer("h2o", 0.3, "passkey")
+
+
+def test_the_stored_paged_evict_curve_is_what_the_shipped_code_probes_and_model_make():
+    # Chapter 9 plots labsrc/data/results/paged_evict_curve.json and sets it beside chapter 6's token-level
+    # curve on the same samples: its header must describe the shipped scoring code, samples and checkpoint.
+    from labsrc import models
+    from labsrc.sweeps import evict as sweep_evict, paged_evict
+    stored = curves.load(paged_evict.PATH, partial=True)
+    assert stored["code_version"] == curves.source_version(*paged_evict.scoring_code()), \
+        f"the paged eviction code changed since the stored curve: rerun {stored['command']}"
+    assert stored["models"] == {stored["model"]: model_digest(stored["model"])}
+    model, tok = models.load(stored["model"])
+    scorer = paged_evict.Scorer(model, tok, n=stored["n"], block_size=stored["block_size"])
+    assert stored["context_len"] == scorer.context_len
+    for probe in stored["probes"]:
+        assert stored["samples_digest"][probe] == curves.samples_digest(scorer.samples(probe)), probe
+    assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
+    assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
+    from labsrc.models.stored_runs import STORED
+    assert [r.command for r in STORED if r.path.endswith("/paged_evict_curve.json")] == [stored["command"]], \
+        "STORED must list the paged eviction curve with the command that made it"
+    # the chapter compares the two curves sample for sample only where they scored the same samples
+    token_level = curves.load(sweep_evict.PATH, partial=True)
+    shared = set(stored["probes"]) & set(token_level["probes"])
+    assert shared and all(stored["samples_digest"][p] == token_level["samples_digest"][p] for p in shared)

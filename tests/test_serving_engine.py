@@ -134,7 +134,7 @@ def test_finishes_on_eos_like_generate(lab):
     assert more["token_ids"][:len(want)] == want and more["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize("policy", ["value", "random"])
+@pytest.mark.parametrize("policy", ["value", "attention", "recency", "random"])
 def test_evicting_blocks_equals_masking_those_positions(lab, policy):
     """Eviction in pages (10.3.10): after dropping whole blocks, later tokens attend to the kept keys only, at
     their true positions. The same computation in transformers: a 4-D mask that hides the dropped positions
@@ -167,6 +167,45 @@ def test_evicting_blocks_equals_masking_those_positions(lab, policy):
             logits = model(input_ids=torch.tensor([ids]), attention_mask=mask).logits[0, -1]
         ids.append(int(logits.argmax()))
     assert eng.seqs[rid].output == ids[40:]
+
+
+def test_block_policies_drop_what_they_say(lab):
+    """Recency drops the oldest blocks after the first (StreamingLLM's sinks and window, in pages); attention
+    drops by the value-aware score with the value and recency exponents at 0."""
+    model, tok = lab
+    prompt = prompts_of(10, [40])[0]
+
+    def prefilled():
+        eng = Engine(model, num_blocks=16, block_size=4, max_num_batched_tokens=40, max_num_seqs=1, tokenizer=tok,
+                     kernels="torch")
+        eng.record_queries = 8
+        rid = eng.add_request(prompt, SamplingParams(max_tokens=2))
+        eng.step()
+        return eng, rid
+
+    eng, rid = prefilled()
+    table = eng.blocks.block_table(rid)
+    assert eng.evict_blocks(rid, 3, policy="recency") == sorted(table[1:4])
+    eng, rid = prefilled()
+    table = eng.blocks.block_table(rid)
+    scores = eng.block_scores(rid, beta=0.0, gamma=0.0)
+    lowest = sorted(range(1, len(table) - 1), key=lambda i: float(scores[i]))[:3]
+    assert eng.evict_blocks(rid, 3, policy="attention") == sorted(table[i] for i in lowest)
+
+
+def test_blocks_to_keep_matches_chapter_6s_token_budget_within_half_a_block():
+    from labsrc.evict import budget_for
+    from labsrc.serving.experiments import blocks_to_keep
+
+    for n in (17, 100, 915, 921, 1024):
+        for kept in (0.1, 0.3, 0.5, 0.7, 0.9):
+            k = blocks_to_keep(n, kept, 16)
+            last = n - (-(-n // 16) - 1) * 16
+            tokens = (k - 1) * 16 + last
+            assert 2 <= k <= -(-n // 16)
+            assert k == 2 or abs(tokens - budget_for(n, 1 - kept)) <= 8, (n, kept, k)
+    with pytest.raises(ValueError, match="kept"):
+        blocks_to_keep(100, 1.0, 16)
 
 
 def test_eviction_refuses_protected_blocks(lab):

@@ -179,6 +179,9 @@ def paged_attention_forward(
     return out[None], None
 
 
+BLOCK_POLICIES = ("value", "attention", "recency", "random")  # what Engine.evict_blocks can drop blocks by
+
+
 def _no_mask(*args, **kwargs):
     """The mask builder for ``"lab_paged"``: none. Which keys a query sees is in the block tables and lengths."""
     return None
@@ -349,24 +352,31 @@ class Engine:
                      generator=None) -> list[int]:
         """Drop ``n_blocks`` whole blocks from a running request's cache and free them to the pool (10.3.10).
 
-        ``policy="value"`` drops the blocks with the lowest :meth:`block_scores`; ``"random"`` drops random
-        ones (the baseline). The first ``protect`` blocks (the start of the prompt: instructions, attention
-        sinks) and the last block (being written) are never dropped. Positions do not change: later tokens
-        keep their true positions, only the cache holds fewer keys. Returns the freed block ids."""
+        The policies (:data:`BLOCK_POLICIES`): ``"value"`` drops the blocks with the lowest
+        :meth:`block_scores` (chapter 6's value-aware score); ``"attention"`` the lowest by attention alone
+        (the same scores with the value-norm and recency exponents at 0: H2O's accumulated attention over the
+        recorded queries); ``"recency"`` the oldest blocks after the protected ones, so that the first blocks
+        and the most recent stay (StreamingLLM's sinks and window, in pages); ``"random"`` random ones (the
+        baseline). The first ``protect`` blocks (the start of the prompt: instructions, attention sinks) and
+        the last block (being written) are never dropped. Positions do not change: later tokens keep their
+        true positions, only the cache holds fewer keys. Returns the freed block ids."""
         seq = self.seqs[request_id]
         n_table = len(self.blocks.block_table(request_id))
         candidates = list(range(protect, n_table - 1))
         if not 0 <= n_blocks <= len(candidates):
             raise ValueError(f"n_blocks must lie in [0, {len(candidates)}] (blocks that may be dropped), got "
                              f"{n_blocks}")
-        if policy == "value":
-            scores = self.block_scores(request_id)
+        if policy in ("value", "attention"):
+            scores = (self.block_scores(request_id) if policy == "value"
+                      else self.block_scores(request_id, beta=0.0, gamma=0.0))
             order = sorted(candidates, key=lambda i: float(scores[i]))
+        elif policy == "recency":
+            order = candidates  # oldest first
         elif policy == "random":
             perm = torch.randperm(len(candidates), generator=generator).tolist()
             order = [candidates[i] for i in perm]
         else:
-            raise ValueError(f"policy must be 'value' or 'random', got {policy!r}")
+            raise ValueError(f"policy must be one of {BLOCK_POLICIES}, got {policy!r}")
         victims = order[:n_blocks]
         freed = self.blocks.drop_blocks(request_id, victims)
         seq.dropped += len(victims) * self.block_size

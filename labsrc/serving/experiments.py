@@ -7,6 +7,7 @@ the seconds depend on the hardware. Seconds are measured too, and reported besid
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -15,7 +16,8 @@ import torch
 
 from labsrc.serving.scheduler import SamplingParams
 
-__all__ = ["poisson_trace", "replay", "concurrent_fit", "allocated_slots"]
+__all__ = ["poisson_trace", "replay", "concurrent_fit", "allocated_slots", "blocks_to_keep", "prefill_for_eviction",
+           "evict_and_answer", "paged_eviction_matches"]
 
 
 def poisson_trace(n: int, rate: float, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int = 0,
@@ -103,3 +105,76 @@ def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
     config.max_new_tokens = max_tokens
     out = model.generate(torch.tensor([prompt], device=device), generation_config=config)
     return out[0, len(prompt):].tolist()
+
+
+def blocks_to_keep(n_tokens: int, kept: float, block_size: int, protect: int = 1) -> int:
+    """How many of a prompt's ``ceil(n_tokens / block_size)`` blocks to keep so that the tokens they hold come
+    closest to chapter 6's token budget for the same share, :func:`labsrc.evict.budget_for` ``(n_tokens,
+    1 - kept)``: the last block (partly filled, never dropped) holds ``n_tokens`` mod ``block_size`` tokens
+    (or a full block), every other block ``block_size``. At least the ``protect`` first blocks and the last
+    stay, so the two budgets are equal within half a block."""
+    from labsrc.evict import budget_for
+
+    if not 0.0 < kept < 1.0:
+        raise ValueError(f"kept must lie in (0, 1), got {kept!r}")
+    n_blocks = -(-n_tokens // block_size)
+    last = n_tokens - (n_blocks - 1) * block_size
+    budget = budget_for(n_tokens, 1.0 - kept)
+    return min(n_blocks, max(protect + 1, 1 + round((budget - last) / block_size)))
+
+
+def prefill_for_eviction(model, sample, block_size: int = 16, window: int = 8, kernels: str = "torch",
+                         tokenizer=None):
+    """An engine holding one probe sample's prompt, prefilled in one chunk (its last ``window`` queries of every
+    layer recorded, for the block scores), with the first answer token sampled from the full cache, as chapter
+    6's evicting cache does: ``(engine, request id)``, the state :func:`evict_and_answer` drops blocks from. The
+    prefill is the same whatever is evicted afterwards, so one serves every policy and budget."""
+    from labsrc.serving.engine import Engine
+
+    prompt, answer = list(sample.prompt_ids), list(sample.answer_ids)
+    engine = Engine(model, num_blocks=-(-(len(prompt) + len(answer)) // block_size) + 1, block_size=block_size,
+                    max_num_batched_tokens=len(prompt), max_num_seqs=1, tokenizer=tokenizer, kernels=kernels)
+    engine.record_queries = window
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=len(answer), ignore_eos=True))
+    engine.step()  # the whole prompt: its cache, and the first answer token
+    return engine, rid
+
+
+def evict_and_answer(prefilled, sample, policy: str | None, kept: float | None, seed: int = 0) -> bool:
+    """Does greedy decoding reproduce ``sample``'s answer exactly after whole blocks are dropped?
+
+    Works on a copy of ``prefilled`` (from :func:`prefill_for_eviction`; the model and tokenizer are shared,
+    the pools, tables and queues copied), so the prefilled engine stays as it was.
+    :meth:`~labsrc.serving.engine.Engine.evict_blocks` drops all but :func:`blocks_to_keep` ``(prompt length,
+    kept)`` blocks by ``policy`` (the first block and the last always stay; random choices seeded by ``seed``)
+    and the rest of the answer is decoded from what is left. ``policy=None`` with ``kept=None`` is the full
+    cache."""
+    if (policy is None) != (kept is None):
+        raise ValueError("give both policy and kept, or neither (the full cache)")
+    template, rid = prefilled
+    engine = copy.deepcopy(template, {id(template.model): template.model, id(template.tokenizer): template.tokenizer})
+    if policy is not None:
+        n_table = len(engine.blocks.block_table(rid))
+        drop = n_table - blocks_to_keep(len(sample.prompt_ids), kept, engine.block_size)
+        engine.evict_blocks(rid, drop, policy=policy, generator=torch.Generator().manual_seed(seed))
+    while engine.has_unfinished():
+        engine.step()
+    return engine.seqs[rid].output == list(sample.answer_ids)
+
+
+def paged_eviction_matches(model, samples, policy: str | None, kept: float | None, seed: int = 0,
+                           block_size: int = 16, window: int = 8, kernels: str = "torch", tokenizer=None,
+                           prefilled=None) -> list[bool]:
+    """For each probe sample (:class:`labsrc.tasks.Sample`): does greedy decoding through the paged engine
+    reproduce its answer exactly, when whole blocks of its prompt are dropped after the prefill
+    (:func:`prefill_for_eviction`, then :func:`evict_and_answer`)? ``policy=None`` with ``kept=None`` is the
+    full cache. Sample j's random choices use seed ``seed + j``. ``prefilled``, if given, holds each sample's
+    prefilled engine (a sweep prefills once and scores every policy and budget from it)."""
+    if (policy is None) != (kept is None):
+        raise ValueError("give both policy and kept, or neither (the full cache)")
+    samples = list(samples)
+    if prefilled is None:
+        prefilled = [prefill_for_eviction(model, s, block_size, window, kernels, tokenizer) for s in samples]
+    if len(prefilled) != len(samples):
+        raise ValueError(f"prefilled holds {len(prefilled)} engines for {len(samples)} samples")
+    return [evict_and_answer(pre, s, policy, kept, seed + j) for j, (pre, s) in enumerate(zip(prefilled, samples))]

@@ -6,4 +6,6 @@ from it, and re-scores a slice live. Each module names what the curve depends on
 test can tell when the stored file is stale.
 
 * :mod:`labsrc.sweeps.evict`: eviction policies against the KV budget (chapter 6).
+* :mod:`labsrc.sweeps.paged_evict`: block-eviction policies in the paged engine against the share of blocks kept
+  (chapter 9).
 """
