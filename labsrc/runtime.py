@@ -253,22 +253,24 @@ SIZES: dict[str, dict[str, dict]] = {
                     live_depths=(0.0, 0.25, 0.5, 0.75, 1.0), live_n=20),
     },
     "speculative": {
-        # chi_draws: rejection-sampling draws for the chi-square; n_*: prompts per task; new_tokens: generated
+        # chi_draws: rejection-sampling draws for the chi-square; alpha_n: teacher-forced sequences per task
+        # (acceptance by task, Table 10-9); self_alpha_n: teacher-forced prose sequences for the self-speculation
+        # table (self_n: its generation prompts); n_*: prompts per task; new_tokens: generated
         # per prompt; ks: windows timed; tree_*: the tree sweep (compiled kernel on a GPU, its reference when
         # interpreted); opd_*: the Draft-OPD run (prompt + tokens stay within the 512-token trained context);
         # quant_decode: positions decoded through each quantized (or projected) draft cache to measure alpha;
         # proj_fit: sequences the target-to-draft KV projection is fitted on; pl_*: prompt lookup, pl_n prompts
         # per kind (two quoting kinds, prose) of pl_len tokens, pl_tokens generated, window pl_k, n-gram pl_ngram
         # (shortest match drafted from: pl_min_ngram), pl_reps interleaved timing repetitions.
-        "cpu": dict(chi_vocab=8, chi_draws=100_000, chi_k=3, identity_n=3, identity_tokens=24, alpha_n=6,
+        "cpu": dict(chi_vocab=8, chi_draws=100_000, chi_k=3, identity_n=3, identity_tokens=24, alpha_n=40,
                     alpha_len=192, n_prompts=4, prompt_len=96, new_tokens=48, ks=(1, 2, 4, 8),
-                    tree_n=2, tree_tokens=32, tree_branches=(1, 2, 3, 4), self_n=3, opd_tokens=96,
-                    opd_prompt=64, quant_decode=32, proj_fit=24,
+                    tree_n=2, tree_tokens=32, tree_branches=(1, 2, 3, 4), self_n=3, self_alpha_n=40,
+                    opd_tokens=96, opd_prompt=64, quant_decode=32, proj_fit=24,
                     pl_n=6, pl_len=128, pl_tokens=20, pl_k=8, pl_ngram=3, pl_min_ngram=2, pl_reps=2),
         "gpu": dict(chi_vocab=8, chi_draws=1_000_000, chi_k=3, identity_n=10, identity_tokens=64, alpha_n=40,
                     alpha_len=448, n_prompts=20, prompt_len=192, new_tokens=128, ks=(1, 2, 3, 4, 6, 8),
                     tree_n=8, tree_tokens=64, tree_branches=(1, 2, 3, 4),
-                    self_n=10, opd_tokens=320, opd_prompt=128, quant_decode=96, proj_fit=64,
+                    self_n=10, self_alpha_n=40, opd_tokens=320, opd_prompt=128, quant_decode=96, proj_fit=64,
                     pl_n=20, pl_len=384, pl_tokens=96, pl_k=8, pl_ngram=3, pl_min_ngram=2, pl_reps=3),
     },
     "pipeline": {

@@ -44,8 +44,9 @@ __all__ = [
     "verify", "verify_batch", "expected_tokens_per_step", "speedup", "optimal_k", "adaptive_window",
     "warp_logits", "speculative_generate", "SpecStats", "StepStats", "chi_square_test",
     "tree_attention_mask", "tree_depths", "tree_verify_logits", "tree_speculative_generate",
-    "early_exit_draft", "train_early_exit_head", "alpha_along", "acceptance_by_position", "plain_decode",
-    "task_prompts", "draft_opd_generate", "self_speculative_generate", "run_layers", "count_layer_tokens",
+    "early_exit_draft", "train_early_exit_head", "alpha_along", "alpha_along_drafts", "acceptance_by_position",
+    "plain_decode", "task_prompts", "draft_opd_generate", "self_speculative_generate", "run_layers",
+    "count_layer_tokens",
     "cache_nbytes", "alpha_with_draft_cache", "KVProjection", "fit_kv_projection", "cache_features",
     "lookup_draft", "prompt_lookup_generate",
 ]
@@ -1125,6 +1126,23 @@ def alpha_along(target, draft, ids: torch.Tensor, temperature: float = 1.0) -> t
     p = warp_logits(target(input_ids=ids).logits[0].float(), temperature)
     q = warp_logits(draft(input_ids=ids).logits[0].float(), temperature)
     return torch.minimum(p, q).sum(-1)
+
+
+@torch.no_grad()
+def alpha_along_drafts(target, drafts: dict, ids: torch.Tensor, temperature: float = 1.0
+                       ) -> tuple[dict, torch.Tensor]:
+    """:func:`alpha_along` for several drafts on one sequence, with the target run once.
+
+    Returns ``({name: (T,) acceptance 1 - TV(p_t, q_t)}, (T,) entropy of p_t in nats)``. The entropy says how
+    determined the target's next token is at each position: the source explains its per-task acceptance
+    (Table 10-9) by how determined the text is, and this is that quantity, measured on the target itself.
+    """
+    ids = ids.reshape(1, -1).to(next(target.parameters()).device)
+    p = warp_logits(target(input_ids=ids).logits[0].float(), temperature)
+    alphas = {name: torch.minimum(p, warp_logits(d(input_ids=ids).logits[0].float(), temperature)).sum(-1)
+              for name, d in drafts.items()}
+    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)   # 0 * log 0 = 0: clamp only inside the log
+    return alphas, entropy
 
 
 @torch.no_grad()

@@ -376,6 +376,14 @@ def test_plain_decode_and_shipped_exit_head(lab_pair):
     assert not torch.equal(trained.lm_head.weight, untrained.lm_head.weight)
     a = spec.alpha_along(target, draft, torch.arange(2, 40))
     assert a.shape == (38,) and bool(((a >= 0) & (a <= 1 + 1e-9)).all())
+    # several drafts with one target pass: the same numbers as one alpha_along per draft, and the
+    # target's entropy, which is 0 where its next token is certain and at most log V
+    many, entropy = spec.alpha_along_drafts(target, {"draft": draft, "exit": trained}, torch.arange(2, 40))
+    torch.testing.assert_close(many["draft"], a, rtol=0, atol=1e-6)
+    torch.testing.assert_close(many["exit"], spec.alpha_along(target, trained, torch.arange(2, 40)),
+                               rtol=0, atol=1e-6)
+    vocab = target.config.vocab_size
+    assert entropy.shape == (38,) and bool(((entropy >= -1e-6) & (entropy <= math.log(vocab) + 1e-4)).all())
 
 
 def test_draft_opd_keeps_greedy_output_and_leaves_the_draft_untouched():
