@@ -699,7 +699,8 @@ def render_markdown(rows: list[dict]) -> str:
                 "|---|---|---|---|---|"]
         for r in by_chapter[notebook]:
             where = f"{{ref}}`{_cell(r['section'])} <{r['anchor']}>`" if r.get("anchor") else _cell(r["section"])
-            rule = r["rule"] + (" " + OFF_SCALE_RULE if r.get("lab_scale") or r.get("lab_metric") else "")
+            off_scale = r["basis"] == "measured" and (r.get("lab_scale") or r.get("lab_metric"))
+            rule = r["rule"] + (" " + OFF_SCALE_RULE if off_scale else "")
             rule += "".join(f" *Rule changed {c['date']}:* it was \"{c['old_rule']}\"; {c['why']}"
                             for c in r.get("rule_changes") or ())
             out.append(f"| {_cell(r['claim'])} | {where} | {_cell(r['measured'])} | {_evidence(r)}. "

@@ -389,6 +389,7 @@ def test_a_simulated_row_shows_its_range_over_seeds(ledger):
     assert "95% CI" not in line and "not a 95% interval" in line
     assert "*Text's figure:* a multi-GPU pipeline, GPU utilisation. *Simulated:* a seeded simulation" in line
     assert "**inconclusive**: " + claims.SIMULATION_MISS in line
+    assert claims.OFF_SCALE_RULE not in line, "the measured rows' scope rule is not a simulation's"
     assert "deterministic" in next(x for x in table.splitlines() if "10.4.5" in x)
 
 
@@ -574,10 +575,18 @@ def test_only_measured_rows_say_reproduced_in_the_chapters():
     evaluate to 'reproduced', 'reproduced in trend only' or 'not reproduced' (record refuses them at run time;
     this finds a branch that a run did not take)."""
     measured_only = {"reproduced", "reproduced in trend only", "not reproduced"}
-    bad = [f"{nb}:{call.args[0].value}" for nb, call, assigned in _record_calls()
-           if _kw(call, "basis").value != "measured"
-           and _verdict_strings(_kw(call, "verdict"), assigned) & measured_only]
+    bad, outside = [], []
+    for nb, call, assigned in _record_calls():
+        basis = _kw(call, "basis").value
+        if basis == "measured":
+            continue
+        said = _verdict_strings(_kw(call, "verdict"), assigned) & set(claims.VERDICTS)
+        if said & measured_only:
+            bad.append(f"{nb}:{call.args[0].value}")
+        elif not said <= set(claims.VERDICTS_BY_BASIS.get(basis, ())):
+            outside.append(f"{nb}:{call.args[0].value} ({basis}: {sorted(said)})")
     assert not bad, f"non-measured rows that can say a measured verdict: {bad}"
+    assert not outside, f"rows that can say a verdict their basis cannot reach: {outside}"
 
 
 # --- p-values, reading rows, rule changes -------------------------------------------------------------------
