@@ -6,24 +6,42 @@ files in :func:`claims_dir` (``_build/claims`` in the repository, or ``$LAB_CLAI
 
 Every row says how it knows what it says (its *basis*) and by which rule its verdict was decided:
 
-* ``"exact"``: arithmetic or a closed form computed from the text's own figures (bytes of a cache, a formula's
-  sign). There is no sampling error, so no sample size or interval.
 * ``"measured"``: a sampled measurement on the lab's models. The row carries the runtime profile, the sample
   size ``n`` and a 95% interval (Wilson's for an accuracy, :func:`wilson`), and its verdict treats a
   difference whose intervals overlap as *inconclusive* (:func:`compare`, :func:`judge`). A row decided by a
   hypothesis test (a chi-square goodness of fit) carries the test as a :class:`HypothesisTest` instead: a
   p-value is not an interval and is never stored as one.
+* ``"simulated"``: the output of a simulator (a seeded model of a pipeline's timing, an EMA iterated on
+  expected values). A simulation shows what follows from its premises; it measures nothing, and the spread of
+  its output over simulator seeds is the simulator's own randomness, not the uncertainty of a measurement. So
+  a simulated row gives its spread as the *range over seeds* (:meth:`Estimate.spread`: the mean, the smallest
+  and the largest seed's value, ``n`` = the number of seeds), the page prints it as that range, never as a
+  95% interval, and two simulated figures are told apart only where their ranges do not overlap (every seed
+  agrees). A deterministic simulation gives no ``n`` and no range.
+* ``"arithmetic"``: arithmetic or a closed form computed from the text's own figures (bytes of a cache, a
+  formula's sign, an identity checked on random matrices to rounding error). There is no sampling error, so
+  no sample size or interval.
 * ``"reading"``: the text read against itself or against the paper it cites (``cite`` names the paper's key
   in ``book/references.bib``); this is how a row reaches *misattributed*.
 
+Only a measured effect is *reproduced*. A measurement can fail, so its success is evidence; arithmetic on the
+text's own numbers, a simulation of the text's own premises, or a reading of the cited paper can only show
+that the text's figure follows from (or agrees with) what it rests on. Those rows say *consistent* when it
+does, and *wrong in the text* (arithmetic, reading) or *misattributed* (reading) when it does not; a simulation
+that misses the text's figure is *inconclusive*, because a model of the system cannot refute a figure stated
+for hardware. :func:`check` gives the verdict of an arithmetic or simulated row, and :func:`record` refuses
+"reproduced", "reproduced in trend only" and "not reproduced" on any row that is not measured
+(:data:`VERDICTS_BY_BASIS`).
+
 The verdict rule (``rule``) is stated in words with the row, and it is the rule the notebook's code applied:
-a verdict is computed from the measurement, never typed. When a row's rule changes between runs (a new metric,
-a new threshold), the row keeps the old rule and the reason in ``rule_changes`` (:class:`RuleChange`), and the
-page shows them: a verdict whose rule moved without a word would look decided in advance.
+a verdict is computed by the notebook's code, never typed (only a reading row's verdict is a judgement, typed
+with its citation). When a row's rule changes between runs (a new metric, a new threshold), the row keeps the
+old rule and the reason in ``rule_changes`` (:class:`RuleChange`), and the page shows them: a verdict whose
+rule moved without a word would look decided in advance.
 
 A measured row also declares its :class:`Scope`: the scale and metric the text's figure is about (a 70B model
 on A100s, end-to-end throughput) and, where the lab measured something else, the lab's scale and metric (the
-9M-parameter lab model on a CPU, tokens per simulated step). :func:`judge` reads the verdict symmetrically
+9M-parameter lab model on a CPU, perplexity for a benchmark score). :func:`judge` reads the verdict symmetrically
 from it: at another scale or metric a success is only *reproduced in trend only* and a failure is only
 *inconclusive*, with the difference stated as the row's ``reason``. Only a measurement at the text's own scale
 and metric can give a plain *reproduced* or *not reproduced*; :func:`record` refuses a row that breaks this.
@@ -42,12 +60,21 @@ from statistics import NormalDist
 
 from labsrc.atomic import file_lock, write_atomic
 
-VERDICTS = ("reproduced", "reproduced in trend only", "not reproduced", "inconclusive", "wrong in the text",
-            "misattributed")
+VERDICTS = ("reproduced", "reproduced in trend only", "not reproduced", "consistent", "inconclusive",
+            "wrong in the text", "misattributed")
 """Every verdict a row may carry (their meanings are on the book's claims page)."""
 
-BASES = ("exact", "measured", "reading")
-"""How a row knows what it says: exact arithmetic, a sampled measurement, or a reading of the text/paper."""
+BASES = ("measured", "simulated", "arithmetic", "reading")
+"""How a row knows what it says: a sampled measurement, a simulator's output, arithmetic on the text's own
+figures, or a reading of the text/paper."""
+
+VERDICTS_BY_BASIS = {
+    "measured": ("reproduced", "reproduced in trend only", "not reproduced", "inconclusive"),
+    "simulated": ("consistent", "inconclusive"),
+    "arithmetic": ("consistent", "wrong in the text", "inconclusive"),
+    "reading": ("consistent", "wrong in the text", "misattributed", "inconclusive"),
+}
+"""The verdicts each basis may reach: "reproduced" (and its scoped and failed forms) only for a measured effect."""
 
 READING_NOTE = "a judgement, not a computation (the verdict is a reader's, typed with its citation): reading of"
 """How the page introduces a reading row's evidence: its verdict is a judgement that its citation supports."""
@@ -55,6 +82,9 @@ READING_NOTE = "a judgement, not a computation (the verdict is a reader's, typed
 OFF_SCALE_RULE = ("Measured off the text's scale or metric: a success is reproduced in trend only, a failure "
                   "inconclusive.")
 """The symmetric rule, added to the stated rule of every row measured off the text's scale or metric."""
+
+SEED_RANGE = "range over seeds"
+"""The ``method`` of an :class:`Estimate` built by :meth:`Estimate.spread`: a simulator's range, not a CI."""
 
 Z95 = NormalDist().inv_cdf(0.975)  # 1.95996...: the two-sided 95% normal quantile
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -114,7 +144,8 @@ class Estimate:
     """A number with its 95% interval and the sample size behind it.
 
     Build one with :meth:`accuracy` (k of n right: Wilson interval), :meth:`mean` (a sample of numbers:
-    Student-t interval) or :meth:`exact` (no sampling error: the interval is the point and ``n`` is None).
+    Student-t interval), :meth:`spread` (a simulator's output over its seeds: the range, not an interval) or
+    :meth:`exact` (no sampling error: the interval is the point and ``n`` is None).
     """
 
     value: float
@@ -155,6 +186,22 @@ class Estimate:
         return cls(m, m - half, m + half, n, "Student t")
 
     @classmethod
+    def spread(cls, samples) -> "Estimate":
+        """A simulator's output over its seeds: the mean, with the smallest and largest seed's value as ``lo``
+        and ``hi`` (``n`` = the number of seeds, ``method`` = :data:`SEED_RANGE`).
+
+        The seeds of a simulation are not samples of the world: their spread is the simulator's own randomness,
+        and a Student-t interval over them would read as the uncertainty of a measurement. The range says what
+        the seeds did, and two simulated figures whose ranges do not overlap differ on every seed.
+        """
+        xs = [float(x) for x in samples]
+        if len(xs) < 2:
+            raise ValueError(f"samples must hold at least two seeds' values for a range, got {len(xs)}")
+        if not all(math.isfinite(x) for x in xs):
+            raise ValueError("samples must be finite numbers")
+        return cls(sum(xs) / len(xs), min(xs), max(xs), len(xs), SEED_RANGE)
+
+    @classmethod
     def exact(cls, value: float) -> "Estimate":
         """A computed number with no sampling error."""
         return cls(float(value), float(value), float(value), None, "exact")
@@ -162,6 +209,8 @@ class Estimate:
     def __str__(self) -> str:
         if self.n is None:
             return f"{self.value:.4g} (exact)"
+        if self.method == SEED_RANGE:
+            return f"{self.value:.3g} (range over {self.n} seeds {self.lo:.3g} to {self.hi:.3g})"
         return f"{self.value:.3g} (95% CI {self.lo:.3g} to {self.hi:.3g}, n = {self.n})"
 
 
@@ -328,6 +377,40 @@ def judge(holds: bool, *, scope: Scope, separable: bool = True) -> Verdict:
                                    + scope.difference())
 
 
+SIMULATION_MISS = ("the simulation does not show the text's figure; a model of the system cannot refute a "
+                   "figure stated for hardware, only say which premises would give it")
+"""The reason :func:`check` gives a simulated row whose simulation misses the text's figure."""
+
+
+def check(holds: bool, *, basis: str, separable: bool = True) -> Verdict:
+    """The verdict of an arithmetic or simulated row: "consistent" when the text's figure follows.
+
+    Args:
+        holds: the text's figure follows from its own numbers (``basis="arithmetic"``) or from the simulation
+            of the premises the row names (``basis="simulated"``), by the rule stated with the row.
+        basis: ``"arithmetic"`` or ``"simulated"``.
+        separable: False when the computation cannot decide (the text leaves out a number the figure needs;
+            the simulated cases' ranges over seeds overlap); the verdict is then "inconclusive".
+
+    Arithmetic cannot be reproduced or fail to be: the figure follows from the text's numbers ("consistent")
+    or contradicts them ("wrong in the text"). A simulation shows what its premises imply: a figure it gives
+    is "consistent" with them, and one it misses is "inconclusive", never a refutation (a simulator is not the
+    hardware the text's figure was measured on). Only :func:`judge`, for a measured row, says "reproduced".
+    """
+    if basis not in ("arithmetic", "simulated"):
+        raise ValueError(f"check decides arithmetic and simulated rows (a measured row goes through judge), got "
+                         f"basis {basis!r}")
+    if not separable:
+        return Verdict("inconclusive", "the arithmetic cannot decide the claim (see the rule)"
+                       if basis == "arithmetic" else
+                       "the simulated cases' ranges over seeds overlap: the simulation cannot separate them")
+    if holds:
+        return Verdict("consistent")
+    if basis == "arithmetic":
+        return Verdict("wrong in the text")
+    return Verdict("inconclusive", SIMULATION_MISS)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Rows: write, read back, render.
 # ------------------------------------------------------------------------------------------------------------
@@ -416,9 +499,17 @@ def _validate(row: dict, where: str) -> dict:
     if row["basis"] == "measured" and row["verdict"] == "reproduced in trend only" and not off_scale:
         raise ValueError(f"{where}: 'reproduced in trend only' says the lab measured at another scale or "
                          "metric: give it as lab_scale or lab_metric in the row's Scope")
-    if row["basis"] == "exact" and row["verdict"] == "reproduced in trend only":
-        raise ValueError(f"{where}: exact arithmetic either gives the text's figure or it does not: never "
-                         "'reproduced in trend only'")
+    if row["basis"] == "simulated":
+        n, interval = row.get("n"), row.get("interval")
+        if (n is None) != (interval is None):
+            raise ValueError(f"{where}: a simulated row gives both n (the number of seeds) and interval (the "
+                             f"range over seeds, claims.Estimate.spread) or neither (a deterministic "
+                             f"simulation), got n={n!r}, interval={interval!r}")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 2):
+            raise ValueError(f"{where}: a simulated row's n is its number of seeds, at least 2, got {n!r}")
+    if row["basis"] in ("arithmetic", "reading") and (row.get("n") is not None or row.get("interval")
+                                                        is not None):
+        raise ValueError(f"{where}: an {row['basis']} row has no sampling error: no n and no interval")
     if row["verdict"] == "inconclusive" and off_scale and not row.get("reason"):
         raise ValueError(f"{where}: an inconclusive row measured off the text's scale or metric must say so in "
                          "its reason (claims.judge gives it)")
@@ -426,6 +517,11 @@ def _validate(row: dict, where: str) -> dict:
         raise ValueError(f"{where}: a reading row must cite the paper it reads (cite=<bibtex key>)")
     if row["verdict"] == "misattributed" and row["basis"] != "reading":
         raise ValueError(f"{where}: 'misattributed' is a reading of the cited paper: basis must be 'reading'")
+    if row["verdict"] not in VERDICTS_BY_BASIS[row["basis"]]:
+        raise ValueError(f"{where}: a {row['basis']} row's verdict is one of {VERDICTS_BY_BASIS[row['basis']]}, "
+                         f"got {row['verdict']!r}: only a measured effect is 'reproduced' (or not); arithmetic, "
+                         "a simulation or a reading is 'consistent' with the text's figure or shows it wrong "
+                         "(claims.check gives an arithmetic or simulated verdict)")
     return row
 
 
@@ -441,12 +537,14 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
         claim: what the source states (paraphrased in English; quote the Chinese where wording matters).
         section: the source's section number (``"10.1.1"``).
         measured: what this run found, in a sentence the numbers make true.
-        verdict: one of :data:`VERDICTS`, computed by the notebook from its measurement.
+        verdict: one of :data:`VERDICTS`, computed by the notebook (:func:`judge` for a measured row,
+            :func:`check` for an arithmetic or simulated one); typed only on a reading row.
         notebook: the notebook's stem (``"01_kv_cache"``).
         rule: the verdict rule in words, as stated before the measurement (``"reproduced if every 95%
             interval lies above 0.9"``).
-        basis: one of :data:`BASES`.
-        estimate: for ``basis="measured"``: the decisive :class:`Estimate`, which fills ``n`` and ``interval``.
+        basis: one of :data:`BASES`; it limits the verdicts the row may reach (:data:`VERDICTS_BY_BASIS`).
+        estimate: for ``basis="measured"``: the decisive :class:`Estimate`, which fills ``n`` and ``interval``;
+            for ``basis="simulated"``: the range over seeds (:meth:`Estimate.spread`).
         n, interval: the sample size and 95% interval, when no single :class:`Estimate` says them.
         cite: bibtex key(s) of the paper(s) a ``"reading"`` row checks the text against.
         anchor: a MyST label in the chapter (``(kv-quant-table-10-5)=``) that the claims page links to.
@@ -466,6 +564,12 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
     if estimate is not None:
         if not isinstance(estimate, Estimate):
             raise TypeError(f"estimate must be a labsrc.claims.Estimate, got {type(estimate).__name__}")
+        if basis == "simulated" and estimate.method != SEED_RANGE:
+            raise ValueError(f"a simulated row gives its spread as the range over seeds (claims.Estimate.spread), "
+                             f"not a {estimate.method} interval: seeds of a simulator are not a measurement's "
+                             "sample")
+        if basis != "simulated" and estimate.method == SEED_RANGE:
+            raise ValueError("a range over simulator seeds (Estimate.spread) belongs to a simulated row")
         if n is not None or interval is not None:
             raise ValueError("give either estimate or n/interval, not both")
         n, interval = estimate.n, (estimate.lo, estimate.hi)
@@ -532,8 +636,20 @@ def _cell(text) -> str:
 
 def _evidence(r: dict) -> str:
     """What stands behind a row, in a few words: basis, profile, n and interval, cited paper."""
-    if r["basis"] == "exact":
-        return "exact arithmetic"
+    if r["basis"] == "arithmetic":
+        return "arithmetic on the text's own figures or a closed form (no sampling error)"
+    if r["basis"] == "simulated":
+        out = "simulated (a model of the system, not a measurement)"
+        if r.get("n") is not None:
+            lo, hi = r["interval"]
+            out += (f", {r['n']} seeds, range over seeds {lo:.3g} to {hi:.3g} (the simulator's randomness, not "
+                    "a 95% interval)")
+        else:
+            out += ", deterministic"
+        if r.get("text_scale"):
+            out += (f". *Text's figure:* {r['text_scale']}, {r['text_metric']}. *Simulated:* "
+                    f"{r.get('lab_scale') or 'the same scale'}, {r.get('lab_metric') or 'the same metric'}")
+        return out
     if r["basis"] == "reading":
         return (READING_NOTE + " " + ", ".join(f"{{cite:p}}`{k}`" for k in r["cite"]))
     out = f"measured, {r['profile']} profile, n = {r['n']}"
@@ -558,7 +674,8 @@ def _verdict_cell(r: dict) -> str:
 
 
 def render_markdown(rows: list[dict]) -> str:
-    """The ledger as Markdown: verdict counts, then one table per chapter (used by the book build)."""
+    """The ledger as Markdown: the counts by verdict, by basis and by both, then one table per chapter (used by
+    the book build)."""
     if not rows:
         return "*No claims have been recorded yet: execute the chapters (`make book`) to fill this table.*\n"
     counts = Counter(r["verdict"] for r in rows)
@@ -567,6 +684,11 @@ def render_markdown(rows: list[dict]) -> str:
     out += [f"| {v} | {counts[v]} |" for v in VERDICTS]
     out += ["", "| Basis | Claims |", "|---|---|"]
     out += [f"| {b} | {bases[b]} |" for b in BASES]
+    # The two counts crossed: which verdicts each basis reached (a basis can reach only some, VERDICTS_BY_BASIS).
+    both = Counter((r["verdict"], r["basis"]) for r in rows)
+    out += ["", "| Verdict by basis | " + " | ".join(BASES) + " |", "|---" * (len(BASES) + 1) + "|"]
+    out += [f"| {v} | " + " | ".join(str(both[v, b]) if v in VERDICTS_BY_BASIS[b] else "" for b in BASES) + " |"
+            for v in VERDICTS]
     out.append("")
     by_chapter: dict[str, list[dict]] = {}
     for r in rows:
@@ -577,7 +699,8 @@ def render_markdown(rows: list[dict]) -> str:
                 "|---|---|---|---|---|"]
         for r in by_chapter[notebook]:
             where = f"{{ref}}`{_cell(r['section'])} <{r['anchor']}>`" if r.get("anchor") else _cell(r["section"])
-            rule = r["rule"] + (" " + OFF_SCALE_RULE if r.get("lab_scale") or r.get("lab_metric") else "")
+            off_scale = r["basis"] == "measured" and (r.get("lab_scale") or r.get("lab_metric"))
+            rule = r["rule"] + (" " + OFF_SCALE_RULE if off_scale else "")
             rule += "".join(f" *Rule changed {c['date']}:* it was \"{c['old_rule']}\"; {c['why']}"
                             for c in r.get("rule_changes") or ())
             out.append(f"| {_cell(r['claim'])} | {where} | {_cell(r['measured'])} | {_evidence(r)}. "

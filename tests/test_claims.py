@@ -17,12 +17,12 @@ def ledger(tmp_path, monkeypatch):
     return tmp_path
 
 
-EXACT = dict(basis="exact", rule="reproduced if the arithmetic gives the text's figure")
+EXACT = dict(basis="arithmetic", rule="consistent if the arithmetic gives the text's figure")
 
 
 def test_record_load_and_render(ledger):
     row = claims.record("kv-a", claim="320 GiB at 128K", section="10.1.1", measured="320.0 GiB",
-                        verdict="reproduced", notebook="01_kv_cache", **EXACT)
+                        verdict="consistent", notebook="01_kv_cache", **EXACT)
     claims.record("kv-b", claim="x | y", section="10.3.14", measured="z", verdict="wrong in the text",
                   notebook="01_kv_cache", **EXACT)
     claims.record("kv-c", claim="c", section="10.1.2", measured="z", verdict="not reproduced", notebook="04_rope",
@@ -33,7 +33,7 @@ def test_record_load_and_render(ledger):
     rows = claims.load()
     assert [r["id"] for r in rows] == ["kv-a", "kv-c", "kv-d", "kv-b"], "sorted by section number, not as text"
     assert rows[0] == row and row["profile"] in ("cpu", "gpu")
-    assert row._repr_markdown_() == "Claims ledger, 10.1.1: **reproduced** (exact; `kv-a`).", \
+    assert row._repr_markdown_() == "Claims ledger, 10.1.1: **consistent** (arithmetic; `kv-a`).", \
         "a cell ending in record() shows one sentence, not the dict"
     assert rows[1]["n"] == 20 and rows[1]["interval"] == pytest.approx(list(claims.wilson(3, 20)))
     table = claims.render_markdown(rows)
@@ -53,10 +53,12 @@ def test_empty_ledger_says_so(ledger):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(claim_id="Bad Id"), "id"),
     (dict(verdict="sort of"), "verdict"),
+    (dict(verdict="reproduced"), "only a measured effect is 'reproduced'"),
+    (dict(verdict="not reproduced"), "only a measured effect"),
     (dict(measured=" "), "measured"),
     (dict(rule=""), "rule"),
     (dict(basis="vibes"), "basis"),
-    (dict(basis="measured"), "n, a positive int"),
+    (dict(basis="measured", verdict="reproduced"), "n, a positive int"),
     (dict(basis="measured", n=10, interval=(0.1, 0.2)), "needs its scope"),
     (dict(basis="measured", n=10), "interval"),
     (dict(basis="measured", n=10, interval=(0.5, float("nan"))), "interval"),
@@ -68,7 +70,7 @@ def test_empty_ledger_says_so(ledger):
     (dict(estimate=Estimate.exact(1.0), n=3), "either estimate"),
 ])
 def test_record_rejects_bad_rows(ledger, kwargs, message):
-    good = dict(claim_id="ok", claim="c", section="10.1", measured="m", verdict="reproduced", notebook="01_kv",
+    good = dict(claim_id="ok", claim="c", section="10.1", measured="m", verdict="consistent", notebook="01_kv",
                 **EXACT)
     good.update(kwargs)
     claim_id = good.pop("claim_id")
@@ -82,12 +84,12 @@ def test_record_rejects_a_non_estimate(ledger):
         claims.record("ok", claim="c", section="1", measured="m", verdict="reproduced", notebook="01_kv",
                       basis="measured", rule="r", estimate=(0.5, 0.1, 0.9))
     with pytest.raises(TypeError, match="scope must be a labsrc.claims.Scope"):
-        claims.record("ok", claim="c", section="1", measured="m", verdict="reproduced", notebook="01_kv",
+        claims.record("ok", claim="c", section="1", measured="m", verdict="consistent", notebook="01_kv",
                       scope="70B", **EXACT)
 
 
 def test_load_names_the_file_of_a_bad_row(ledger):
-    claims.record("ok", claim="c", section="10.1", measured="m", verdict="reproduced", notebook="01_kv", **EXACT)
+    claims.record("ok", claim="c", section="10.1", measured="m", verdict="consistent", notebook="01_kv", **EXACT)
     (ledger / "broken.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"broken\.json: not a JSON claim row"):
         claims.load()
@@ -109,7 +111,7 @@ def test_concurrent_records_of_one_id_leave_one_whole_row(ledger):
             barrier.wait()
             for j in range(25):
                 claims.record("race", claim="c" * (1 + (i * 25 + j) % 300), section="10.1", measured=f"w{i}-{j}",
-                              verdict="reproduced", notebook="01_kv", **EXACT)
+                              verdict="consistent", notebook="01_kv", **EXACT)
         except BaseException as e:  # noqa: BLE001 - collected and asserted below
             errors.append(e)
 
@@ -138,7 +140,7 @@ def test_load_sorts_sections_that_are_not_purely_numeric(tmp_path_factory, parts
     try:
         sections = [".".join(p) for p in parts]
         for i, sec in enumerate(sections):
-            claims.record(f"s{i}", claim="c", section=sec, measured="m", verdict="reproduced", notebook="01_kv",
+            claims.record(f"s{i}", claim="c", section=sec, measured="m", verdict="consistent", notebook="01_kv",
                           **EXACT)
         got = [r["section"] for r in claims.load()]
     finally:
@@ -309,9 +311,137 @@ def test_record_refuses_an_unscoped_or_one_sided_verdict(ledger, verdict, scope,
 
 
 def test_exact_arithmetic_is_never_trend_only(ledger):
-    with pytest.raises(ValueError, match="never 'reproduced in trend only'"):
+    with pytest.raises(ValueError, match="only a measured effect"):
         claims.record("x", claim="c", section="1", measured="m", verdict="reproduced in trend only",
                       notebook="01_kv", **EXACT)
+
+
+# --- bases: only a measured effect is reproduced ------------------------------------------------------------
+def test_each_basis_has_its_verdicts():
+    assert set(claims.VERDICTS_BY_BASIS) == set(claims.BASES)
+    assert all(set(v) <= set(claims.VERDICTS) for v in claims.VERDICTS_BY_BASIS.values())
+    said = {v for b, vs in claims.VERDICTS_BY_BASIS.items() if b != "measured" for v in vs}
+    assert not said & {"reproduced", "reproduced in trend only", "not reproduced"}, \
+        "'reproduced' (and its scoped and failed forms) is kept for measured effects"
+    assert set(claims.VERDICTS) == {v for vs in claims.VERDICTS_BY_BASIS.values() for v in vs}
+
+
+@pytest.mark.parametrize("basis, verdict", [
+    (b, v) for b in ("arithmetic", "simulated", "reading")
+    for v in ("reproduced", "reproduced in trend only", "not reproduced")])
+def test_record_refuses_a_measured_verdict_on_another_basis(ledger, basis, verdict):
+    extra = dict(cite="liu2024kivi") if basis == "reading" else {}
+    with pytest.raises(ValueError, match="only a measured effect is 'reproduced'"):
+        claims.record("x", claim="c", section="1", measured="m", verdict=verdict, notebook="01_kv",
+                      basis=basis, rule="r", **extra)
+    assert not list(ledger.glob("*.json"))
+
+
+@pytest.mark.parametrize("holds, separable, basis, verdict", [
+    (True, True, "arithmetic", "consistent"),
+    (False, True, "arithmetic", "wrong in the text"),
+    (True, False, "arithmetic", "inconclusive"),
+    (True, True, "simulated", "consistent"),
+    (False, True, "simulated", "inconclusive"),
+    (True, False, "simulated", "inconclusive"),
+])
+def test_check(holds, separable, basis, verdict):
+    v = claims.check(holds, basis=basis, separable=separable)
+    assert v == verdict and v in claims.VERDICTS_BY_BASIS[basis]
+    assert (v.reason is None) == (verdict != "inconclusive"), "an inconclusive check says why"
+
+
+def test_a_simulation_that_misses_cannot_refute():
+    """The symmetric rule for a simulation: it shows what its premises imply, so a miss is inconclusive with
+    the reason, never "wrong in the text" or "not reproduced"."""
+    v = claims.check(False, basis="simulated")
+    assert v == "inconclusive" and v.reason == claims.SIMULATION_MISS
+    with pytest.raises(ValueError, match="measured row goes through judge"):
+        claims.check(True, basis="measured")
+    with pytest.raises(ValueError, match="measured row goes through judge"):
+        claims.check(True, basis="reading")
+
+
+def test_spread_over_seeds_is_a_range_not_an_interval():
+    e = Estimate.spread([3.0, 1.0, 2.0, 6.0])
+    assert (e.value, e.lo, e.hi, e.n, e.method) == (3.0, 1.0, 6.0, 4, claims.SEED_RANGE)
+    assert str(e) == "3 (range over 4 seeds 1 to 6)"
+    with pytest.raises(ValueError, match="at least two"):
+        Estimate.spread([1.0])
+    with pytest.raises(ValueError, match="finite"):
+        Estimate.spread([1.0, float("nan")])
+
+
+SIM = dict(basis="simulated", rule="consistent if the simulated share is at least 0.9")
+
+
+def test_a_simulated_row_shows_its_range_over_seeds(ledger):
+    scope = claims.Scope(text_scale="a multi-GPU pipeline", text_metric="GPU utilisation",
+                         lab_scale="a seeded simulation of the pipeline's timing")
+    claims.record("sim", claim="c", section="10.4.7", measured="m", notebook="11_pipeline_decoding",
+                  verdict=claims.check(False, basis="simulated"), estimate=Estimate.spread([0.7, 0.8, 0.75]),
+                  scope=scope, **SIM)
+    claims.record("sim-det", claim="c", section="10.4.5", measured="m", notebook="10_speculative",
+                  verdict=claims.check(True, basis="simulated"), **SIM)
+    table = claims.render_markdown(claims.load())
+    line = next(x for x in table.splitlines() if "10.4.7" in x)
+    assert "simulated (a model of the system, not a measurement), 3 seeds, range over seeds 0.7 to 0.8" in line
+    assert "95% CI" not in line and "not a 95% interval" in line
+    assert "*Text's figure:* a multi-GPU pipeline, GPU utilisation. *Simulated:* a seeded simulation" in line
+    assert "**inconclusive**: " + claims.SIMULATION_MISS in line
+    assert claims.OFF_SCALE_RULE not in line, "the measured rows' scope rule is not a simulation's"
+    assert "deterministic" in next(x for x in table.splitlines() if "10.4.5" in x)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(estimate=Estimate.mean([0.7, 0.8, 0.75])), "range over seeds"),
+    (dict(n=3), "both n"),
+    (dict(n=1, interval=(0.1, 0.2)), "at least 2"),
+])
+def test_record_refuses_a_simulated_row_with_a_measurement_interval(ledger, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        claims.record("sim", claim="c", section="1", measured="m", notebook="11_pipeline_decoding",
+                      verdict="consistent", **SIM, **kwargs)
+    with pytest.raises(ValueError, match="belongs to a simulated row"):
+        claims.record("m", claim="c", section="1", measured="m", notebook="11_pipeline_decoding",
+                      verdict=claims.judge(True, scope=TEXT), scope=TEXT, basis="measured", rule="r",
+                      estimate=Estimate.spread([0.7, 0.8]))
+
+
+def test_arithmetic_and_reading_rows_carry_no_interval(ledger):
+    with pytest.raises(ValueError, match="no sampling error"):
+        claims.record("x", claim="c", section="1", measured="m", verdict="consistent", notebook="01_kv",
+                      n=3, interval=(0.1, 0.2), **EXACT)
+
+
+def test_the_claims_page_lists_each_basis_and_its_verdicts():
+    """book/claims.md's table of bases says what VERDICTS_BY_BASIS enforces."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "book" / "claims.md").read_text()
+    for basis, verdicts in claims.VERDICTS_BY_BASIS.items():
+        assert f"| {basis} | {', '.join(verdicts)} |" in page, basis
+        assert f"\n{basis}\n: " in page, f"the page defines the basis {basis!r}"
+
+
+def test_the_page_counts_by_verdict_by_basis_and_by_both(ledger):
+    claims.record("a", claim="c", section="1", measured="m", verdict="consistent", notebook="01_kv", **EXACT)
+    claims.record("b", claim="c", section="1", measured="m", verdict="wrong in the text", notebook="01_kv",
+                  **EXACT)
+    claims.record("m", claim="c", section="1", measured="m", notebook="01_kv",
+                  verdict=claims.judge(True, scope=TEXT), scope=TEXT, **MEASURED)
+    claims.record("s", claim="c", section="1", measured="m", verdict=claims.check(True, basis="simulated"),
+                  notebook="01_kv", **SIM)
+    claims.record("r", claim="c", section="1", measured="m", verdict="misattributed", notebook="01_kv",
+                  basis="reading", rule="r", cite="liu2024kivi")
+    table = claims.render_markdown(claims.load())
+    assert "5 claims checked" in table
+    for line in ("| consistent | 2 |", "| reproduced | 1 |", "| wrong in the text | 1 |", "| misattributed | 1 |",
+                 "| measured | 1 |", "| simulated | 1 |", "| arithmetic | 2 |", "| reading | 1 |",
+                 "| Verdict by basis | measured | simulated | arithmetic | reading |",
+                 "| consistent |  | 1 | 1 | 0 |", "| reproduced | 1 |  |  |  |",
+                 "| misattributed |  |  |  | 1 |"):
+        assert line in table, line
 
 
 # --- the chapters' claims cells -----------------------------------------------------------------------------
@@ -362,16 +492,17 @@ def _kw(call, name):
     return next((k.value for k in call.keywords if k.arg == name), None)
 
 
-def _calls_judge(expr, assigned) -> bool:
+def _calls_judge(expr, assigned, judges=("judge",)) -> bool:
     """Whether ``expr`` is a ``judge(...)`` call (or a call of a notebook function that returns one), or a name
-    assigned from one (``verdict = claims.judge(...)``; ``v, tested = verdict_for(...)``)."""
+    assigned from one (``verdict = claims.judge(...)``; ``v, tested = verdict_for(...)``). ``judges`` names
+    the verdict functions to look for (``("check",)`` for an arithmetic or simulated row)."""
     import ast
 
     def is_judge(node):
         if not isinstance(node, ast.Call):
             return False
         name = getattr(node.func, "attr", getattr(node.func, "id", None))
-        return name == "judge" or name in assigned.get("<returns judge>", ())
+        return name in judges or ("judge" in judges and name in assigned.get("<returns judge>", ()))
 
     def judged(value):
         return is_judge(value) or (isinstance(value, ast.Tuple) and any(is_judge(e) for e in value.elts))
@@ -380,6 +511,16 @@ def _calls_judge(expr, assigned) -> bool:
         return True
     return isinstance(expr, ast.Name) and bool(assigned.get(expr.id)) and all(
         judged(v) for v in assigned[expr.id])
+
+
+def _verdict_strings(expr, assigned):
+    """The string constants a verdict expression can evaluate to: those in the expression and, for a name, in
+    every expression the notebook assigns to it (``v_kopt, why = "consistent", None``)."""
+    import ast
+
+    exprs = [expr] + (assigned.get(expr.id, []) if isinstance(expr, ast.Name) else [])
+    return {node.value for e in exprs for node in ast.walk(e)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
 
 
 def test_chapters_record_claims():
@@ -405,24 +546,47 @@ def test_no_claim_id_is_recorded_twice():
     assert not twice, f"claim ids recorded more than once across the chapters: {twice}"
 
 
-def test_measured_and_exact_verdicts_are_computed_not_typed():
-    """A measured row's verdict comes from judge (so the symmetric scope rule applies); an exact row's is
-    computed from the arithmetic. Only a reading row, a judgement with its citation, may type a verdict."""
+def test_verdicts_are_computed_outside_reading_rows():
+    """A measured row's verdict comes from judge (so the symmetric scope rule applies); a simulated row's from
+    check; an arithmetic row's is computed from the arithmetic (check, or a condition on the computed numbers).
+    Only a reading row, a judgement with its citation, may type a verdict."""
     import ast
 
-    literal, unjudged, unscoped = [], [], []
+    literal, unjudged, unscoped, unchecked = [], [], [], []
     for nb, call, assigned in _record_calls():
         basis, verdict = _kw(call, "basis").value, _kw(call, "verdict")
         name = f"{nb}:{call.args[0].value}"
-        if basis in ("measured", "exact") and isinstance(verdict, ast.Constant):
+        if basis != "reading" and isinstance(verdict, ast.Constant):
             literal.append(name)
         if basis == "measured" and not _calls_judge(verdict, assigned):
             unjudged.append(name)
         if basis == "measured" and _kw(call, "scope") is None:
             unscoped.append(name)
+        if basis == "simulated" and not _calls_judge(verdict, assigned, judges=("check",)):
+            unchecked.append(name)
     assert not literal, f"literal verdicts on computed rows: {literal}"
     assert not unjudged, f"measured rows whose verdict does not come from claims.judge: {unjudged}"
     assert not unscoped, f"measured rows without the scope judge read them against: {unscoped}"
+    assert not unchecked, f"simulated rows whose verdict does not come from claims.check: {unchecked}"
+
+
+def test_only_measured_rows_say_reproduced_in_the_chapters():
+    """'reproduced' is kept for measured effects: no arithmetic, simulated or reading row of a chapter can
+    evaluate to 'reproduced', 'reproduced in trend only' or 'not reproduced' (record refuses them at run time;
+    this finds a branch that a run did not take)."""
+    measured_only = {"reproduced", "reproduced in trend only", "not reproduced"}
+    bad, outside = [], []
+    for nb, call, assigned in _record_calls():
+        basis = _kw(call, "basis").value
+        if basis == "measured":
+            continue
+        said = _verdict_strings(_kw(call, "verdict"), assigned) & set(claims.VERDICTS)
+        if said & measured_only:
+            bad.append(f"{nb}:{call.args[0].value}")
+        elif not said <= set(claims.VERDICTS_BY_BASIS.get(basis, ())):
+            outside.append(f"{nb}:{call.args[0].value} ({basis}: {sorted(said)})")
+    assert not bad, f"non-measured rows that can say a measured verdict: {bad}"
+    assert not outside, f"rows that can say a verdict their basis cannot reach: {outside}"
 
 
 # --- p-values, reading rows, rule changes -------------------------------------------------------------------
@@ -463,8 +627,8 @@ def test_a_measured_row_needs_an_interval_or_a_test(ledger):
                       verdict=claims.judge(True, scope=TEXT), basis="measured", rule="r", n=10,
                       test=(9.3, 0.86))
     (ledger / "bad.json").write_text(json.dumps(dict(
-        id="bad", claim="c", section="1", measured="m", verdict="reproduced", notebook="10_speculative",
-        rule="r", basis="exact", profile="cpu", test={"name": "chi-square", "statistic": 1.0, "p_value": 2.0})))
+        id="bad", claim="c", section="1", measured="m", verdict="consistent", notebook="10_speculative",
+        rule="r", basis="arithmetic", profile="cpu", test={"name": "chi-square", "statistic": 1.0, "p_value": 2.0})))
     with pytest.raises(ValueError, match=r"bad\.json: test must be"):
         claims.load()
 
@@ -473,14 +637,14 @@ def test_reading_rows_say_their_verdict_is_a_judgement_with_its_citation(ledger)
     claims.record("read", claim="c", section="10.4.2", measured="the paper says otherwise",
                   verdict="misattributed", notebook="10_speculative", basis="reading", rule="r",
                   cite=["chen2025clasp", "elhoushi2024layerskip"])
-    claims.record("calc", claim="c", section="10.4.1", measured="m", verdict="reproduced",
+    claims.record("calc", claim="c", section="10.4.1", measured="m", verdict="consistent",
                   notebook="10_speculative", **EXACT)
     table = claims.render_markdown(claims.load())
     read_line = next(line for line in table.splitlines() if "the paper says otherwise" in line)
     assert claims.READING_NOTE + " {cite:p}`chen2025clasp`, {cite:p}`elhoushi2024layerskip`" in read_line
     assert "a judgement, not a computation" in read_line and "**misattributed** (judged, not computed)" \
         in read_line
-    calc_line = next(line for line in table.splitlines() if "exact arithmetic" in line)
+    calc_line = next(line for line in table.splitlines() if "arithmetic on the text" in line)
     assert "judge" not in calc_line, "a computed row is not presented as a judgement"
 
 
@@ -488,15 +652,15 @@ def test_a_rule_change_is_logged_in_the_row_and_shown(ledger):
     old = "reproduced if the relative output error's 95% interval is below 0.1"
     change = claims.RuleChange(date="2026-12-01", old_rule=old,
                                why="the output-based ratio blew up for flat attention")
-    row = claims.record("perf", claim="c", section="10.2.1", measured="m", verdict="reproduced",
-                        notebook="08_linear_attention", rule="reproduced if the distance is below 0.1",
-                        basis="exact", rule_changes=[change])
+    row = claims.record("perf", claim="c", section="10.2.1", measured="m", verdict="consistent",
+                        notebook="08_linear_attention", rule="consistent if the distance is below 0.1",
+                        basis="arithmetic", rule_changes=[change])
     assert row["rule_changes"] == [{"date": "2026-12-01", "old_rule": old,
                                     "why": "the output-based ratio blew up for flat attention"}]
     table = claims.render_markdown(claims.load())
     assert (f'*Rule changed 2026-12-01:* it was "{old}"; the output-based ratio blew up for flat attention'
             in table), "the page shows the old rule and why it changed beside the current rule"
-    unchanged = claims.record("other", claim="c", section="10.2.1", measured="m", verdict="reproduced",
+    unchanged = claims.record("other", claim="c", section="10.2.1", measured="m", verdict="consistent",
                               notebook="08_linear_attention", **EXACT)
     assert unchanged["rule_changes"] is None
 
@@ -515,19 +679,19 @@ def test_rule_changes_must_be_rule_change_objects_oldest_first(ledger):
     a = claims.RuleChange(date="2026-11-01", old_rule="r0", why="w0")
     b = claims.RuleChange(date="2026-12-01", old_rule="r1", why="w1")
     with pytest.raises(TypeError, match="list of labsrc.claims.RuleChange"):
-        claims.record("x", claim="c", section="1", measured="m", verdict="reproduced", notebook="01_kv",
+        claims.record("x", claim="c", section="1", measured="m", verdict="consistent", notebook="01_kv",
                       rule_changes=[("2026-12-01", "r", "w")], **EXACT)
     with pytest.raises(ValueError, match="oldest first"):
-        claims.record("x", claim="c", section="1", measured="m", verdict="reproduced", notebook="01_kv",
+        claims.record("x", claim="c", section="1", measured="m", verdict="consistent", notebook="01_kv",
                       rule_changes=[b, a], **EXACT)
-    assert [c["date"] for c in claims.record("x", claim="c", section="1", measured="m", verdict="reproduced",
+    assert [c["date"] for c in claims.record("x", claim="c", section="1", measured="m", verdict="consistent",
                                              notebook="01_kv", rule_changes=[a, b], **EXACT)["rule_changes"]] \
         == ["2026-11-01", "2026-12-01"]
 
 
 def test_no_chapter_stores_a_point_as_an_interval():
     """A zero-width interval written as interval=(x, x) is a point (a p-value, a count) posing as an
-    estimate's 95% interval; a test belongs in test=, an exact figure in basis="exact"."""
+    estimate's 95% interval; a test belongs in test=, an exact figure in basis="arithmetic"."""
     import ast
 
     points = [f"{nb}:{call.args[0].value}" for nb, call, _ in _record_calls()
