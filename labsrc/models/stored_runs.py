@@ -94,6 +94,9 @@ STORED: tuple[StoredRun, ...] = (
               "python -m labsrc.pipeline.experiment"),
     StoredRun("labsrc/data/results/evict_curve.json", ("lab-target",), "chapter 6",
               "python -m labsrc.sweeps.evict --n 100 --probes passkey --kept 0.1 0.3 0.5 0.7 0.9"),
+    StoredRun("labsrc/data/results/rope_curve.json", ("lab-target",), "chapter 4",
+              "python -m labsrc.sweeps.rope --n 100 --probes passkey --multiples 1 1.5 2 4 "
+              "--methods default linear ntk dynamic yarn --windows 8 --model lab-target --threads 1"),
 )
 
 
