@@ -114,11 +114,14 @@ SIZES: dict[str, dict[str, dict]] = {
                     n_requests=2000, max_len=2048, block_size=16),
     },
     "rope": {
-        "cpu": dict(lengths=(512, 1024, 2048), bucket=128, n_windows=2, passkey_n=3,
-                    passkey_depths=(0.1, 0.5, 0.9), ft_steps=6, ft_batch=1, ft_lr=1e-4,
+        # multiples: live lengths as multiples of the model's trained context L (read from its config); the
+        # comparison of the methods at L..4L is the stored curve (labsrc.sweeps.rope), live_n of its samples
+        # are scored again (a multiple of tasks.score's batch of 8: the same batches as the stored run).
+        "cpu": dict(multiples=(1, 2, 4), bucket=128, n_windows=1, passkey_n=2,
+                    passkey_depths=(0.1, 0.5, 0.9), ft_steps=4, ft_batch=1, ft_lr=1e-4, live_n=8,
                     kernel_shape=(2, 4, 2, 37, 40), table_rows=96),
-        "gpu": dict(lengths=(512, 1024, 2048, 4096), bucket=128, n_windows=12, passkey_n=10,
-                    passkey_depths=(0.1, 0.3, 0.5, 0.7, 0.9), ft_steps=60, ft_batch=4, ft_lr=1e-4,
+        "gpu": dict(multiples=(1, 2, 4, 8), bucket=128, n_windows=12, passkey_n=10,
+                    passkey_depths=(0.1, 0.3, 0.5, 0.7, 0.9), ft_steps=60, ft_batch=4, ft_lr=1e-4, live_n=16,
                     kernel_shape=(4, 32, 8, 1024, 128), table_rows=4096),
     },
     "kv_eviction": {

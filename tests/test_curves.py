@@ -215,3 +215,60 @@ def test_the_stored_paged_evict_curve_is_what_the_shipped_code_probes_and_model_
     token_level = curves.load(sweep_evict.PATH, partial=True)
     shared = set(stored["probes"]) & set(token_level["probes"])
     assert shared and all(stored["samples_digest"][p] == token_level["samples_digest"][p] for p in shared)
+
+
+def test_rope_sweep_end_to_end_on_a_few_samples(tmp_path):
+    # Chapter 4's command on 2 pass keys, 2 methods, L and 1.5 L, 2 windows: every point and its per-window
+    # losses are stored, and re-scoring a slice reproduces the stored per-sample results.
+    from labsrc import models
+    from labsrc.sweeps import rope as sweep_rope
+    out = tmp_path / "rope.json"
+    result = sweep_rope.main(["--n", "2", "--multiples", "1", "1.5", "--methods", "default", "yarn",
+                              "--windows", "2", "--out", str(out)])
+    stored = curves.load(out)
+    assert stored["command"].startswith("python -m labsrc.sweeps.rope --n 2 --probes passkey --multiples 1 1.5")
+    model, tok = models.load("lab-target")
+    L = model.config.lab_trained_context
+    assert stored["xs"] == [L, int(1.5 * L)] and stored["factor"] == 1.5
+    assert {(r["method"], r["x"]) for r in stored["rows"]} == {(m, x) for m in ("default", "yarn")
+                                                             for x in stored["xs"]}
+    assert stored["code_version"] == curves.source_version(*sweep_rope.scoring_code())
+    assert stored["models"] == {"lab-target": model_digest("lab-target")}
+    assert result["rows"] == stored["rows"]
+    ppl = stored["perplexity"]
+    assert set(ppl) == {f"{m}@{x}" for m in ("default", "yarn") for x in stored["xs"]}
+    assert ppl[f"default@{L}"]["nll_beyond"] is None and len(ppl[f"yarn@{int(1.5 * L)}"]["nll_beyond"]) == 2
+    assert sweep_rope.perplexity_estimate(ppl[f"default@{L}"]["nll"]).n == 2
+    scorer = sweep_rope.Scorer(model, tok, max(stored["xs"]), n=2)
+    x = stored["xs"][1]
+    assert stored["samples_digest"]["passkey"][str(x)] == curves.samples_digest(scorer.samples("passkey", x))
+    got, fresh = curves.rescore(stored, scorer, "yarn", x, "passkey", 2)
+    assert got == fresh
+    # the scorer leaves the model with its trained RoPE
+    assert model.config.rope_parameters["rope_type"] == "default"
+
+
+def test_the_stored_rope_curve_is_what_the_shipped_code_probes_and_model_make():
+    # Chapter 4 plots labsrc/data/results/rope_curve.json: its header must still describe the scoring code, the
+    # probe samples at every length and the checkpoint that ship, and every point must hold n >= 100 samples.
+    from labsrc import models
+    from labsrc.sweeps import rope as sweep_rope
+    stored = curves.load(sweep_rope.PATH, partial=True)
+    assert stored["code_version"] == curves.source_version(*sweep_rope.scoring_code()), \
+        f"the RoPE scoring code changed since the stored curve: rerun {stored['command']}"
+    assert stored["models"] == {stored["model"]: model_digest(stored["model"])}
+    model, tok = models.load(stored["model"])
+    assert stored["trained_context"] == model.config.lab_trained_context
+    assert stored["xs"] == sweep_rope.lengths_for(model, sweep_rope.MULTIPLES)
+    assert stored["methods"] == list(sweep_rope.METHODS)
+    scorer = sweep_rope.Scorer(model, tok, max(stored["xs"]), n=stored["n"])
+    assert stored["factor"] == scorer.factor == max(stored["xs"]) / stored["trained_context"]
+    for probe in stored["probes"]:
+        for x in stored["xs"]:
+            assert stored["samples_digest"][probe][str(x)] == curves.samples_digest(scorer.samples(probe, x)), x
+    assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
+    assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
+    assert stored["complete"], "the stored run's perplexity windows are unfinished"
+    ppl = stored["perplexity"]
+    assert set(ppl) == {f"{m}@{x}" for m in stored["methods"] for x in stored["xs"]}
+    assert all(len(p["nll"]) == stored["windows"] >= 2 for p in ppl.values())

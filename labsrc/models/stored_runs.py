@@ -97,6 +97,9 @@ STORED: tuple[StoredRun, ...] = (
     StoredRun("labsrc/data/results/paged_evict_curve.json", ("lab-target",), "chapter 9",
               "python -m labsrc.sweeps.paged_evict --n 100 --probes passkey needle --kept 0.1 0.3 0.5 0.7 0.9 "
               "--policies value attention recency random --model lab-target --threads 1"),
+    StoredRun("labsrc/data/results/rope_curve.json", ("lab-target",), "chapter 4",
+              "python -m labsrc.sweeps.rope --n 100 --probes passkey --multiples 1 1.5 2 4 "
+              "--methods default linear ntk dynamic yarn --windows 8 --model lab-target --threads 1"),
 )
 
 
