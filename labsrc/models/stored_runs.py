@@ -94,6 +94,10 @@ STORED: tuple[StoredRun, ...] = (
               "python -m labsrc.pipeline.experiment"),
     StoredRun("labsrc/data/results/evict_curve.json", ("lab-target",), "chapter 6",
               "python -m labsrc.sweeps.evict --n 100 --probes passkey --kept 0.1 0.3 0.5 0.7 0.9"),
+    StoredRun("labsrc/data/results/kvquant_curve.json", ("lab-target",), "chapter 5",
+              "python -m labsrc.sweeps.kvquant --n 100 --probes needle variable_tracking passkey --bits 2 3 4 "
+              "--configs per_token per_token_norm kivi kivi_norm group128 kvarn128 --model lab-target "
+              "--threads 1"),
 )
 
 
