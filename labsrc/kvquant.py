@@ -60,6 +60,13 @@ Codes are packed along ``head_dim`` in a *planar* layout: with ``P = 8 // b`` co
 ``k = 0..P-1``. (INT4: channel ``j`` in the low nibble, channel ``j + head_dim/2`` in the high nibble.) This
 lets a kernel unpack a whole half of a row with one shift and mask, without interleaving.
 
+Three bits do not divide a byte, so INT3 packs eight codes into three bytes (a 24-bit word) in the same planar
+way: with ``Dw = head_dim // 8`` words per token, word ``j`` holds channel ``j + k*Dw`` in bits
+``[3k, 3k+3)`` for ``k = 0..7``, and the word's low, middle and high bytes are stored as three planes of
+``Dw`` bytes each (bytes ``j``, ``Dw + j``, ``2*Dw + j``). ``head_dim`` must then be a multiple of 8, and a
+token costs exactly ``3 * head_dim / 8`` bytes. The Triton kernels (:mod:`labsrc.kernels.kvquant`) read
+2, 4 and 8 bits only; INT3 runs on this module's PyTorch path.
+
 Recipes for the chapter's experiments (``cfg = model.config``, ``stats = calibrate(model, calib_ids)``)
 ----------------------------------------------------------------------------------------------------
 * VarRatio per layer: ``[var_ratio(k).mean() for k, v in collect_kv(model, ids)]`` (per KV head before the
@@ -88,7 +95,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
 GRANULARITIES = ("group", "token", "channel")
 STORE_BYTES = 2  # scales, zero points and statistics are stored in fp16
 FP16_MAX = 65504.0  # the largest finite fp16: a step, zero point or statistic must not exceed it
@@ -100,6 +107,20 @@ def _check_bits(bits) -> int:
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
         raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
     return bits
+
+
+def pack_unit(bits: int) -> tuple[int, int]:
+    """``(codes, bytes)`` of one packing unit: ``8 // bits`` codes in one byte for 2, 4 and 8 bits, eight codes
+    in three bytes for 3 bits. ``head_dim`` must be a multiple of ``codes``; a token row of ``d`` channels
+    takes ``d // codes * bytes`` bytes (``d * bits / 8``)."""
+    _check_bits(bits)
+    return (8, 3) if bits == 3 else (8 // bits, 1)
+
+
+def packed_width(head_dim: int, bits: int) -> int:
+    """Bytes of one token row of ``head_dim`` packed ``bits``-bit codes (``head_dim * bits / 8``)."""
+    codes, nbytes = pack_unit(bits)
+    return head_dim // codes * nbytes
 
 
 def _check_int(value, name: str, minimum: int = 1) -> int:
@@ -318,10 +339,16 @@ def pack_codes(q: torch.Tensor, bits: int) -> torch.Tensor:
     if q.numel() and (int(q.min()) < 0 or int(q.max()) > levels):
         raise ValueError(f"q must hold {bits}-bit codes in [0, {levels}], got values in "
                          f"[{int(q.min())}, {int(q.max())}]")
-    per = 8 // bits
+    per, _ = pack_unit(bits)
     d = q.shape[-1]
     if d % per:
         raise ValueError(f"head_dim {d} must be a multiple of {per} to pack {bits}-bit codes")
+    if bits == 3:  # eight codes to a 24-bit word, stored as three byte planes (module docstring)
+        dw = d // 8
+        word = torch.zeros(*q.shape[:-1], dw, dtype=torch.int32, device=q.device)
+        for k in range(8):
+            word |= q[..., k * dw:(k + 1) * dw].to(torch.int32) << (3 * k)
+        return torch.cat([((word >> (8 * i)) & 255).to(torch.uint8) for i in range(3)], dim=-1)
     if per == 1:
         return q.to(torch.uint8).contiguous()
     dp = d // per
@@ -340,6 +367,13 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
         raise TypeError(f"packed must be uint8 bytes, got dtype {packed.dtype}")
     if packed.dim() < 1:
         raise ValueError("packed must have at least one (byte) dimension")
+    if bits == 3:
+        if packed.shape[-1] % 3:
+            raise ValueError(f"3-bit codes are packed in three byte planes, so the byte count must be a multiple "
+                             f"of 3, got {packed.shape[-1]}")
+        dw = packed.shape[-1] // 3
+        word = sum(packed[..., i * dw:(i + 1) * dw].to(torch.int32) << (8 * i) for i in range(3))
+        return torch.cat([((word >> (3 * k)) & 7).to(torch.uint8) for k in range(8)], dim=-1)
     per = 8 // bits
     if per == 1:
         return packed
@@ -407,10 +441,10 @@ class QuantizedTensor:
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"{name}.dtype must be a floating dtype, got {self.dtype!r}")
         *lead, t, d = shape
-        per = 8 // self.bits
+        per, _ = pack_unit(self.bits)
         if d % per:
             raise ValueError(f"{name}.shape has head_dim {d}, not a multiple of {per} ({self.bits}-bit codes)")
-        want = {"packed": (*lead, t, d // per)}
+        want = {"packed": (*lead, t, packed_width(d, self.bits))}
         n_groups = -(-t // self.group_size)
         want["scale"] = want["zero"] = (*lead, n_groups, d if self.granularity == "channel" else 1)
         for part, dtype in (("packed", torch.uint8), ("scale", torch.float16), ("zero", torch.float16)):
@@ -487,7 +521,7 @@ class QuantizedTensor:
 def quantize(x: torch.Tensor, bits: int = 4, group_size: int = 128, normalize: bool = True,
              stats: ChannelStats | None = None, granularity: str = "group",
              stats_shared: bool | None = None) -> QuantizedTensor:
-    """Quantize ``x`` of shape ``(..., tokens, head_dim)`` to ``bits`` bits (2, 4 or 8).
+    """Quantize ``x`` of shape ``(..., tokens, head_dim)`` to ``bits`` bits (2, 3, 4 or 8).
 
     * ``group_size``: tokens per quantization group (``"group"`` and ``"channel"`` granularity; ignored for
       ``"token"``). A trailing partial group is allowed.
@@ -980,7 +1014,7 @@ class KVarNCache(Cache):
     Arguments (all layers alike):
 
     * ``config``: the model's config (for the number of layers).
-    * ``bits`` (2/4/8), ``group_size`` (tokens per quantization group, and the unit in which tokens move from
+    * ``bits`` (2/3/4/8), ``group_size`` (tokens per quantization group, and the unit in which tokens move from
       the full-precision tail to the quantized store).
     * ``key_granularity``/``value_granularity``: ``"group"``, ``"token"`` or ``"channel"`` (see the module).
     * ``normalize`` and ``stats``: KVarN normalisation with calibrated statistics (``calibrate(...)``, one

@@ -140,11 +140,11 @@ SIZES: dict[str, dict[str, dict]] = {
     "kv_quant": {
         "cpu": dict(demo_tokens=2000, demo_dim=64, kernel_batch=2, kernel_kv_heads=2, kernel_q_per_kv=3,
                     kernel_tokens=301, kernel_dim=40, kernel_group=64, calib_samples=4, calib_len=512,
-                    lengths=(64, 128, 256, 512), ppl_windows=3, err_windows=2, n_probe=6,
+                    lengths=(64, 128, 256, 512, 1024), ppl_windows=8, err_windows=2,
                     ledger_n=1, ledger_windows=1, ledger_decode=16),
         "gpu": dict(demo_tokens=20000, demo_dim=128, kernel_batch=8, kernel_kv_heads=8, kernel_q_per_kv=4,
                     kernel_tokens=4099, kernel_dim=128, kernel_group=128, calib_samples=16, calib_len=512,
-                    lengths=(64, 128, 256, 512), ppl_windows=32, err_windows=8, n_probe=50,
+                    lengths=(64, 128, 256, 512, 1024), ppl_windows=32, err_windows=8,
                     ledger_n=10, ledger_windows=4, ledger_decode=64),
     },
     "flash_attention": {

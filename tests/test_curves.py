@@ -272,3 +272,52 @@ def test_the_stored_rope_curve_is_what_the_shipped_code_probes_and_model_make():
     ppl = stored["perplexity"]
     assert set(ppl) == {f"{m}@{x}" for m in stored["methods"] for x in stored["xs"]}
     assert all(len(p["nll"]) == stored["windows"] >= 2 for p in ppl.values())
+
+
+def test_kvquant_sweep_end_to_end_on_a_few_samples(tmp_path):
+    # Chapter 5's command on 10 needles (one batch), 2 configurations, INT3: the file has its header, the
+    # baseline and every point, and re-scoring the slice reproduces the stored per-sample results.
+    from labsrc.sweeps import kvquant as sweep_kvq
+    out = tmp_path / "kvq.json"
+    result = sweep_kvq.main(["--n", "10", "--probes", "needle", "--bits", "3", "--configs", "per_token",
+                             "kvarn128", "--out", str(out)])
+    stored = curves.load(out)
+    assert stored["command"].startswith("python -m labsrc.sweeps.kvquant --n 10 --probes needle --bits 3")
+    assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("per_token", 3),
+                                                               ("kvarn128", 3)}
+    assert stored["code_version"] == curves.source_version(*sweep_kvq.scoring_code())
+    assert stored["models"] == {"lab-target": model_digest("lab-target")}
+    assert result["rows"] == stored["rows"]
+    from labsrc import models
+    model, tok = models.load("lab-target")
+    scorer = sweep_kvq.Scorer(model, tok, n=10)
+    assert stored["samples_digest"]["needle"] == curves.samples_digest(scorer.samples("needle"))
+    got, fresh = curves.rescore(stored, scorer, "kvarn128", 3, "needle", 10)
+    assert got == fresh
+    with pytest.raises(ValueError, match="config must be one of"):
+        scorer("per_channel", 4, "needle", 1)
+
+
+def test_the_stored_kvquant_curve_is_what_the_shipped_code_probes_and_model_make():
+    # Chapter 5 plots labsrc/data/results/kvquant_curve.json: its header must still describe the scoring code,
+    # the calibration text, the probe samples and the checkpoint that ship, and it must be finished with
+    # n >= 100 per point, or the chapter would plot another (or a smaller) experiment's numbers.
+    from labsrc import models
+    from labsrc.sweeps import kvquant as sweep_kvq
+    stored = curves.load(sweep_kvq.PATH, partial=True)
+    assert stored["code_version"] == curves.source_version(*sweep_kvq.scoring_code()), \
+        f"the KV-quantization code changed since the stored curve: rerun {stored['command']}"
+    assert stored["models"] == {stored["model"]: model_digest(stored["model"])}
+    model, tok = models.load(stored["model"])
+    scorer = sweep_kvq.Scorer(model, tok, n=stored["n"])
+    assert stored["context_len"] == scorer.context_len == 921
+    assert stored["batch"] == sweep_kvq.BATCH
+    assert stored["calibration"]["digest"] == sweep_kvq.calibration_digest(tok)
+    for probe in stored["probes"]:
+        assert stored["samples_digest"][probe] == curves.samples_digest(scorer.samples(probe)), probe
+    assert set(stored["methods"]) == set(sweep_kvq.CONFIGS) and stored["xs"] == [2, 3, 4]
+    assert set(stored["probes"]) == {"needle", "variable_tracking", "passkey"}
+    assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
+    assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
+    assert all(any(r["method"] == curves.BASELINE and r["probe"] == p for r in stored["rows"])
+               for p in stored["probes"])

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -21,7 +23,7 @@ def _x(shape, seed=0, dtype=torch.float32):
 
 
 # ------------------------------------------------------------------------------------------- pack / unpack
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 80, 128])
 def test_pack_unpack_round_trip_is_bit_exact(bits, d):
     gen = torch.Generator().manual_seed(bits * d)
@@ -38,13 +40,78 @@ def test_pack_layout_is_planar():
     assert packed.tolist() == [[0 | 4 << 4, 1 | 5 << 4, 2 | 6 << 4, 3 | 7 << 4]]
 
 
+def test_int3_packs_eight_codes_in_three_byte_planes():
+    # The reference layout spelled out bit by bit: word j holds channel j + k*Dw in bits
+    # [3k, 3k+3); its low, middle and high bytes go to planes 0, 1 and 2.
+    gen = torch.Generator().manual_seed(3)
+    d = 40
+    q = torch.randint(0, 8, (5, d), generator=gen, dtype=torch.uint8)
+    dw = d // 8
+    want = torch.zeros(5, 3 * dw, dtype=torch.uint8)
+    for t in range(5):
+        for j in range(dw):
+            word = sum(int(q[t, j + k * dw]) << (3 * k) for k in range(8))
+            for i in range(3):
+                want[t, i * dw + j] = (word >> (8 * i)) & 255
+    assert torch.equal(kq.pack_codes(q, 3), want)
+    assert torch.equal(kq.unpack_codes(want, 3), q)
+    assert kq.packed_width(d, 3) == 15 == d * 3 // 8
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kq.pack_codes(torch.zeros(2, 12, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="q must hold 3-bit codes"):
+        kq.pack_codes(torch.full((2, 8), 8, dtype=torch.uint8), 3)
+
+
+@pytest.mark.parametrize("granularity,group", [("group", 32), ("token", 1), ("channel", 16)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_int3_quantize_equals_the_formula_from_scratch(granularity, group, normalize):
+    # INT3 through the library (fp16 step and zero point, packed codes) against eq. kvq-quant written out with
+    # the library's own step and zero point: the same codes and the same reconstruction; 7 levels, not 15.
+    x = _x((2, 45, 40), seed=11)
+    qt = kq.quantize(x, bits=3, group_size=group, normalize=normalize, granularity=granularity)
+    assert qt.packed.shape == (2, 45, 15) and int(qt.codes.max()) <= 7
+    g = 1 if granularity == "token" else group
+    xn = x.float()
+    if normalize:
+        xn = (xn - qt.stats.mean.float().unsqueeze(-2)) / qt.stats.std.float().unsqueeze(-2)
+    s = qt.scale.float().repeat_interleave(g, dim=-2)[..., :45, :]
+    z = qt.zero.float().repeat_interleave(g, dim=-2)[..., :45, :]
+    codes = torch.floor((xn - z) / s + 0.5).clamp(0, 7)
+    assert torch.equal(codes.to(torch.uint8), qt.codes)
+    manual = codes * s + z
+    if normalize:
+        manual = manual * qt.stats.std.float().unsqueeze(-2) + qt.stats.mean.float().unsqueeze(-2)
+    torch.testing.assert_close(qt.dequantize(), manual.to(x.dtype), rtol=0, atol=0)
+    # the group's grid covers its range with 7 steps
+    assert bool((qt.zero.float() + 7 * qt.scale.float() >= kq._groups(xn, g, -math.inf).amax(
+        dim=-2 if granularity == "channel" else (-2, -1)).reshape(qt.zero.shape)).all())
+
+
+def test_int3_error_lies_between_int2_and_int4():
+    x = _x((2, 3, 200, 40), seed=5)
+    err = [float(kq.quantization_mse(x, bits=b, group_size=32, normalize=False)) for b in (2, 3, 4)]
+    assert err[0] > err[1] > err[2]
+
+
+def test_int3_cache_bytes_match_kv_bytes_and_the_kernels_refuse_it():
+    x = _x((1, 2, 300, 64), seed=2)
+    qt = kq.quantize(x, bits=3, group_size=128, normalize=False)
+    assert kq.kv_bytes(300, 1, 2, 64, bits=3, group_size=128, stats=False) == 2 * qt.nbytes
+    assert qt.nbytes_breakdown()["codes"] == 2 * 300 * 64 * 3 // 8
+    from labsrc.kernels import kvquant as kk
+    with pytest.raises(ValueError, match="PyTorch path"):
+        kk.quantize_pack(x, bits=3)
+    with pytest.raises(ValueError, match="PyTorch path"):
+        kk.dequantize_unpack(qt)
+
+
 def test_pack_rejects_indivisible_head_dim():
     with pytest.raises(ValueError, match="head_dim 6 must be a multiple of 4"):
         kq.pack_codes(torch.zeros(2, 6, dtype=torch.uint8), 2)
 
 
 # ------------------------------------------------------------------------------------------- error bounds
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("granularity,group", [("group", 32), ("group", 128), ("token", 1), ("channel", 16)])
 @pytest.mark.parametrize("normalize", [False, True])
 def test_error_within_half_a_step(bits, granularity, group, normalize):
@@ -176,7 +243,7 @@ def test_var_ratio_and_mse_helpers():
 def test_errors():
     x = _x((2, 10, 8))
     with pytest.raises(ValueError, match="bits must be one of"):
-        kq.quantize(x, bits=3)
+        kq.quantize(x, bits=5)
     with pytest.raises(ValueError, match="bits must be one of"):
         kq.kv_bytes(10, 1, 1, 8, bits=16)
     with pytest.raises(ValueError, match="group_size must be a positive int"):

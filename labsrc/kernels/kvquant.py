@@ -55,6 +55,16 @@ import torch
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DECODE_BITS = (4, 8)
+KERNEL_BITS = (2, 4, 8)  # whole codes per byte; INT3 (eight codes in three bytes) has the PyTorch path only
+
+
+def _check_kernel_bits(bits) -> int:
+    """``bits`` if the packing kernels read it (2, 4 or 8), else a ValueError pointing at the PyTorch path."""
+    _check_bits(bits)
+    if bits not in KERNEL_BITS:
+        raise ValueError(f"bits must be one of {KERNEL_BITS} for the packed kernels, got {bits!r}; {bits}-bit "
+                         "caches run on labsrc.kvquant's PyTorch path (quantize, KVarNCache)")
+    return bits
 MAX_BLOCK_NUMEL = 1048576  # Triton's largest tensor (tl.arange and every block): 2^20 elements
 MAX_GRID_0 = 2 ** 31 - 1  # programs along grid axis 0
 MAX_GRID_12 = 65535  # programs along grid axes 1 and 2
@@ -217,7 +227,7 @@ def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
     raises the reference's ``ValueError`` (module docstring).
     """
     x = _check_tensor(x, "x")
-    _check_bits(bits)
+    _check_kernel_bits(bits)
     group_size = _check_group_size(group_size)
     if x.dim() < 2 or x.shape[-2] == 0 or x.shape[-1] == 0:
         raise ValueError(f"x must have shape (..., tokens, head_dim) with tokens > 0 and head_dim > 0, "
@@ -260,7 +270,9 @@ def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
 
 def quantize_pack_ref(x: torch.Tensor, bits: int = 4, group_size: int = 128,
                       stats: ChannelStats | None = None) -> QuantizedTensor:
-    """PyTorch reference of :func:`quantize_pack`: :func:`labsrc.kvquant.quantize` with ``granularity="group"``."""
+    """PyTorch reference of :func:`quantize_pack`: :func:`labsrc.kvquant.quantize` with ``granularity="group"``
+    (the kernel's widths only: for INT3 call :func:`labsrc.kvquant.quantize` itself)."""
+    _check_kernel_bits(bits)
     return quantize(x, bits=bits, group_size=group_size, normalize=stats is not None, stats=stats,
                     granularity="group")
 
@@ -314,6 +326,7 @@ def _check_quantized(qt, name: str, device=None) -> None:
     if qt.granularity not in ("group", "token"):
         raise ValueError(f"{name} has granularity {qt.granularity!r}; the kernels support 'group' and 'token'")
     qt.validate(name)
+    _check_kernel_bits(qt.bits)
     if device is not None:
         _check_device(f"{name}.packed", qt.packed, device)
 

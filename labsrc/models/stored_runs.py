@@ -100,6 +100,10 @@ STORED: tuple[StoredRun, ...] = (
     StoredRun("labsrc/data/results/rope_curve.json", ("lab-target",), "chapter 4",
               "python -m labsrc.sweeps.rope --n 100 --probes passkey --multiples 1 1.5 2 4 "
               "--methods default linear ntk dynamic yarn --windows 8 --model lab-target --threads 1"),
+    StoredRun("labsrc/data/results/kvquant_curve.json", ("lab-target",), "chapter 5",
+              "python -m labsrc.sweeps.kvquant --n 100 --probes needle variable_tracking passkey --bits 2 3 4 "
+              "--configs per_token per_token_norm kivi kivi_norm group128 kvarn128 --model lab-target "
+              "--threads 1"),
 )
 
 
