@@ -5,7 +5,14 @@ Each module sweeps its mechanism's methods across the axis where they differ and
 from it, and re-scores a slice live. Each module names what the curve depends on (:func:`header`) so that a
 test can tell when the stored file is stale.
 
+* :mod:`labsrc.sweeps.rope`: RoPE scaling methods against context length, from the trained length to 4x
+  (chapter 4).
+* :mod:`labsrc.sweeps.kvquant`: quantized KV caches against bits, with and without KVarN's normalisation
+  (chapter 5).
 * :mod:`labsrc.sweeps.evict`: eviction policies against the KV budget (chapter 6).
 * :mod:`labsrc.sweeps.paged_evict`: block-eviction policies in the paged engine against the share of blocks kept
   (chapter 9).
+
+:mod:`labsrc.sweeps.cli` holds what their commands share (common options, loading the model, stamping the
+machine on the stored result).
 """

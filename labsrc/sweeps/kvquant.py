@@ -19,17 +19,16 @@ simulates the stored codes and the attention reads their dequantized values.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import time
-from pathlib import Path
 
 import torch
 
 from labsrc import curves, kvquant as kq, tasks
 from labsrc.kvquant import KVarNCache
 from labsrc.models.stored_runs import models_stamp
+from labsrc.sweeps import cli
 
 BITS = (2, 3, 4)
 PROBES = ("needle", "variable_tracking", "passkey")
@@ -151,32 +150,20 @@ def header(scorer: Scorer, model_name: str, probes, command: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description="Chapter 5's stored curve: quantized KV caches against bits.")
-    parser.add_argument("--n", type=int, default=N, help="probe samples per point")
-    parser.add_argument("--probes", nargs="+", default=list(PROBES), choices=tasks.TASKS)
+    parser = cli.parser("Chapter 5's stored curve: quantized KV caches against bits.", n=N, probes=PROBES,
+                        out=PATH)
     parser.add_argument("--bits", nargs="+", type=int, default=list(BITS), choices=kq.SUPPORTED_BITS)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    parser.add_argument("--model", default="lab-target")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=PATH)
     args = parser.parse_args(argv)
-    from labsrc import models, runtime
-
-    torch.set_num_threads(args.threads)
-    model, tok = models.load(args.model)
-    model.eval()
+    model, tok = cli.load_model(args.model, args.threads)
     scorer = Scorer(model, tok, args.n)
     command = (f"python -m labsrc.sweeps.kvquant --n {args.n} --probes {' '.join(args.probes)} --bits "
-               f"{' '.join(map(str, args.bits))} --configs {' '.join(args.configs)} --model {args.model} "
-               f"--threads {args.threads}" + ("" if args.out == PATH else f" --out {args.out}"))
+               f"{' '.join(map(str, args.bits))} --configs {' '.join(args.configs)} {cli.tail(args, PATH)}")
     t0 = time.perf_counter()
     result = curves.sweep(scorer, args.configs, args.bits, args.probes,
                           header(scorer, args.model, args.probes, command), out=args.out,
                           baseline=scorer.baseline)
-    result["machine"] = {"device": runtime.device_name(), "torch": torch.__version__, "threads": args.threads,
-                         "seconds_this_session": round(time.perf_counter() - t0)}
-    curves.write(args.out, result)
-    return result
+    return cli.finish(result, args.out, args.threads, t0)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,13 @@ costs against choosing tokens one by one at the same budget.
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import time
-from pathlib import Path
 
-import torch
 
 from labsrc import curves, evict as ev, tasks
 from labsrc.models.stored_runs import models_stamp
+from labsrc.sweeps import cli
 from labsrc.serving import blocks as serving_blocks, engine as serving_engine, experiments as X
 
 POLICIES = ("value", "attention", "recency", "random")
@@ -102,33 +100,20 @@ def header(scorer: Scorer, model_name: str, probes, command: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description="Chapter 9's stored curve: block-eviction policies in the "
-                                                 "paged engine against the share of blocks kept.")
-    parser.add_argument("--n", type=int, default=N, help="probe samples per point")
-    parser.add_argument("--probes", nargs="+", default=list(PROBES), choices=tasks.TASKS)
+    parser = cli.parser("Chapter 9's stored curve: block-eviction policies in the paged engine against the "
+                        "share of blocks kept.", n=N, probes=PROBES, out=PATH)
     parser.add_argument("--kept", nargs="+", type=float, default=list(KEPT))
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=serving_engine.BLOCK_POLICIES)
-    parser.add_argument("--model", default="lab-target")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=PATH)
     args = parser.parse_args(argv)
-    from labsrc import models, runtime
-
-    torch.set_num_threads(args.threads)
-    model, tok = models.load(args.model)
-    model.eval()
+    model, tok = cli.load_model(args.model, args.threads)
     scorer = Scorer(model, tok, args.n)
     command = (f"python -m labsrc.sweeps.paged_evict --n {args.n} --probes {' '.join(args.probes)} --kept "
-               f"{' '.join(map(str, args.kept))} --policies {' '.join(args.policies)} --model {args.model} "
-               f"--threads {args.threads}" + ("" if args.out == PATH else f" --out {args.out}"))
+               f"{' '.join(map(str, args.kept))} --policies {' '.join(args.policies)} {cli.tail(args, PATH)}")
     t0 = time.perf_counter()
     result = curves.sweep(scorer, args.policies, args.kept, args.probes,
                           header(scorer, args.model, args.probes, command), out=args.out,
                           baseline=scorer.baseline)
-    result["machine"] = {"device": runtime.device_name(), "torch": torch.__version__, "threads": args.threads,
-                         "seconds_this_session": round(time.perf_counter() - t0)}
-    curves.write(args.out, result)
-    return result
+    return cli.finish(result, args.out, args.threads, t0)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,9 @@ perplexity beyond ``L`` (:func:`perplexity_estimate`).
 """
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import time
-from pathlib import Path
 
 import torch
 from transformers import modeling_rope_utils as hf_rope
@@ -31,6 +29,7 @@ from transformers.models.llama import modeling_llama
 
 from labsrc import claims, curves, finetune, rope, tasks
 from labsrc.models.stored_runs import models_stamp
+from labsrc.sweeps import cli
 
 METHODS = ("default", "linear", "ntk", "dynamic", "yarn")
 MULTIPLES = (1.0, 1.5, 2.0, 4.0)
@@ -128,28 +127,19 @@ def header(scorer: Scorer, model_name: str, probes, lengths, windows: int, comma
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description="Chapter 4's stored curve: RoPE methods against context length.")
-    parser.add_argument("--n", type=int, default=N, help="probe samples per point")
-    parser.add_argument("--probes", nargs="+", default=list(PROBES), choices=tasks.TASKS)
+    parser = cli.parser("Chapter 4's stored curve: RoPE methods against context length.", n=N, probes=PROBES,
+                        out=PATH)
     parser.add_argument("--multiples", nargs="+", type=float, default=list(MULTIPLES),
                         help="context lengths as multiples of the trained context (the largest sets s)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--windows", type=int, default=WINDOWS, help="validation windows per point (0: none)")
-    parser.add_argument("--model", default="lab-target")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=PATH)
     args = parser.parse_args(argv)
-    from labsrc import models, runtime
-
-    torch.set_num_threads(args.threads)
-    model, tok = models.load(args.model)
-    model.eval()
+    model, tok = cli.load_model(args.model, args.threads)
     lengths = lengths_for(model, args.multiples)
     scorer = Scorer(model, tok, max(lengths), args.n)
     command = (f"python -m labsrc.sweeps.rope --n {args.n} --probes {' '.join(args.probes)} --multiples "
                f"{' '.join(f'{m:g}' for m in args.multiples)} --methods {' '.join(args.methods)} "
-               f"--windows {args.windows} --model {args.model} --threads {args.threads}"
-               + ("" if args.out == PATH else f" --out {args.out}"))
+               f"--windows {args.windows} {cli.tail(args, PATH)}")
     head = header(scorer, args.model, args.probes, lengths, args.windows, command)
     # The perplexity beside the curve is resumed like the points (same header, same keys); read it before the
     # sweep rewrites the file.
@@ -170,11 +160,7 @@ def main(argv=None) -> dict:
                 curves.write(args.out, result)
     result["perplexity"] = ppl
     result["complete"] = True
-    result["machine"] = {"device": runtime.device_name(), "torch": torch.__version__,
-                         "transformers": __import__("transformers").__version__, "threads": args.threads,
-                         "seconds_this_session": round(time.perf_counter() - t0)}
-    curves.write(args.out, result)
-    return result
+    return cli.finish(result, args.out, args.threads, t0)
 
 
 if __name__ == "__main__":
