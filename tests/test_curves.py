@@ -125,6 +125,26 @@ def test_digests_change_with_what_they_cover(tmp_path):
     assert a != curves.samples_digest([S([1, 2, 3], [(1, 3)])])
 
 
+def stored_curve(module, what):
+    """``(stored, model, tokenizer)`` for a sweep module's stored curve, checked for what every chapter that
+    plots one needs: its header still describes the shipped scoring code and checkpoint, STORED lists it with
+    the command that made it, and it is finished with n >= 100 samples at every point. The caller checks the
+    samples (each sweep draws them its own way) and the rest of its header."""
+    from labsrc import models
+    from labsrc.models.stored_runs import ROOT, STORED
+    stored = curves.load(module.PATH, partial=True)
+    assert stored["code_version"] == curves.source_version(*module.scoring_code()), \
+        f"the {what} code changed since the stored curve: rerun {stored['command']}"
+    assert stored["models"] == {stored["model"]: model_digest(stored["model"])}
+    path = module.PATH.relative_to(ROOT).as_posix()
+    assert [r.command for r in STORED if r.path == path] == [stored["command"]], \
+        f"STORED must list {path} with the command that made it"
+    assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
+    assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
+    model, tok = models.load(stored["model"])
+    return stored, model, tok
+
+
 def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
     # Chapter 6's command on 2 pass keys, 2 policies, one budget: the file has its header, the baseline and
     # every point, and re-scoring a slice reproduces the stored per-sample results.
@@ -151,19 +171,12 @@ def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
 def test_the_stored_evict_curve_is_what_the_shipped_code_probes_and_model_make():
     # Chapter 6 plots labsrc/data/results/evict_curve.json: its header must still describe the scoring code,
     # the probe samples and the checkpoint that ship, or the chapter would plot another experiment's numbers.
-    from labsrc import models
     from labsrc.sweeps import evict as sweep_evict
-    stored = curves.load(sweep_evict.PATH, partial=True)
-    assert stored["code_version"] == curves.source_version(*sweep_evict.scoring_code()), \
-        f"the eviction code changed since the stored curve: rerun {stored['command']}"
-    assert stored["models"] == {stored["model"]: model_digest(stored["model"])}
-    model, tok = models.load(stored["model"])
+    stored, model, tok = stored_curve(sweep_evict, "eviction")
     scorer = sweep_evict.Scorer(model, tok, n=stored["n"])
     assert stored["context_len"] == scorer.context_len
     for probe in stored["probes"]:
         assert stored["samples_digest"][probe] == curves.samples_digest(scorer.samples(probe)), probe
-    assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
-    assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
 
 
 def test_paged_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
@@ -195,22 +208,12 @@ def test_paged_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
 def test_the_stored_paged_evict_curve_is_what_the_shipped_code_probes_and_model_make():
     # Chapter 9 plots labsrc/data/results/paged_evict_curve.json and sets it beside chapter 6's token-level
     # curve on the same samples: its header must describe the shipped scoring code, samples and checkpoint.
-    from labsrc import models
     from labsrc.sweeps import evict as sweep_evict, paged_evict
-    stored = curves.load(paged_evict.PATH, partial=True)
-    assert stored["code_version"] == curves.source_version(*paged_evict.scoring_code()), \
-        f"the paged eviction code changed since the stored curve: rerun {stored['command']}"
-    assert stored["models"] == {stored["model"]: model_digest(stored["model"])}
-    model, tok = models.load(stored["model"])
+    stored, model, tok = stored_curve(paged_evict, "paged eviction")
     scorer = paged_evict.Scorer(model, tok, n=stored["n"], block_size=stored["block_size"])
     assert stored["context_len"] == scorer.context_len
     for probe in stored["probes"]:
         assert stored["samples_digest"][probe] == curves.samples_digest(scorer.samples(probe)), probe
-    assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
-    assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
-    from labsrc.models.stored_runs import STORED
-    assert [r.command for r in STORED if r.path.endswith("/paged_evict_curve.json")] == [stored["command"]], \
-        "STORED must list the paged eviction curve with the command that made it"
     # the chapter compares the two curves sample for sample only where they scored the same samples
     token_level = curves.load(sweep_evict.PATH, partial=True)
     shared = set(stored["probes"]) & set(token_level["probes"])
@@ -251,13 +254,8 @@ def test_rope_sweep_end_to_end_on_a_few_samples(tmp_path):
 def test_the_stored_rope_curve_is_what_the_shipped_code_probes_and_model_make():
     # Chapter 4 plots labsrc/data/results/rope_curve.json: its header must still describe the scoring code, the
     # probe samples at every length and the checkpoint that ship, and every point must hold n >= 100 samples.
-    from labsrc import models
     from labsrc.sweeps import rope as sweep_rope
-    stored = curves.load(sweep_rope.PATH, partial=True)
-    assert stored["code_version"] == curves.source_version(*sweep_rope.scoring_code()), \
-        f"the RoPE scoring code changed since the stored curve: rerun {stored['command']}"
-    assert stored["models"] == {stored["model"]: model_digest(stored["model"])}
-    model, tok = models.load(stored["model"])
+    stored, model, tok = stored_curve(sweep_rope, "RoPE scoring")
     assert stored["trained_context"] == model.config.lab_trained_context
     assert stored["xs"] == sweep_rope.lengths_for(model, sweep_rope.MULTIPLES)
     assert stored["methods"] == list(sweep_rope.METHODS)
@@ -266,8 +264,6 @@ def test_the_stored_rope_curve_is_what_the_shipped_code_probes_and_model_make():
     for probe in stored["probes"]:
         for x in stored["xs"]:
             assert stored["samples_digest"][probe][str(x)] == curves.samples_digest(scorer.samples(probe, x)), x
-    assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
-    assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
     assert stored["complete"], "the stored run's perplexity windows are unfinished"
     ppl = stored["perplexity"]
     assert set(ppl) == {f"{m}@{x}" for m in stored["methods"] for x in stored["xs"]}
@@ -302,13 +298,8 @@ def test_the_stored_kvquant_curve_is_what_the_shipped_code_probes_and_model_make
     # Chapter 5 plots labsrc/data/results/kvquant_curve.json: its header must still describe the scoring code,
     # the calibration text, the probe samples and the checkpoint that ship, and it must be finished with
     # n >= 100 per point, or the chapter would plot another (or a smaller) experiment's numbers.
-    from labsrc import models
     from labsrc.sweeps import kvquant as sweep_kvq
-    stored = curves.load(sweep_kvq.PATH, partial=True)
-    assert stored["code_version"] == curves.source_version(*sweep_kvq.scoring_code()), \
-        f"the KV-quantization code changed since the stored curve: rerun {stored['command']}"
-    assert stored["models"] == {stored["model"]: model_digest(stored["model"])}
-    model, tok = models.load(stored["model"])
+    stored, model, tok = stored_curve(sweep_kvq, "KV-quantization")
     scorer = sweep_kvq.Scorer(model, tok, n=stored["n"])
     assert stored["context_len"] == scorer.context_len == 921
     assert stored["batch"] == sweep_kvq.BATCH
@@ -317,7 +308,5 @@ def test_the_stored_kvquant_curve_is_what_the_shipped_code_probes_and_model_make
         assert stored["samples_digest"][probe] == curves.samples_digest(scorer.samples(probe)), probe
     assert set(stored["methods"]) == set(sweep_kvq.CONFIGS) and stored["xs"] == [2, 3, 4]
     assert set(stored["probes"]) == {"needle", "variable_tracking", "passkey"}
-    assert all(r["n"] == len(r["per_sample"]) == stored["n"] for r in stored["rows"])
-    assert stored["n"] >= 100 and not curves.missing(stored), "the stored curve is unfinished or too small"
     assert all(any(r["method"] == curves.BASELINE and r["probe"] == p for r in stored["rows"])
                for p in stored["probes"])

@@ -93,7 +93,8 @@ STORED: tuple[StoredRun, ...] = (
     StoredRun("labsrc/pipeline/results/cpu.json", ("lab-target",), "chapter 11",
               "python -m labsrc.pipeline.experiment"),
     StoredRun("labsrc/data/results/evict_curve.json", ("lab-target",), "chapter 6",
-              "python -m labsrc.sweeps.evict --n 100 --probes passkey --kept 0.1 0.3 0.5 0.7 0.9"),
+              "python -m labsrc.sweeps.evict --n 100 --probes passkey --kept 0.1 0.3 0.5 0.7 0.9 "
+              "--policies fifo lru h2o streamingllm scissorhands value_aware --model lab-target --threads 1"),
     StoredRun("labsrc/data/results/paged_evict_curve.json", ("lab-target",), "chapter 9",
               "python -m labsrc.sweeps.paged_evict --n 100 --probes passkey needle --kept 0.1 0.3 0.5 0.7 0.9 "
               "--policies value attention recency random --model lab-target --threads 1"),
