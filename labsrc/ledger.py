@@ -38,6 +38,10 @@ FIELDS = ("name", "kv_bytes_per_token", "peak_kv_bytes", "decode_tokens_per_s", 
           "passkey_accuracy", "needle_accuracy", "acceptance_rate", "context_len", "n_probe", "notes")
 """The columns of a ledger row."""
 
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""Where :func:`measure` hides its pass keys: ``n_probe`` keys at each depth, so a row's pass-key accuracy is
+over ``len(PASSKEY_DEPTHS) * n_probe`` answers."""
+
 
 @dataclass
 class Decoded:
@@ -197,9 +201,8 @@ def measure(model, tokenizer, *, name: str, cache_factory: Callable | None = Non
     was_training = model.training
     model.eval()
     peak = [0, 0]
-    depths = (0.0, 0.25, 0.5, 0.75, 1.0)
     rng = random.Random(f"ledger-passkey-{seed}-{context_len}")
-    pk = [tasks.passkey_sample(tokenizer, context_len, d, rng) for d in depths for _ in range(n)]
+    pk = [tasks.passkey_sample(tokenizer, context_len, d, rng) for d in PASSKEY_DEPTHS for _ in range(n)]
     passkey_acc, rates = _generate_accuracy(model, pk, cache_factory, decoder, peak)
     rng = random.Random(f"ledger-needle-{seed}-{context_len}")
     nd = [tasks.needle_sample(tokenizer, context_len, i / max(2 * n - 1, 1), rng, 3) for i in range(2 * n)]
