@@ -1122,10 +1122,7 @@ def tree_speculative_generate(target, draft, input_ids: torch.Tensor, max_new_to
 def alpha_along(target, draft, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Teacher-forced acceptance along a sequence: ``1 - TV(p_t, q_t)`` at every position ``t`` of ``ids``
     ``(T,)`` (the acceptance probability a drafted token would have there), one forward per model."""
-    ids = ids.reshape(1, -1).to(next(target.parameters()).device)
-    p = warp_logits(target(input_ids=ids).logits[0].float(), temperature)
-    q = warp_logits(draft(input_ids=ids).logits[0].float(), temperature)
-    return torch.minimum(p, q).sum(-1)
+    return alpha_along_drafts(target, {"draft": draft}, ids, temperature)[0]["draft"]
 
 
 @torch.no_grad()
