@@ -145,21 +145,29 @@ def stored_curve(module, what):
     return stored, model, tok
 
 
+def small_sweep(module, argv, tmp_path):
+    """Run a sweep module's command on a few samples into ``tmp_path`` and check what every sweep's file holds:
+    its code version, the checkpoint's digest, and the rows the command returned. Returns ``(stored, model,
+    tokenizer)`` for the caller's own checks (its command, its points, re-scoring a slice)."""
+    from labsrc import models
+    out = tmp_path / "curve.json"
+    result = module.main([*argv, "--out", str(out)])
+    stored = curves.load(out)
+    assert stored["code_version"] == curves.source_version(*module.scoring_code())
+    assert stored["models"] == {"lab-target": model_digest("lab-target")}
+    assert result["rows"] == stored["rows"]
+    model, tok = models.load("lab-target")
+    return stored, model, tok
+
+
 def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
     # Chapter 6's command on 2 pass keys, 2 policies, one budget: the file has its header, the baseline and
     # every point, and re-scoring a slice reproduces the stored per-sample results.
     from labsrc.sweeps import evict as sweep_evict
-    out = tmp_path / "evict.json"
-    result = sweep_evict.main(["--n", "2", "--probes", "passkey", "--kept", "0.3", "--policies", "fifo", "h2o",
-                               "--out", str(out)])
-    stored = curves.load(out)
+    stored, model, tok = small_sweep(sweep_evict, ["--n", "2", "--probes", "passkey", "--kept", "0.3",
+                                                   "--policies", "fifo", "h2o"], tmp_path)
     assert stored["command"].startswith("python -m labsrc.sweeps.evict --n 2 --probes passkey --kept 0.3")
     assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("fifo", 0.3), ("h2o", 0.3)}
-    assert stored["code_version"] == curves.source_version(*sweep_evict.scoring_code())
-    assert stored["models"] == {"lab-target": model_digest("lab-target")}
-    assert result["rows"] == stored["rows"]
-    from labsrc import models
-    model, tok = models.load("lab-target")
     scorer = sweep_evict.Scorer(model, tok, n=2)
     assert stored["samples_digest"]["passkey"] == curves.samples_digest(scorer.samples("passkey"))
     got, fresh = curves.rescore(stored, scorer, "h2o", 0.3, "passkey", 2)
@@ -183,18 +191,12 @@ def test_paged_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
     # Chapter 9's command on 2 pass keys, 2 block policies, one share kept: header, baseline and every point,
     # and re-scoring a slice reproduces the stored per-sample results.
     from labsrc.sweeps import paged_evict
-    out = tmp_path / "paged.json"
-    result = paged_evict.main(["--n", "2", "--probes", "passkey", "--kept", "0.3", "--policies", "value", "recency",
-                               "--out", str(out)])
-    stored = curves.load(out)
+    stored, model, tok = small_sweep(paged_evict, ["--n", "2", "--probes", "passkey", "--kept", "0.3",
+                                                   "--policies", "value", "recency"], tmp_path)
     assert stored["command"].startswith("python -m labsrc.sweeps.paged_evict --n 2 --probes passkey --kept 0.3")
     assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("value", 0.3),
                                                                ("recency", 0.3)}
-    assert stored["code_version"] == curves.source_version(*paged_evict.scoring_code())
-    assert stored["models"] == {"lab-target": model_digest("lab-target")} and stored["block_size"] == 16
-    assert result["rows"] == stored["rows"]
-    from labsrc import models
-    model, tok = models.load("lab-target")
+    assert stored["block_size"] == 16
     scorer = paged_evict.Scorer(model, tok, n=2)
     assert stored["samples_digest"]["passkey"] == curves.samples_digest(scorer.samples("passkey"))
     got, fresh = curves.rescore(stored, scorer, "value", 0.3, "passkey", 2)
@@ -223,21 +225,14 @@ def test_the_stored_paged_evict_curve_is_what_the_shipped_code_probes_and_model_
 def test_rope_sweep_end_to_end_on_a_few_samples(tmp_path):
     # Chapter 4's command on 2 pass keys, 2 methods, L and 1.5 L, 2 windows: every point and its per-window
     # losses are stored, and re-scoring a slice reproduces the stored per-sample results.
-    from labsrc import models
     from labsrc.sweeps import rope as sweep_rope
-    out = tmp_path / "rope.json"
-    result = sweep_rope.main(["--n", "2", "--multiples", "1", "1.5", "--methods", "default", "yarn",
-                              "--windows", "2", "--out", str(out)])
-    stored = curves.load(out)
+    stored, model, tok = small_sweep(sweep_rope, ["--n", "2", "--multiples", "1", "1.5", "--methods", "default",
+                                                  "yarn", "--windows", "2"], tmp_path)
     assert stored["command"].startswith("python -m labsrc.sweeps.rope --n 2 --probes passkey --multiples 1 1.5")
-    model, tok = models.load("lab-target")
     L = model.config.lab_trained_context
     assert stored["xs"] == [L, int(1.5 * L)] and stored["factor"] == 1.5
     assert {(r["method"], r["x"]) for r in stored["rows"]} == {(m, x) for m in ("default", "yarn")
                                                              for x in stored["xs"]}
-    assert stored["code_version"] == curves.source_version(*sweep_rope.scoring_code())
-    assert stored["models"] == {"lab-target": model_digest("lab-target")}
-    assert result["rows"] == stored["rows"]
     ppl = stored["perplexity"]
     assert set(ppl) == {f"{m}@{x}" for m in ("default", "yarn") for x in stored["xs"]}
     assert ppl[f"default@{L}"]["nll_beyond"] is None and len(ppl[f"yarn@{int(1.5 * L)}"]["nll_beyond"]) == 2
@@ -274,18 +269,11 @@ def test_kvquant_sweep_end_to_end_on_a_few_samples(tmp_path):
     # Chapter 5's command on 10 needles (one batch), 2 configurations, INT3: the file has its header, the
     # baseline and every point, and re-scoring the slice reproduces the stored per-sample results.
     from labsrc.sweeps import kvquant as sweep_kvq
-    out = tmp_path / "kvq.json"
-    result = sweep_kvq.main(["--n", "10", "--probes", "needle", "--bits", "3", "--configs", "per_token",
-                             "kvarn128", "--out", str(out)])
-    stored = curves.load(out)
+    stored, model, tok = small_sweep(sweep_kvq, ["--n", "10", "--probes", "needle", "--bits", "3", "--configs",
+                                                 "per_token", "kvarn128"], tmp_path)
     assert stored["command"].startswith("python -m labsrc.sweeps.kvquant --n 10 --probes needle --bits 3")
     assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("per_token", 3),
                                                                ("kvarn128", 3)}
-    assert stored["code_version"] == curves.source_version(*sweep_kvq.scoring_code())
-    assert stored["models"] == {"lab-target": model_digest("lab-target")}
-    assert result["rows"] == stored["rows"]
-    from labsrc import models
-    model, tok = models.load("lab-target")
     scorer = sweep_kvq.Scorer(model, tok, n=10)
     assert stored["samples_digest"]["needle"] == curves.samples_digest(scorer.samples("needle"))
     got, fresh = curves.rescore(stored, scorer, "kvarn128", 3, "needle", 10)
