@@ -3,7 +3,7 @@
 Importing this module registers the name ``"lab_triton"``, so any model whose attention goes through
 ``transformers.AttentionInterface`` (Llama, Qwen2, Mistral, ...) can run on the lab's kernels::
 
-    import labsrc.attention  # registers "lab_triton"
+    import labsrc.flash_attention  # registers "lab_triton"
     model = LlamaForCausalLM.from_pretrained(path, attn_implementation="lab_triton")
     # or, on a model already loaded: model.set_attn_implementation("lab_triton")
 
@@ -13,9 +13,9 @@ avoids that word.
 
 What runs where:
 
-* a prompt or a chunk of several tokens (``Tq > 1``) goes to :func:`labsrc.kernels.attention.flash_attention`,
+* a prompt or a chunk of several tokens (``Tq > 1``) goes to :func:`labsrc.kernels.flash_attention.flash_attention`,
   causal with the bottom-right alignment that a chunk after a cached prefix needs;
-* one new token (``Tq == 1``, every decode step) goes to :func:`labsrc.kernels.attention.decode_attention`
+* one new token (``Tq == 1``, every decode step) goes to :func:`labsrc.kernels.flash_attention.decode_attention`
   over the whole cache.
 
 Training: ``flash_attention`` is differentiable (a Triton backward recomputes the probabilities from the saved
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 import labsrc  # noqa: F401  (interpreter switch before triton loads)
-from labsrc.kernels.attention import decode_attention, flash_attention
+from labsrc.kernels.flash_attention import decode_attention, flash_attention
 
 NAME = "lab_triton"
 

@@ -2,11 +2,11 @@
 sharing and INT8 query/key attention, plus the small recall models that compare them.
 
 * :func:`lambda_init`, :func:`reparam_lambda`, :func:`diff_attention` (two calls of chapter 3's
-  :func:`labsrc.kernels.attention.flash_attention`), :func:`diff_head_norm` -- the DIFF Transformer's layer
+  :func:`labsrc.kernels.flash_attention.flash_attention`), :func:`diff_head_norm` -- the DIFF Transformer's layer
   {cite}`ye2024diff`; the fused kernel and the direct reference are in :mod:`labsrc.kernels.frontier`.
 * :func:`mod_route` -- Mixture-of-Depths' top-``capacity`` router {cite}`raposo2024mod`;
   :func:`mod_flops_fraction` -- the block FLOPs it keeps.
-* :func:`shared_kv_bytes` -- cross-layer KV (MLKV {cite}`zuhri2024mlkv`), counted with :mod:`labsrc.kvmath`.
+* :func:`shared_kv_bytes` -- cross-layer KV (MLKV {cite}`zuhri2024mlkv`), counted with :mod:`labsrc.kv_cache`.
 * :func:`int8_qk_attention`, :func:`relative_error` -- attention with Q and K in INT8 after per-channel
   smoothing (SmoothQuant {cite}`xiao2022smoothquant`, SageAttention's mean-subtracted keys
   {cite}`zhang2025sageattention`), against fp32.
@@ -36,9 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labsrc import kvmath, recall
+from labsrc import kv_cache, recall
 from labsrc.models import config_head_dim
-from labsrc.kernels.attention import flash_attention
+from labsrc.kernels.flash_attention import flash_attention
 from labsrc.kernels.frontier import _check_args as _check_diff_args
 from labsrc.kernels.frontier import diff_attention_fused, diff_attention_ref
 
@@ -142,9 +142,9 @@ def mod_flops_fraction(capacity: float, T: int) -> float:
 def shared_kv_bytes(n_layers: int, layers_per_kv: int, n_kv_heads: int, head_dim: int, seq_len: int,
                     batch: int = 1, dtype_bytes: float = 2):
     """KV-cache bytes when groups of ``layers_per_kv`` adjacent layers share one K/V: chapter 1's
-    :func:`labsrc.kvmath.mlkv_cache_bytes`, and the fraction of the ordinary cache it keeps."""
-    shared = kvmath.mlkv_cache_bytes(n_layers, layers_per_kv, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
-    full = kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
+    :func:`labsrc.kv_cache.mlkv_cache_bytes`, and the fraction of the ordinary cache it keeps."""
+    shared = kv_cache.mlkv_cache_bytes(n_layers, layers_per_kv, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
+    full = kv_cache.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
     return shared, shared / full
 
 
@@ -330,7 +330,7 @@ def set_mod_routing(model: recall.RecallModel, causal: bool) -> None:
 
 def variant_flops_per_token(variant: str, d_model: int, T: int, n_layers: int = 2,
                             capacity: float = 0.5) -> float:
-    """Matmul and attention FLOPs per token of one forward over ``T`` tokens (:func:`labsrc.kvmath.forward_flops`
+    """Matmul and attention FLOPs per token of one forward over ``T`` tokens (:func:`labsrc.kv_cache.forward_flops`
     per layer, averaged over the tokens; the head, embedding, norms and the convolution are left out):
     attention projections ``4 d^2`` (``softmax``, ``diff``), ``3 d^2`` for an ``xkv`` reader, the MLP
     ``4 d^2``; DIFF computes two score maps of half the width each (the same ``q.k`` work) and ``p.v`` twice
@@ -344,13 +344,13 @@ def variant_flops_per_token(variant: str, d_model: int, T: int, n_layers: int = 
         params = proj + 4 * d_model * d_model
         if variant == "mod":
             k = mod_capacity_count(T, capacity)
-            total += kvmath.forward_flops(params, 1, d_model, k, k)
+            total += kv_cache.forward_flops(params, 1, d_model, k, k)
         elif variant == "diff":
             # q.k: two maps of width d/2 each = one of width d; p.v: two maps over the full width d
-            total += kvmath.forward_flops(params, 1, d_model, T, T)
+            total += kv_cache.forward_flops(params, 1, d_model, T, T)
             total += 2 * d_model * (T * (T + 1) // 2)
         else:
-            total += kvmath.forward_flops(params, 1, d_model, T, T)
+            total += kv_cache.forward_flops(params, 1, d_model, T, T)
     return total / T
 
 

@@ -1,6 +1,6 @@
 """KV-cache quantization from scratch: uniform asymmetric quantization, KIVI-style grouping and KVarN.
 
-Everything here is plain PyTorch; the Triton versions of the hot paths live in :mod:`labsrc.kernels.kvquant`.
+Everything here is plain PyTorch; the Triton versions of the hot paths live in :mod:`labsrc.kernels.kv_quant`.
 
 Uniform asymmetric quantization (our convention)
 ------------------------------------------------
@@ -16,7 +16,7 @@ safe direction, so the grid ``[z, z + L*s]`` still covers ``[min, max]`` and eve
 within half a step, ``|x - x_hat| <= s/2`` (:func:`scale_zero`). Rounding is half-up (``floor(v + 1/2)``),
 which is what the Triton kernels do too, so kernel and reference produce the same codes.
 
-Two edge cases, handled alike here and in the kernels (:mod:`labsrc.kernels.kvquant`):
+Two edge cases, handled alike here and in the kernels (:mod:`labsrc.kernels.kv_quant`):
 
 * *A range fp16 cannot hold.* fp16's largest value is 65504, so a group whose zero point lies below -65504
   or whose step exceeds 65504 (a range above ``65504 * L``: about 2e5 at 2 bits, 1e6 at 4 bits, 1.7e7 at 8
@@ -64,7 +64,7 @@ Three bits do not divide a byte, so INT3 packs eight codes into three bytes (a 2
 way: with ``Dw = head_dim // 8`` words per token, word ``j`` holds channel ``j + k*Dw`` in bits
 ``[3k, 3k+3)`` for ``k = 0..7``, and the word's low, middle and high bytes are stored as three planes of
 ``Dw`` bytes each (bytes ``j``, ``Dw + j``, ``2*Dw + j``). ``head_dim`` must then be a multiple of 8, and a
-token costs exactly ``3 * head_dim / 8`` bytes. The Triton kernels (:mod:`labsrc.kernels.kvquant`) read
+token costs exactly ``3 * head_dim / 8`` bytes. The Triton kernels (:mod:`labsrc.kernels.kv_quant`) read
 2, 4 and 8 bits only; INT3 runs on this module's PyTorch path.
 
 Recipes for the chapter's experiments (``cfg = model.config``, ``stats = calibrate(model, calib_ids)``)

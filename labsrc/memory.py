@@ -14,7 +14,7 @@ Three ways to let a model trained on short windows (lab-target: 1,024 tokens) us
   chunks; keys and values that leave a local window go to one :class:`KVMemory` per layer and KV head; every
   query head attends, in **one** softmax, to its local window, a few "sink" tokens and its ``top_k``
   retrieved past keys. Registered with ``transformers`` as the attention implementation ``"lab_memory"``,
-  the way :mod:`labsrc.attention` registers the lab's kernels.
+  the way :mod:`labsrc.flash_attention` registers the lab's kernels.
 * RAG {cite}`lewis2020rag` -- :func:`chunk_spans` (overlapping chunks, so that a short fact is never split),
   :class:`BM25Retriever` (``rank_bm25``) and :class:`DenseRetriever` (mean-pooled hidden states of the lab
   model), and :func:`rag_sample`, which puts the retrieved chunks and the question into the trained window.
@@ -678,7 +678,7 @@ def _answer_right(logits: torch.Tensor, sample) -> bool:
 
 @torch.no_grad()
 def _evict_logits(model, sample, budget: int, chunk: int):
-    from labsrc.evict import EvictingCache, ValueAware
+    from labsrc.kv_eviction import EvictingCache, ValueAware
 
     ids = torch.tensor([sample.ids], device=next(model.parameters()).device)
     out = []
@@ -703,7 +703,7 @@ def run_method(method: str, model, tokenizer, sample, *, trained: int | None = N
     ``trained`` tokens, YaRN stretches by ``len / trained``. By default it is the model's trained context
     (``config.lab_trained_context``: 1,024 for lab-target), so every method reads at most what the model
     was trained to read."""
-    from labsrc.finetune import set_rope
+    from labsrc.rope_finetune import set_rope
     from labsrc.models.train import trained_context
     from labsrc.tasks import score
 

@@ -288,7 +288,7 @@ SIZES: dict[str, dict[str, dict]] = {
     },
     "distill": {
         # kernel_*: the fused-loss check; grad_temps: the T² gradient plot; live_*: the one short distillation
-        # run the notebook does live (the experiment itself is stored: python -m labsrc.distill experiment);
+        # run the notebook does live (the experiment itself is stored: python -m labsrc.distillation experiment);
         # spec_*: chapter 10's speculative decoding with each student as the draft.
         "cpu": dict(kernel_rows=6, kernel_vocab=1500, grad_temps=(1, 2, 4, 8, 16, 32, 64), live_steps=12,
                     live_eval_windows=4, spec_prompts=4, spec_prompt_len=64, spec_tokens=32, spec_k=4),

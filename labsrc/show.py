@@ -1,7 +1,7 @@
 """Show the lab's own code in a chapter: one source of truth, rendered from the package, never a copy.
 
     from labsrc.show import show_source
-    show_source(labsrc.kernels.attention._flash_attention_kernel)
+    show_source(labsrc.kernels.flash_attention._flash_attention_kernel)
 
 displays the kernel's source as a highlighted Python block, with the file and line it comes from, so the book
 always shows the code that the tests check.
@@ -34,7 +34,7 @@ def source_of(obj, *, start: str | None = None, end: str | None = None) -> tuple
 
     ``start``/``end`` cut the source to the lines from the first one containing ``start`` to the first later
     one containing ``end`` (both kept), to show one part of a long kernel. ``where`` reads
-    ``labsrc/kernels/attention.py, line 337``. Raises ``ValueError`` when a marker is not found.
+    ``labsrc/kernels/flash_attention.py, line 337``. Raises ``ValueError`` when a marker is not found.
     """
     obj = _unwrap(obj)
     try:

@@ -595,7 +595,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
     ``max_new_tokens`` or after the target's end-of-sequence token (``stop_at_eos``). Pass ``stats`` to
     collect into an existing :class:`SpecStats`. Batch size 1: ``input_ids`` is ``(T,)`` or ``(1, T)``.
     ``draft_cache``: a function ``draft -> Cache`` for the draft's KV cache, e.g. a quantized
-    :class:`labsrc.kvquant.KVarNCache` (10.4.5); it must be able to drop the newest ``k - 1`` tokens.
+    :class:`labsrc.kv_quant.KVarNCache` (10.4.5); it must be able to drop the newest ``k - 1`` tokens.
     ``kv_projection``: build the draft's cache of the prompt from the target's with a :class:`KVProjection`
     instead of running the draft over the prompt (10.4.5's draft KV sharing).
     """
@@ -617,8 +617,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
 
 def _check_rollback_window(cache, need: int) -> None:
     """A quantized draft cache must hold the newest ``need`` tokens in full precision: a rejection drops up to
-    ``k - 1`` drafted tokens, and quantized groups cannot be split (:meth:`labsrc.kvquant.KVarNLayer.crop`)."""
-    from labsrc.kvquant import KVarNLayer
+    ``k - 1`` drafted tokens, and quantized groups cannot be split (:meth:`labsrc.kv_quant.KVarNLayer.crop`)."""
+    from labsrc.kv_quant import KVarNLayer
 
     for layer in getattr(cache, "layers", []):
         if isinstance(layer, KVarNLayer) and layer.enabled and layer.window < need:
@@ -984,7 +984,7 @@ _TREE_ATTN = "lab_tree"
 
 def _tree_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers attention function: the tree's queries against prefix + tree under the ancestor mask."""
-    from labsrc.kernels.tree_attention import tree_attention, tree_attention_ref
+    from labsrc.kernels.speculative import tree_attention, tree_attention_ref
     mask, use_kernel = _TREE_MASK[-1]
     n = query.shape[2]
     if key.shape[2] < n or mask.shape[-1] != n:

@@ -5,7 +5,7 @@ transformers 5 routes Mamba-2's two scans through a kernel registry: in ``modeli
 recurrence) are wrapped by ``use_kernel_func_from_hub_with_fallback``, which picks a hub kernel (the ``kernels``
 package, on request), else the ``mamba_ssm`` package, else the PyTorch code; ``Mamba2Mixer.forward`` calls
 them by those module-level names. On a machine with neither package (this lab's), the PyTorch code runs.
-:func:`register` puts the lab's kernels in that slot, as chapter 3's ``labsrc.attention`` registered
+:func:`register` puts the lab's kernels in that slot, as chapter 3's ``labsrc.flash_attention`` registered
 ``"lab_triton"`` with ``transformers.AttentionInterface``::
 
     import labsrc.ssm_hf

@@ -27,7 +27,7 @@ s/2``), and codes are computed with the stored step; a group whose step overflow
 ``ValueError``; an all-zero group gets step 1. ``round`` is PyTorch's round-half-to-even.
 
 Storage: a 4-bit ``qweight`` is packed two codes per byte along ``K`` with chapter 5's planar layout
-(:func:`labsrc.kvquant.pack_codes`: byte ``j`` holds input column ``j`` in its low nibble and column
+(:func:`labsrc.kv_quant.pack_codes`: byte ``j`` holds input column ``j`` in its low nibble and column
 ``j + K/2`` in its high nibble), other bit widths keep one code per byte. :attr:`QuantizedWeight.nbytes`
 counts what a packed deployment stores: ``N*K*b/8`` bytes of codes, two bytes per step, and for asymmetric
 weights one byte per zero point.
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labsrc.kvquant import pack_codes, unpack_codes
+from labsrc.kv_quant import pack_codes, unpack_codes
 
 __all__ = [
     "QuantizedWeight", "quantize_rtn", "dequantize", "pack_int4", "unpack_int4", "hessian", "gptq_quantize",
@@ -189,7 +189,7 @@ class QuantizedWeight:
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """Pack 4-bit codes ``(..., K)`` (K even) to uint8 ``(..., K/2)``, column ``j`` in the low nibble of byte ``j``
-    and column ``j + K/2`` in its high nibble: chapter 5's planar layout (:func:`labsrc.kvquant.pack_codes`)."""
+    and column ``j + K/2`` in its high nibble: chapter 5's planar layout (:func:`labsrc.kv_quant.pack_codes`)."""
     return pack_codes(codes, 4)
 
 
@@ -763,12 +763,12 @@ def activation_outliers(model, input_ids: torch.Tensor) -> dict[str, float]:
 def qat_mxfp4(model, tokenizer, steps: int, lr: float = 1e-4, seq_len: int = 256, batch_size: int = 2,
               fake_quant: bool = True, seed: int = 0):
     """Fine-tune a copy of ``model`` with its decoder linears fake-quantized to MXFP4 in the forward pass
-    (straight-through estimator), on the lab's training mixture (:func:`labsrc.finetune.finetune`); return
+    (straight-through estimator), on the lab's training mixture (:func:`labsrc.rope_finetune.finetune`); return
     ``(copy with the trained weights quantized to MXFP4, losses, the trained full-precision copy)``.
     ``fake_quant=False`` is the control: the same steps in full precision, then MXFP4 PTQ."""
     from torch.nn.utils import parametrize
 
-    from labsrc.finetune import finetune
+    from labsrc.rope_finetune import finetune
 
     class _FakeQuant(torch.nn.Module):
         def forward(self, w):

@@ -1,5 +1,5 @@
 """labsrc.curves: stored accuracy curves (sweep, resume, separations and prose from the numbers, live rescoring),
-and chapter 6's sweep (labsrc.sweeps.evict) end to end on a few samples."""
+and chapter 6's sweep (labsrc.sweeps.kv_eviction) end to end on a few samples."""
 import json
 
 import pytest
@@ -163,10 +163,10 @@ def small_sweep(module, argv, tmp_path):
 def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
     # Chapter 6's command on 2 pass keys, 2 policies, one budget: the file has its header, the baseline and
     # every point, and re-scoring a slice reproduces the stored per-sample results.
-    from labsrc.sweeps import evict as sweep_evict
+    from labsrc.sweeps import kv_eviction as sweep_evict
     stored, model, tok = small_sweep(sweep_evict, ["--n", "2", "--probes", "passkey", "--kept", "0.3",
                                                    "--policies", "fifo", "h2o"], tmp_path)
-    assert stored["command"].startswith("python -m labsrc.sweeps.evict --n 2 --probes passkey --kept 0.3")
+    assert stored["command"].startswith("python -m labsrc.sweeps.kv_eviction --n 2 --probes passkey --kept 0.3")
     assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("fifo", 0.3), ("h2o", 0.3)}
     scorer = sweep_evict.Scorer(model, tok, n=2)
     assert stored["samples_digest"]["passkey"] == curves.samples_digest(scorer.samples("passkey"))
@@ -179,7 +179,7 @@ def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
 def test_the_stored_evict_curve_is_what_the_shipped_code_probes_and_model_make():
     # Chapter 6 plots labsrc/data/results/evict_curve.json: its header must still describe the scoring code,
     # the probe samples and the checkpoint that ship, or the chapter would plot another experiment's numbers.
-    from labsrc.sweeps import evict as sweep_evict
+    from labsrc.sweeps import kv_eviction as sweep_evict
     stored, model, tok = stored_curve(sweep_evict, "eviction")
     scorer = sweep_evict.Scorer(model, tok, n=stored["n"])
     assert stored["context_len"] == scorer.context_len
@@ -190,14 +190,14 @@ def test_the_stored_evict_curve_is_what_the_shipped_code_probes_and_model_make()
 def test_paged_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
     # Chapter 9's command on 2 pass keys, 2 block policies, one share kept: header, baseline and every point,
     # and re-scoring a slice reproduces the stored per-sample results.
-    from labsrc.sweeps import paged_evict
+    from labsrc.sweeps import serving as sweep_serving
     stored, model, tok = small_sweep(paged_evict, ["--n", "2", "--probes", "passkey", "--kept", "0.3",
                                                    "--policies", "value", "recency"], tmp_path)
-    assert stored["command"].startswith("python -m labsrc.sweeps.paged_evict --n 2 --probes passkey --kept 0.3")
+    assert stored["command"].startswith("python -m labsrc.sweeps.serving --n 2 --probes passkey --kept 0.3")
     assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("value", 0.3),
                                                                ("recency", 0.3)}
     assert stored["block_size"] == 16
-    scorer = paged_evict.Scorer(model, tok, n=2)
+    scorer = sweep_serving.Scorer(model, tok, n=2)
     assert stored["samples_digest"]["passkey"] == curves.samples_digest(scorer.samples("passkey"))
     got, fresh = curves.rescore(stored, scorer, "value", 0.3, "passkey", 2)
     assert got == fresh
@@ -210,9 +210,9 @@ def test_paged_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
 def test_the_stored_paged_evict_curve_is_what_the_shipped_code_probes_and_model_make():
     # Chapter 9 plots labsrc/data/results/paged_evict_curve.json and sets it beside chapter 6's token-level
     # curve on the same samples: its header must describe the shipped scoring code, samples and checkpoint.
-    from labsrc.sweeps import evict as sweep_evict, paged_evict
+    from labsrc.sweeps import kv_eviction as sweep_evict, serving as sweep_serving
     stored, model, tok = stored_curve(paged_evict, "paged eviction")
-    scorer = paged_evict.Scorer(model, tok, n=stored["n"], block_size=stored["block_size"])
+    scorer = sweep_serving.Scorer(model, tok, n=stored["n"], block_size=stored["block_size"])
     assert stored["context_len"] == scorer.context_len
     for probe in stored["probes"]:
         assert stored["samples_digest"][probe] == curves.samples_digest(scorer.samples(probe)), probe
@@ -268,10 +268,10 @@ def test_the_stored_rope_curve_is_what_the_shipped_code_probes_and_model_make():
 def test_kvquant_sweep_end_to_end_on_a_few_samples(tmp_path):
     # Chapter 5's command on 10 needles (one batch), 2 configurations, INT3: the file has its header, the
     # baseline and every point, and re-scoring the slice reproduces the stored per-sample results.
-    from labsrc.sweeps import kvquant as sweep_kvq
+    from labsrc.sweeps import kv_quant as sweep_kvq
     stored, model, tok = small_sweep(sweep_kvq, ["--n", "10", "--probes", "needle", "--bits", "3", "--configs",
                                                  "per_token", "kvarn128"], tmp_path)
-    assert stored["command"].startswith("python -m labsrc.sweeps.kvquant --n 10 --probes needle --bits 3")
+    assert stored["command"].startswith("python -m labsrc.sweeps.kv_quant --n 10 --probes needle --bits 3")
     assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("per_token", 3),
                                                                ("kvarn128", 3)}
     scorer = sweep_kvq.Scorer(model, tok, n=10)
@@ -286,7 +286,7 @@ def test_the_stored_kvquant_curve_is_what_the_shipped_code_probes_and_model_make
     # Chapter 5 plots labsrc/data/results/kvquant_curve.json: its header must still describe the scoring code,
     # the calibration text, the probe samples and the checkpoint that ship, and it must be finished with
     # n >= 100 per point, or the chapter would plot another (or a smaller) experiment's numbers.
-    from labsrc.sweeps import kvquant as sweep_kvq
+    from labsrc.sweeps import kv_quant as sweep_kvq
     stored, model, tok = stored_curve(sweep_kvq, "KV-quantization")
     scorer = sweep_kvq.Scorer(model, tok, n=stored["n"])
     assert stored["context_len"] == scorer.context_len == 921

@@ -1,4 +1,4 @@
-"""The distillation losses of labsrc.distill against direct formulas and TRL's GKD loss, the T² gradient-scale
+"""The distillation losses of labsrc.distillation against direct formulas and TRL's GKD loss, the T² gradient-scale
 argument, mode covering vs seeking, TinyBERT's layer map, a short distillation that lowers the KL to a teacher,
 and the shipped student's eval card."""
 import labsrc  # noqa: F401
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labsrc import distill
+from labsrc import distillation
 
 V = 37
 
@@ -42,30 +42,30 @@ def test_kd_loss_matches_the_direct_formula_with_padding(T, alpha):
     soft = (T * T * direct_kl(p_t, q_s))[keep].mean()
     ce = -F.log_softmax(s.double(), -1).gather(-1, labels.clamp_min(0)[..., None])[..., 0][keep].mean()
     want = alpha * ce + (1 - alpha) * soft
-    got = distill.kd_loss(s, t, labels, T=T, alpha=alpha)
+    got = distillation.kd_loss(s, t, labels, T=T, alpha=alpha)
     assert got.dtype == torch.float32
     assert math.isclose(float(got), float(want), rel_tol=1e-5)
     # padding is ignored: changing a padded position's logits or label changes nothing
     s2 = s.clone()
     s2[0, -1] += 10
     labels2 = torch.where(labels == -100, -7, labels)
-    assert math.isclose(float(distill.kd_loss(s2, t, labels2, T=T, alpha=alpha, ignore_index=-7)),
-                        float(distill.kd_loss(s, t, labels, T=T, alpha=alpha)), rel_tol=1e-6)
+    assert math.isclose(float(distillation.kd_loss(s2, t, labels2, T=T, alpha=alpha, ignore_index=-7)),
+                        float(distillation.kd_loss(s, t, labels, T=T, alpha=alpha)), rel_tol=1e-6)
 
 
 def test_kd_loss_averages_over_tokens_not_the_vocabulary_and_without_labels_is_the_soft_term():
     gen = torch.Generator().manual_seed(1)
     s, t = logits(gen, 2, 4, V), logits(gen, 2, 4, V)
-    soft = distill.kd_loss(s, t, T=3.0)
+    soft = distillation.kd_loss(s, t, T=3.0)
     want = 9.0 * direct_kl(F.softmax(t.double() / 3, -1), F.softmax(s.double() / 3, -1)).mean()
     assert math.isclose(float(soft), float(want), rel_tol=1e-5)
     # the same tokens as one flat (8, V) batch give the same value: a per-token mean
-    assert math.isclose(float(distill.kd_loss(s.reshape(8, V), t.reshape(8, V), T=3.0)), float(soft), rel_tol=1e-6)
+    assert math.isclose(float(distillation.kd_loss(s.reshape(8, V), t.reshape(8, V), T=3.0)), float(soft), rel_tol=1e-6)
     # identical distributions: zero soft loss, and with labels it is alpha * CE
     labels = torch.randint(0, V, (2, 4), generator=gen)
     ce = F.cross_entropy(s.reshape(-1, V), labels.reshape(-1))
-    assert float(distill.kd_loss(s, s, T=2.0)) == pytest.approx(0.0, abs=1e-6)
-    assert float(distill.kd_loss(s, s, labels, T=2.0, alpha=0.25)) == pytest.approx(0.25 * float(ce), rel=1e-5)
+    assert float(distillation.kd_loss(s, s, T=2.0)) == pytest.approx(0.0, abs=1e-6)
+    assert float(distillation.kd_loss(s, s, labels, T=2.0, alpha=0.25)) == pytest.approx(0.25 * float(ce), rel=1e-5)
 
 
 def test_kd_loss_fused_equals_unfused_in_value_and_gradient():
@@ -75,8 +75,8 @@ def test_kd_loss_fused_equals_unfused_in_value_and_gradient():
     labels[1, 2] = -100
     a = s.clone().requires_grad_(True)
     b = s.clone().requires_grad_(True)
-    la = distill.kd_loss(a, t, labels, T=2.0, alpha=0.4)
-    lb = distill.kd_loss(b, t, labels, T=2.0, alpha=0.4, fused=True)
+    la = distillation.kd_loss(a, t, labels, T=2.0, alpha=0.4)
+    lb = distillation.kd_loss(b, t, labels, T=2.0, alpha=0.4, fused=True)
     la.backward()
     lb.backward()
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
@@ -84,15 +84,15 @@ def test_kd_loss_fused_equals_unfused_in_value_and_gradient():
 
 
 def test_the_kernel_modules_reference_is_soft_kl():
-    """labsrc.kernels.distill writes its reference out (it must not import this module, which imports it):
+    """labsrc.kernels.distillation writes its reference out (it must not import this module, which imports it):
     the same numbers as soft_kl, bit for bit in float32, and float64 in float64 out."""
-    from labsrc.kernels.distill import kd_kl_ref
+    from labsrc.kernels.distillation import kd_kl_ref
 
     gen = torch.Generator().manual_seed(21)
     s, t = logits(gen, 3, 4, V), logits(gen, 3, 4, V)
     t[0, 0, :3] = float("-inf")  # a padded vocabulary: no teacher mass there
     for T in (1.0, 2.5):
-        assert torch.equal(kd_kl_ref(s, t, T), distill.soft_kl(s, t, T))
+        assert torch.equal(kd_kl_ref(s, t, T), distillation.soft_kl(s, t, T))
         got = kd_kl_ref(s.double(), t.double(), T)
         assert got.dtype == torch.float64
         pt, qs = F.softmax(t.double() / T, -1), F.softmax(s.double() / T, -1)
@@ -108,7 +108,7 @@ def test_t_squared_keeps_the_soft_gradient_scale_at_large_t():
 
     def grad_norm(T, squared):
         s = s0.clone().requires_grad_(True)
-        loss = distill.kd_loss(s, t, T=T)
+        loss = distillation.kd_loss(s, t, T=T)
         (loss if squared else loss / T ** 2).backward()
         return float(s.grad.norm())
 
@@ -136,7 +136,7 @@ def test_generalized_jsd_matches_the_definition(beta):
         per = direct_kl(ps, pt)
     else:
         per = beta * direct_kl(pt, m) + (1 - beta) * direct_kl(ps, m)
-    got = distill.generalized_jsd(s, t, beta=beta, T=T, labels=labels)
+    got = distillation.generalized_jsd(s, t, beta=beta, T=T, labels=labels)
     assert math.isclose(float(got), float(per[keep].mean()), rel_tol=1e-5, abs_tol=1e-7)
 
 
@@ -152,10 +152,10 @@ def test_generalized_jsd_agrees_with_trl(beta):
     s, t = logits(gen, B, T_len, V), logits(gen, B, T_len, V)
     labels = padded_labels(gen, B, T_len)
     trl_loss = GKDTrainer.generalized_jsd_loss
-    ours = distill.generalized_jsd(s, t, beta=beta, T=2.0, labels=labels)
+    ours = distillation.generalized_jsd(s, t, beta=beta, T=2.0, labels=labels)
     theirs = trl_loss(s, t, labels=labels, beta=beta, temperature=2.0)
     assert math.isclose(float(ours), float(theirs), rel_tol=1e-5, abs_tol=1e-7)
-    ours_all = distill.generalized_jsd(s, t, beta=beta, T=2.0)
+    ours_all = distillation.generalized_jsd(s, t, beta=beta, T=2.0)
     theirs_all = trl_loss(s, t, beta=beta, temperature=2.0)
     assert math.isclose(float(ours_all) * T_len, float(theirs_all), rel_tol=1e-5, abs_tol=1e-7)
 
@@ -163,20 +163,20 @@ def test_generalized_jsd_agrees_with_trl(beta):
 def test_generalized_jsd_endpoints_are_forward_and_reverse_kl_of_kd():
     gen = torch.Generator().manual_seed(11)
     s, t = logits(gen, 4, V), logits(gen, 4, V)
-    assert math.isclose(float(distill.generalized_jsd(s, t, beta=0.0)), float(distill.kd_loss(s, t, T=1.0)),
+    assert math.isclose(float(distillation.generalized_jsd(s, t, beta=0.0)), float(distillation.kd_loss(s, t, T=1.0)),
                         rel_tol=1e-6)
-    assert math.isclose(float(distill.generalized_jsd(s, t, beta=1.0)), float(distill.kd_loss(t, s, T=1.0)),
+    assert math.isclose(float(distillation.generalized_jsd(s, t, beta=1.0)), float(distillation.kd_loss(t, s, T=1.0)),
                         rel_tol=1e-6)
     # the symmetric JSD is bounded by log 2
-    assert 0 < float(distill.generalized_jsd(s * 10, t * 10, beta=0.5)) <= math.log(2) + 1e-6
+    assert 0 < float(distillation.generalized_jsd(s * 10, t * 10, beta=0.5)) <= math.log(2) + 1e-6
 
 
 def test_expected_acceptance_is_one_minus_total_variation():
     gen = torch.Generator().manual_seed(12)
     s, t = logits(gen, 3, 4, V), logits(gen, 3, 4, V)
     tv = 0.5 * (F.softmax(s.double(), -1) - F.softmax(t.double(), -1)).abs().sum(-1)
-    assert math.isclose(float(distill.expected_acceptance(s, t)), float((1 - tv).mean()), rel_tol=1e-5)
-    assert float(distill.expected_acceptance(t, t)) == pytest.approx(1.0, abs=1e-6)
+    assert math.isclose(float(distillation.expected_acceptance(s, t)), float((1 - tv).mean()), rel_tol=1e-5)
+    assert float(distillation.expected_acceptance(t, t)) == pytest.approx(1.0, abs=1e-6)
 
 
 def test_soft_kl_ignores_vocabulary_entries_the_teacher_gives_no_mass_and_has_finite_gradients():
@@ -185,7 +185,7 @@ def test_soft_kl_ignores_vocabulary_entries_the_teacher_gives_no_mass_and_has_fi
     t[:, :5] = float("-inf")
     s[:, :5] = float("-inf")
     s.requires_grad_(True)
-    kl = distill.soft_kl(s, t, 2.0)
+    kl = distillation.soft_kl(s, t, 2.0)
     want = direct_kl(F.softmax(t[:, 5:].double() / 2, -1), F.softmax(s[:, 5:].detach().double() / 2, -1))
     torch.testing.assert_close(kl.double(), want, rtol=1e-5, atol=1e-7)
     kl.sum().backward()
@@ -196,20 +196,20 @@ def test_mode_covering_and_mode_seeking_on_a_bimodal_target():
     grid = torch.linspace(-6, 6, 121)
     target = torch.exp(-0.5 * ((grid + 3) / 0.6) ** 2) + torch.exp(-0.5 * ((grid - 3) / 0.6) ** 2)
     target = target / target.sum()
-    mu_f, sd_f = distill.fit_unimodal(target, grid, beta=0.0)
-    mu_r, sd_r = distill.fit_unimodal(target, grid, beta=1.0)
+    mu_f, sd_f = distillation.fit_unimodal(target, grid, beta=0.0)
+    mu_r, sd_r = distillation.fit_unimodal(target, grid, beta=1.0)
     assert abs(mu_f) < 0.2 and sd_f > 2.5                 # forward KL: one wide bump between the modes
     assert abs(abs(mu_r) - 3) < 0.2 and sd_r < 0.8        # reverse KL: on one mode, narrow
 
 
 def test_tinybert_layer_map():
-    assert distill.tinybert_layer_map(12, 4) == [0, 3, 6, 9, 12]
-    assert distill.tinybert_layer_map(6, 2) == [0, 3, 6]
-    assert distill.tinybert_layer_map(6, 6) == list(range(7))
+    assert distillation.tinybert_layer_map(12, 4) == [0, 3, 6, 9, 12]
+    assert distillation.tinybert_layer_map(6, 2) == [0, 3, 6]
+    assert distillation.tinybert_layer_map(6, 6) == list(range(7))
     with pytest.raises(ValueError, match="n_student"):
-        distill.tinybert_layer_map(6, 4)
+        distillation.tinybert_layer_map(6, 4)
     with pytest.raises(ValueError, match="n_teacher"):
-        distill.tinybert_layer_map(0, 2)
+        distillation.tinybert_layer_map(0, 2)
 
 
 @torch.no_grad()
@@ -222,26 +222,26 @@ def test_tinybert_and_distilbert_losses():
     proj = torch.nn.Linear(8, 12, bias=False)
     want = sum(F.mse_loss(proj(hs[m]), ht[g]) for m, g in enumerate([0, 3, 6]))
     want = want + F.mse_loss(as_[0], at[2]) + F.mse_loss(as_[1], at[5])
-    got = distill.tinybert_loss(hs, ht, as_, at, proj)
+    got = distillation.tinybert_loss(hs, ht, as_, at, proj)
     assert math.isclose(float(got), float(want), rel_tol=1e-6)
     # a perfect student (projection = identity, same maps) has zero loss
     eye = torch.nn.Linear(12, 12, bias=False)
     with torch.no_grad():
         eye.weight.copy_(torch.eye(12))
-    assert float(distill.tinybert_loss([ht[0], ht[3], ht[6]], ht, [at[2], at[5]], at, eye)) == 0.0
+    assert float(distillation.tinybert_loss([ht[0], ht[3], ht[6]], ht, [at[2], at[5]], at, eye)) == 0.0
 
     s, t = logits(gen, 2, 5, V), logits(gen, 2, 5, V)
     labels = padded_labels(gen, 2, 5)
-    cos = distill.cosine_hidden_loss(hs[-1], ht[-1], proj, labels != -100)
+    cos = distillation.cosine_hidden_loss(hs[-1], ht[-1], proj, labels != -100)
     keep = labels != -100
     want_cos = (1 - F.cosine_similarity(proj(hs[-1]), ht[-1], dim=-1))[keep].mean()
     assert math.isclose(float(cos), float(want_cos), rel_tol=1e-6)
-    got = distill.distilbert_loss(s, t, labels, hs[-1], ht[-1], proj, T=2.0, weights=(5.0, 2.0, 1.0))
-    want = (5 * distill.kd_loss(s, t, labels, T=2.0, alpha=0.0) + 2 * distill.kd_loss(s, t, labels, alpha=1.0)
+    got = distillation.distilbert_loss(s, t, labels, hs[-1], ht[-1], proj, T=2.0, weights=(5.0, 2.0, 1.0))
+    want = (5 * distillation.kd_loss(s, t, labels, T=2.0, alpha=0.0) + 2 * distillation.kd_loss(s, t, labels, alpha=1.0)
             + want_cos)
     assert math.isclose(float(got), float(want), rel_tol=1e-6)
     with pytest.raises(ValueError, match="proj"):
-        distill.cosine_hidden_loss(hs[-1], ht[-1])
+        distillation.cosine_hidden_loss(hs[-1], ht[-1])
 
 
 def test_a_short_distillation_lowers_the_kl_to_the_teacher():
@@ -257,7 +257,7 @@ def test_a_short_distillation_lowers_the_kl_to_the_teacher():
 
     def held_kl():
         with torch.no_grad():
-            return float(distill.soft_kl(student(held), held_t).mean())
+            return float(distillation.soft_kl(student(held), held_t).mean())
 
     before = held_kl()
     opt = torch.optim.Adam(student.parameters(), lr=1e-2)
@@ -265,7 +265,7 @@ def test_a_short_distillation_lowers_the_kl_to_the_teacher():
         x = torch.randn(64, 16, generator=gen)
         with torch.no_grad():
             t = teacher(x) * 3
-        loss = distill.kd_loss(student(x), t, T=2.0)  # the fused kernel: tests/kernels/test_distill_kernel.py
+        loss = distillation.kd_loss(student(x), t, T=2.0)  # the fused kernel: tests/kernels/test_distillation_kernel.py
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -284,12 +284,12 @@ def test_kd_loss_refuses_bad_arguments(bad, match):
                 alpha=0.5)
     args.update(bad)
     with pytest.raises((ValueError, TypeError), match=match):
-        distill.kd_loss(**args)
+        distillation.kd_loss(**args)
 
 
 def test_generalized_jsd_refuses_a_beta_outside_unit_interval():
     with pytest.raises(ValueError, match="beta"):
-        distill.generalized_jsd(torch.zeros(2, V), torch.zeros(2, V), beta=1.2)
+        distillation.generalized_jsd(torch.zeros(2, V), torch.zeros(2, V), beta=1.2)
 
 
 @pytest.mark.parametrize("method", ["gkd", "distilbert"])
@@ -299,7 +299,7 @@ def test_distill_run_trains_every_recipe_for_a_few_steps(method):
     from labsrc.models import load
 
     teacher, tok = load("lab-target")
-    student, log, info = distill.distill_run(method, 2, teacher=teacher, tokenizer=tok, on_policy_frac=1.0,
+    student, log, info = distillation.distill_run(method, 2, teacher=teacher, tokenizer=tok, on_policy_frac=1.0,
                                              gen_prompt=16, gen_new=8)
     assert len(log) == 2 and all(math.isfinite(r["loss"]) for r in log)
     assert info["method"] == method and info["steps"] == 2 and info["tokens"] == log[-1]["tokens"]
@@ -307,7 +307,7 @@ def test_distill_run_trains_every_recipe_for_a_few_steps(method):
     if method == "gkd":
         assert all(r["on_policy"] == 1 for r in log)
     with pytest.raises(ValueError, match="method"):
-        distill.distill_run("nope", 1, teacher=teacher, tokenizer=tok)
+        distillation.distill_run("nope", 1, teacher=teacher, tokenizer=tok)
 
 
 def test_shipped_distilled_draft_and_its_eval_card():
@@ -316,13 +316,13 @@ def test_shipped_distilled_draft_and_its_eval_card():
     card = models.eval_card("lab-draft-distilled")
     assert card["teacher"] == "lab-target"
     if card.get("start") == "lab-draft":  # shipped by ship-finetuned: lab-draft fine-tuned (issue #33)
-        assert card["method"] in distill.FINETUNE_METHODS and card["shipped_at"] and "separate" in card["decision"]
-        assert card["command"] == (f"python -m labsrc.distill ship-finetuned --method {card['method']} "
+        assert card["method"] in distillation.FINETUNE_METHODS and card["shipped_at"] and "separate" in card["decision"]
+        assert card["command"] == (f"python -m labsrc.distillation ship-finetuned --method {card['method']} "
                                    f"--seed {card['seed']} --metric {card['metric']}")
         assert set(card["models"]) == {"lab-target", "lab-draft"}
     else:                                 # shipped by ship: a student trained from scratch
-        assert card["method"] in distill.METHODS[1:]
-        assert card["command"] == (f"python -m labsrc.distill ship --method {card['method']} "
+        assert card["method"] in distillation.METHODS[1:]
+        assert card["command"] == (f"python -m labsrc.distillation ship --method {card['method']} "
                                    f"--steps {card['steps']} --T {card['T']}")
     assert card["parameters"] == models.eval_card("lab-draft")["parameters"]
     d = card["distillation"]
@@ -339,14 +339,14 @@ def test_draft_figures_measures_a_student_as_chapter_10s_draft():
     tok = load_tokenizer()
     target, _ = load("lab-target")
     draft, _ = load("lab-draft")
-    d = distill.draft_figures(draft, target, tok, n_prompts=1, prompt_len=32, new_tokens=8, k=3)
+    d = distillation.draft_figures(draft, target, tok, n_prompts=1, prompt_len=32, new_tokens=8, k=3)
     assert 0 <= d["accepted"] <= d["drafted"] and d["alpha"] == d["accepted"] / d["drafted"]
     assert d["new_tokens"] == 8 and 1 <= d["tokens_per_call"] <= 4 and d["c"] > 0
     assert d["predicted_speedup"] == pytest.approx(d["tokens_per_call"] / (3 * d["c"] + 1))
 
 
 def test_ship_does_not_overwrite_a_shipped_student_without_overwrite(tmp_path, monkeypatch):
-    """`python -m labsrc.distill ship` writes beside an existing checkpoint (``<out>-retrained-<n>``), as
+    """`python -m labsrc.distillation ship` writes beside an existing checkpoint (``<out>-retrained-<n>``), as
     training does, and into it only with --overwrite; the folder is chosen before any training."""
     from pathlib import Path
 
@@ -357,28 +357,28 @@ def test_ship_does_not_overwrite_a_shipped_student_without_overwrite(tmp_path, m
     monkeypatch.setattr(labsrc.models, "CHECKPOINTS", tmp_path)
     monkeypatch.setattr(labsrc.models, "load", lambda name, **kw: (f"model {name}", None))
     monkeypatch.setattr(labsrc.data, "load_tokenizer", lambda: "tokenizer")
-    monkeypatch.setattr(distill.scratch, "distill_run", lambda method, steps, **kw: (
+    monkeypatch.setattr(distillation.scratch, "distill_run", lambda method, steps, **kw: (
         "student", [{"loss": 1.0}], {"method": method, "steps": steps, "T": kw["T"]}))
 
     def save_student(student, log, info, out, teacher, tokenizer):
         written.append(Path(out))
         return {"validation_perplexity": 1.0, "train_minutes": 0.0, "distillation": {}}
 
-    monkeypatch.setattr(distill.scratch, "save_student", save_student)
+    monkeypatch.setattr(distillation.scratch, "save_student", save_student)
     shipped = tmp_path / "lab-draft-distilled"
     shipped.mkdir()
     (shipped / "model.safetensors").write_text("the shipped weights")
-    distill.main(["ship", "--steps", "3"])
+    distillation.main(["ship", "--steps", "3"])
     assert written[-1] == tmp_path / "lab-draft-distilled-retrained-1"
     (written[-1]).mkdir()
     (written[-1] / "model.safetensors").write_text("a first retrain")
-    distill.main(["ship", "--steps", "3"])
+    distillation.main(["ship", "--steps", "3"])
     assert written[-1] == tmp_path / "lab-draft-distilled-retrained-2"
     own = tmp_path / "mine"
     own.mkdir()
     (own / "x").write_text("x")
-    distill.main(["ship", "--steps", "3", "--out", str(own)])
+    distillation.main(["ship", "--steps", "3", "--out", str(own)])
     assert written[-1] == tmp_path / "mine-retrained-1"
-    distill.main(["ship", "--steps", "3", "--overwrite"])
+    distillation.main(["ship", "--steps", "3", "--overwrite"])
     assert written[-1] == shipped
     assert (shipped / "model.safetensors").read_text() == "the shipped weights", "only save_student writes"

@@ -164,33 +164,33 @@ def test_every_chapter_check_has_a_hidden_case_set(module):
 
 
 # ------------------------------------------------------------------------------ the one library-call guard
-from labsrc import kvmath  # noqa: E402
+from labsrc import kv_cache  # noqa: E402
 from labsrc.exercises.core import library_use, refuse_library  # noqa: E402
 from labsrc.kernels._triton import HAS_TRITON, tl, triton  # noqa: E402
 
-_LIB = (kvmath.gqa_cache_bytes, kvmath.mla_equivalent_kv_heads)
-_gqa_alias = kvmath.gqa_cache_bytes       # an alias bound in the notebook's globals
+_LIB = (kv_cache.gqa_cache_bytes, kv_cache.mla_equivalent_kv_heads)
+_gqa_alias = kv_cache.gqa_cache_bytes       # an alias bound in the notebook's globals
 
 
 def test_library_use_by_name_alias_closure_nested_and_import_inside():
     def by_name(*a):
-        return kvmath.gqa_cache_bytes(*a)
+        return kv_cache.gqa_cache_bytes(*a)
 
     def by_alias(*a):
         return _gqa_alias(*a)
 
-    closed = kvmath.mla_equivalent_kv_heads
+    closed = kv_cache.mla_equivalent_kv_heads
 
     def by_closure(*a):
         return closed(*a)
 
     def nested(*a):
         def helper():
-            return kvmath.mla_equivalent_kv_heads(*a)
+            return kv_cache.mla_equivalent_kv_heads(*a)
         return helper()
 
     def import_inside(*a):
-        from labsrc.kvmath import gqa_cache_bytes as g
+        from labsrc.kv_cache import gqa_cache_bytes as g
         return g(*a)
 
     assert library_use(by_name, _LIB) == ["gqa_cache_bytes"]
@@ -219,9 +219,9 @@ def test_library_use_leaves_the_students_own_work_alone():
 def test_library_use_refuses_the_library_function_itself_and_unwraps_decorators():
     import functools
 
-    assert library_use(kvmath.gqa_cache_bytes, _LIB) == ["gqa_cache_bytes"]
+    assert library_use(kv_cache.gqa_cache_bytes, _LIB) == ["gqa_cache_bytes"]
 
-    @functools.wraps(kvmath.mla_equivalent_kv_heads)
+    @functools.wraps(kv_cache.mla_equivalent_kv_heads)
     def wrapper(*a):
         return 0
 
@@ -240,15 +240,15 @@ def test_library_use_with_args_sees_an_indirect_call():
 
 @triton.jit
 def _kernel_calling_the_lab(X, BLOCK: tl.constexpr):
-    from labsrc.kernels import attention as attention_kernels  # noqa: F401 - read, never launched
+    from labsrc.kernels import flash_attention as attention_kernels  # noqa: F401 - read, never launched
     m = tl.load(X + tl.arange(0, BLOCK))
     attention_kernels._online_softmax_step(m, m, m[:, None])
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
 def test_library_use_unwraps_triton_kernels():
-    from labsrc.kernels import attention as attention_kernels
-    from labsrc.kernels.kv_store import _kv_store_kernel
+    from labsrc.kernels import flash_attention as attention_kernels
+    from labsrc.kernels.kv_cache import _kv_store_kernel
 
     assert library_use(_kv_store_kernel, (_kv_store_kernel,)) == ["_kv_store_kernel"], "the kernel itself"
     assert library_use(_kernel_calling_the_lab, (attention_kernels._online_softmax_step,)) == ["_online_softmax_step"]
@@ -257,11 +257,11 @@ def test_library_use_unwraps_triton_kernels():
 
 def test_refuse_library_reports_what_was_used(capsys):
     def by_name(*a):
-        return kvmath.gqa_cache_bytes(*a)
+        return kv_cache.gqa_cache_bytes(*a)
 
-    result = refuse_library("bytes", by_name, _LIB, "count the bytes.", owner="labsrc.kvmath")
+    result = refuse_library("bytes", by_name, _LIB, "count the bytes.", owner="labsrc.kv_cache")
     assert result.status == "failed"
-    assert result.message == ("the answer calls labsrc.kvmath's own gqa_cache_bytes, which this exercise asks you "
+    assert result.message == ("the answer calls labsrc.kv_cache's own gqa_cache_bytes, which this exercise asks you "
                               "to write. Hint: count the bytes.")
     assert "gqa_cache_bytes" in capsys.readouterr().out
     assert refuse_library("bytes", lambda n: 2 * n, _LIB, "count the bytes.") is None

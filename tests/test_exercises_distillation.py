@@ -1,6 +1,6 @@
 """The distillation chapter's exercise checks keep the contract (right passes, wrong fails with a hint, the stub
 is "not solved yet", hidden cases raise), name the typical wrong answer without giving the answer, refuse answers
-that call the labsrc.distill function that computes what they ask for, and the kernel exercise catches padded
+that call the labsrc.distillation function that computes what they ask for, and the kernel exercise catches padded
 rows and a missing maximum and says it is skipped without Triton."""
 import labsrc  # noqa: F401
 
@@ -15,8 +15,8 @@ from exercise_contract import (  # noqa: F401 (collected here, run over this mod
     lenient, test_hidden_cases_pass_right_and_raise_on_wrong_and_stub_in_any_mode, test_right_answer_passes,
     test_strict_mode_passes_right_and_raises_on_wrong_and_stub, test_stub_is_not_solved_yet,
     test_wrong_answer_fails_with_hint)
-from labsrc import distill, runtime
-from labsrc.exercises import distill as ex
+from labsrc import distillation, runtime
+from labsrc.exercises import distillation as ex
 from labsrc.kernels._triton import tl, triton
 
 
@@ -124,10 +124,10 @@ def test_the_prediction_is_judged_against_the_fits_and_the_reasoning_lands_well_
 
 
 @pytest.mark.parametrize("check,answer,called", [
-    (ex.check_jsd_fix, lambda s, t, b, T: float(distill.generalized_jsd(s, t, beta=b, T=T)), "generalized_jsd"),
+    (ex.check_jsd_fix, lambda s, t, b, T: float(distillation.generalized_jsd(s, t, beta=b, T=T)), "generalized_jsd"),
     (ex.check_jsd_fix, lambda s, t, b, T: ex.jsd_buggy(s, t, b, T), "jsd_buggy"),
-    (ex.check_reverse_kl_gradient, lambda s, t, T: T * T * distill.soft_kl(t, s, T), "soft_kl"),
-    (ex.check_fit_acceptance, lambda *a: distill.fit_unimodal(ex.bimodal_teacher(*a), ex.GRID, 0.0), "fit_unimodal"),
+    (ex.check_reverse_kl_gradient, lambda s, t, T: T * T * distillation.soft_kl(t, s, T), "soft_kl"),
+    (ex.check_fit_acceptance, lambda *a: distillation.fit_unimodal(ex.bimodal_teacher(*a), ex.GRID, 0.0), "fit_unimodal"),
 ])
 def test_checks_refuse_a_call_to_the_library_function(check, answer, called, lenient, capsys):
     result = check(answer)

@@ -179,7 +179,7 @@ def test_tl_load_masks_and_faults():
         ex.tl_load(flat, torch.tensor([6]), torch.tensor([True]))
 
 
-import labsrc.kernels.attention as attention_kernels  # noqa: E402
+import labsrc.kernels.flash_attention as attention_kernels  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="the kernel exercise needs Triton")
 

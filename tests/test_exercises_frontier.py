@@ -14,7 +14,7 @@ from exercise_contract import (  # noqa: F401 (collected here, run over this mod
     lenient, test_hidden_cases_pass_right_and_raise_on_wrong_and_stub_in_any_mode, test_right_answer_passes,
     test_strict_mode_passes_right_and_raises_on_wrong_and_stub, test_stub_is_not_solved_yet,
     test_wrong_answer_fails_with_hint)
-from labsrc import frontier, kvmath, runtime
+from labsrc import frontier, kv_cache, runtime
 from labsrc.exercises import frontier as ex
 from labsrc.kernels._triton import tl, triton
 
@@ -94,7 +94,7 @@ def test_the_yoco_check_names_a_sequence_shorter_than_the_window(lenient, capsys
 
 def test_the_yoco_check_names_the_ordinary_cache(lenient, capsys):
     result = ex.check_yoco_kv_bytes(
-        lambda L, h, d, T, w, b: kvmath.kv_cache_bytes(L, h, d, T, 1, b))
+        lambda L, h, d, T, w, b: kv_cache.kv_cache_bytes(L, h, d, T, 1, b))
     assert result.status == "failed" and "ordinary cache" in result.message
 
 

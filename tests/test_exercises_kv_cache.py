@@ -118,20 +118,20 @@ CASES = KERNEL_CASES + [
 def test_checks_refuse_a_call_to_the_kvmath_function_they_ask_for(lenient, monkeypatch):
     """Each answer below is right (it returns the library's value) but asks kvmath for it: all fail, in strict
     mode they raise."""
-    from labsrc import kvmath
+    from labsrc import kv_cache
 
     def gqa_by_library(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes):
-        return kvmath.gqa_cache_bytes(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
+        return kv_cache.gqa_cache_bytes(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
 
     def rate_by_library(weight_bytes, kv_bytes_per_token, context, hbm_bytes, hbm_bytes_per_s):
         batch = (hbm_bytes - weight_bytes) // (context * kv_bytes_per_token)
-        return 0.0 if batch < 1 else float(kvmath.tokens_per_s_ceiling(
+        return 0.0 if batch < 1 else float(kv_cache.tokens_per_s_ceiling(
             weight_bytes, kv_bytes_per_token, context, hbm_bytes_per_s, batch=int(batch)))
 
     def paged_by_library(mean_length, block_size):
-        return kvmath.paged_utilisation([round(mean_length)], block_size)
+        return kv_cache.paged_utilisation([round(mean_length)], block_size)
 
-    from labsrc.kvmath import mla_equivalent_kv_heads   # imported by name: the call is still seen
+    from labsrc.kv_cache import mla_equivalent_kv_heads   # imported by name: the call is still seen
 
     def mla_heads_by_library(kv_lora_rank, qk_rope_head_dim, head_dim):
         return (lambda: mla_equivalent_kv_heads(kv_lora_rank, qk_rope_head_dim, head_dim))()
@@ -167,9 +167,9 @@ def test_decode_rate_cases_cover_a_card_too_small_and_a_few_sequences():
 def test_paged_prediction_is_compared_with_a_measurement_within_the_stated_tolerance(lenient, monkeypatch):
     """The truth is what serving the mixes in blocks measures: a prediction that equals the measurement passes,
     one a little more than the tolerance off fails."""
-    from labsrc import kvmath
+    from labsrc import kv_cache
     measured = []
-    original = kvmath.paged_utilisation
+    original = kv_cache.paged_utilisation
 
     def spy(lengths, block_size):
         measured.append(original(lengths, block_size))
@@ -218,7 +218,7 @@ def test_kernel_stub_inside_jit_is_not_solved(lenient, monkeypatch):
 
 @needs_triton
 def test_kernel_check_refuses_the_library_kernel(lenient):
-    from labsrc.kernels.kv_store import _kv_store_kernel
+    from labsrc.kernels.kv_cache import _kv_store_kernel
     result = ex.check_kv_store_kernel(_kv_store_kernel)
     assert result.status == "failed" and "itself" in result.message
 

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from labsrc import evict as ev
-from labsrc.exercises import eviction as ex
+from labsrc import kv_eviction as ev
+from labsrc.exercises import kv_eviction as ex
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +140,7 @@ def test_ever_kept_prediction_matches_simulation():
 ])
 def test_checks_refuse_a_call_to_the_library_function(check, library, args, capsys):
     result = check(library)
-    assert result.status == "failed" and "labsrc.evict" in result.message and "Hint:" in result.message
+    assert result.status == "failed" and "labsrc.kv_eviction" in result.message and "Hint:" in result.message
 
 
 def test_nested_helper_calling_the_library_is_refused():

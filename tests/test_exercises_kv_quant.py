@@ -2,12 +2,12 @@
 kernel with per-channel steps (a real ``@triton.jit`` kernel launched under the interpreter), and the refusal of
 answers that call the library function they should write.
 
-The contract cases of the scale/zero check run in ``tests/test_kvquant.py``.
+The contract cases of the scale/zero check run in ``tests/test_kv_quant.py``.
 """
 import pytest
 import torch
 
-from labsrc import kvquant as kq
+from labsrc import kv_quant as kq
 from labsrc import runtime
 from labsrc.exercises import ExerciseFailed
 from labsrc.exercises.core import library_use
@@ -107,7 +107,7 @@ def test_unpack_kernel_stub_is_not_solved_and_hidden_raises(monkeypatch):
 
 @needs_triton
 def test_unpack_kernel_refuses_a_python_function_and_a_library_call():
-    from labsrc.kernels import kvquant as kk
+    from labsrc.kernels import kv_quant as kk
 
     def not_a_kernel(*args, **kwargs):
         return kk.dequantize_unpack(*args)

@@ -1,4 +1,4 @@
-"""The "lab_triton" transformers attention implementation (labsrc.attention) against transformers' own SDPA.
+"""The "lab_triton" transformers attention implementation (labsrc.flash_attention) against transformers' own SDPA.
 
 A small random-init Llama (fp32, grouped-query 4:2, head_dim 32) keeps the Triton interpreter fast on the CPU.
 Greedy generation must give the same tokens as ``attn_implementation="sdpa"`` and logits within the fp32
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import labsrc
-import labsrc.attention as lab_attention
+import labsrc.flash_attention as lab_attention
 from labsrc.exercises import tolerance
 from transformers import AttentionInterface, DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import AttentionMaskInterface

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import labsrc  # noqa: F401
 from labsrc import frontier as fr
-from labsrc import kvmath, recall
-from labsrc.kernels.attention import flash_attention
+from labsrc import kv_cache, recall
+from labsrc.kernels.flash_attention import flash_attention
 
 
 def qkv(B, H, T, D, seed, dtype=torch.float32):
@@ -122,7 +122,7 @@ def test_mod_flops_fraction():
 
 def test_shared_kv_bytes_against_kvmath_and_a_model():
     shared, frac = fr.shared_kv_bytes(32, 2, 8, 128, 4096)
-    assert shared == kvmath.kv_cache_bytes(16, 8, 128, 4096) and frac == 0.5
+    assert shared == kv_cache.kv_cache_bytes(16, 8, 128, 4096) and frac == 0.5
     assert fr.shared_kv_bytes(3, 2, 1, 16, 10)[1] == pytest.approx(2 / 3)
     # measured: the tensors an xkv pair keeps are the bytes kvmath counts for one layer's K/V (fp32)
     model = recall.RecallModel(50, 32, ("xkv", "xkv", "xkv", "xkv"), head_dim=16)
@@ -131,8 +131,8 @@ def test_shared_kv_bytes_against_kvmath_and_a_model():
         model.hidden(ids)
     k, v = model.blocks[0].mixer.shared["kv"]
     kept = (k.numel() + v.numel()) * k.element_size()
-    assert kept * 2 == kvmath.mlkv_cache_bytes(4, 2, 2, 16, 24, dtype_bytes=4)   # two owners in 4 layers
-    assert model.memory_bytes(24) == kvmath.mlkv_cache_bytes(4, 2, 2, 16, 24, dtype_bytes=4)
+    assert kept * 2 == kv_cache.mlkv_cache_bytes(4, 2, 2, 16, 24, dtype_bytes=4)   # two owners in 4 layers
+    assert model.memory_bytes(24) == kv_cache.mlkv_cache_bytes(4, 2, 2, 16, 24, dtype_bytes=4)
     assert model.blocks[1].mixer.kv is None and model.blocks[1].mixer.memory_bytes(24) == 0
 
 

@@ -19,9 +19,9 @@ def test_discovery_finds_the_launched_kernels_and_not_the_helpers():
     found = {k.qualname for k in launchable_kernels()}
     # a kernel launched through a variable (weight_quant's _launch) and ones launched by name
     assert "labsrc.kernels.weight_quant._mxfp4_matmul_kernel" in found
-    assert "labsrc.kernels.attention._decode_merge_kernel" in found
+    assert "labsrc.kernels.flash_attention._decode_merge_kernel" in found
     # helpers inlined into kernels are not launchable
-    assert "labsrc.kernels.attention._online_softmax_step" not in found
+    assert "labsrc.kernels.flash_attention._online_softmax_step" not in found
     assert "labsrc.kernels._decay.chunk_segsum" not in found
     dots = {k.name for k in launchable_kernels() if k.uses_dot}
     assert "_flash_attention_kernel" in dots and "_ssd_kernel" in dots   # tl.dot in a helper counts (SSD's)

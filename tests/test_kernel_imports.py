@@ -25,8 +25,8 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 def imports_of(name: str) -> set[str]:
     """The ``labsrc`` modules that ``name``'s source imports anywhere in it (``from labsrc import runtime``
-    names the module ``labsrc.runtime``; ``from labsrc.kernels.distill import kd_kl`` the module
-    ``labsrc.kernels.distill``)."""
+    names the module ``labsrc.runtime``; ``from labsrc.kernels.distillation import kd_kl`` the module
+    ``labsrc.kernels.distillation``)."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
@@ -72,9 +72,9 @@ def test_the_graph_sees_the_imports_the_kernel_families_are_built_on():
     """The parser finds a module-level import, a lazy one inside a function and a ``from package import
     module`` one: without these the cycle test below would pass on an empty graph."""
     assert "labsrc.rope" in GRAPH["labsrc.kernels.rope"]                 # from labsrc.rope import ...
-    assert "labsrc.kernels.distill" in GRAPH["labsrc.distill.losses"]    # inside kd_loss (fused=True)
-    assert "labsrc.runtime" in GRAPH["labsrc.kernels.distill"]           # from labsrc import runtime
-    assert "labsrc.kernels.attention" in GRAPH["labsrc.kernels.paged_attention"]
+    assert "labsrc.kernels.distillation" in GRAPH["labsrc.distillation.losses"]    # inside kd_loss (fused=True)
+    assert "labsrc.runtime" in GRAPH["labsrc.kernels.distillation"]           # from labsrc import runtime
+    assert "labsrc.kernels.flash_attention" in GRAPH["labsrc.kernels.serving"]
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

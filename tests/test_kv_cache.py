@@ -1,4 +1,4 @@
-"""Tests of labsrc.kvmath: the exact figures the chapter quotes, each formula against an independent count,
+"""Tests of labsrc.kv_cache: the exact figures the chapter quotes, each formula against an independent count,
 and the bytes a transformers DynamicCache really holds."""
 import labsrc  # noqa: F401
 
@@ -8,20 +8,20 @@ import numpy as np
 import pytest
 import torch
 
-from labsrc import hardware, kvmath
-from labsrc.kvmath import GiB, PRESETS
+from labsrc import hardware, kv_cache
+from labsrc.kv_cache import GiB, PRESETS
 
 
 # --- the figures the chapter quotes ------------------------------------------------------------------------
 def test_source_70b_mha_example_is_320_gib():
-    assert kvmath.kv_cache_bytes(80, 64, 128, 131072) == 343_597_383_680
-    assert kvmath.kv_cache_bytes(80, 64, 128, 131072) == 320 * GiB
+    assert kv_cache.kv_cache_bytes(80, 64, 128, 131072) == 343_597_383_680
+    assert kv_cache.kv_cache_bytes(80, 64, 128, 131072) == 320 * GiB
     assert PRESETS["source-70B-MHA"].kv_cache_bytes(131072) == 320 * GiB
 
 
 def test_real_llama3_70b_with_gqa_is_40_gib():
-    assert kvmath.kv_cache_bytes(80, 8, 128, 131072) == 40 * GiB
-    assert kvmath.gqa_cache_bytes(80, 64, 8, 128, 131072) == 40 * GiB
+    assert kv_cache.kv_cache_bytes(80, 8, 128, 131072) == 40 * GiB
+    assert kv_cache.gqa_cache_bytes(80, 64, 8, 128, 131072) == 40 * GiB
     assert PRESETS["Llama-3-70B"].kv_cache_bytes(131072) == 40 * GiB
     # the same model with its 64 query heads each keeping K/V is the source's figure
     assert PRESETS["Llama-3-70B"].kv_cache_bytes(131072, grouping="mha") == 320 * GiB
@@ -31,7 +31,7 @@ def test_real_llama3_70b_with_gqa_is_40_gib():
 def test_per_token_figures():
     assert PRESETS["Llama-3-8B"].kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2 == 128 * 1024
     assert PRESETS["Llama-3-70B"].kv_bytes_per_token() == 320 * 1024
-    assert kvmath.kv_bytes_per_token(80, 8, 128) == 327_680
+    assert kv_cache.kv_bytes_per_token(80, 8, 128) == 327_680
 
 
 def test_deepseek_mla_figures():
@@ -40,51 +40,51 @@ def test_deepseek_mla_figures():
     assert (v3.kv_lora_rank, v3.qk_rope_head_dim, v3.n_layers) == (512, 64, 61)
     assert v2.kv_bytes_per_token() == 60 * 576 * 2 == 69_120
     assert v3.kv_bytes_per_token() == 61 * 576 * 2 == 70_272
-    assert kvmath.mla_cache_bytes(61, 512, 64, 131072) == 61 * 576 * 131072 * 2
+    assert kv_cache.mla_cache_bytes(61, 512, 64, 131072) == 61 * 576 * 131072 * 2
     # the DeepSeek-V2 paper: MLA costs as much as GQA with 2.25 groups of head_dim 128
-    assert kvmath.mla_equivalent_kv_heads(512, 64, 128) == 2.25
+    assert kv_cache.mla_equivalent_kv_heads(512, 64, 128) == 2.25
     # against the MHA it replaces (128 heads x 128) the cache is 32768/576 ~ 57x smaller per layer
     assert v2.kv_bytes_per_token(grouping="mha") / v2.kv_bytes_per_token() == pytest.approx(60 * 2 * 128 * 128 / (60 * 576))
     # against a GQA layer with 8 K/V heads (Llama-3) it is only 2048/576 ~ 3.6x smaller
-    assert kvmath.kv_cache_bytes(1, 8, 128, 1) / kvmath.mla_cache_bytes(1, 512, 64, 1) == pytest.approx(2048 / 576)
+    assert kv_cache.kv_cache_bytes(1, 8, 128, 1) / kv_cache.mla_cache_bytes(1, 512, 64, 1) == pytest.approx(2048 / 576)
 
 
 def test_mqa_gqa_mha_heads():
-    assert kvmath.kv_heads(64, "mha") == 64
-    assert kvmath.kv_heads(64, "mqa") == 1
-    assert kvmath.kv_heads(64, "gqa", 8) == 8
-    mha = kvmath.kv_cache_bytes(32, kvmath.kv_heads(32, "mha"), 128, 1000)
-    gqa = kvmath.kv_cache_bytes(32, kvmath.kv_heads(32, "gqa", 8), 128, 1000)
-    mqa = kvmath.kv_cache_bytes(32, kvmath.kv_heads(32, "mqa"), 128, 1000)
+    assert kv_cache.kv_heads(64, "mha") == 64
+    assert kv_cache.kv_heads(64, "mqa") == 1
+    assert kv_cache.kv_heads(64, "gqa", 8) == 8
+    mha = kv_cache.kv_cache_bytes(32, kv_cache.kv_heads(32, "mha"), 128, 1000)
+    gqa = kv_cache.kv_cache_bytes(32, kv_cache.kv_heads(32, "gqa", 8), 128, 1000)
+    mqa = kv_cache.kv_cache_bytes(32, kv_cache.kv_heads(32, "mqa"), 128, 1000)
     assert mha == 4 * gqa == 32 * mqa
 
 
 def test_mlkv_sharing():
-    full = kvmath.kv_cache_bytes(80, 8, 128, 4096)
-    assert kvmath.mlkv_cache_bytes(80, 1, 8, 128, 4096) == full
-    assert kvmath.mlkv_cache_bytes(80, 2, 8, 128, 4096) * 2 == full
-    assert kvmath.mlkv_cache_bytes(80, 4, 8, 128, 4096) * 4 == full
+    full = kv_cache.kv_cache_bytes(80, 8, 128, 4096)
+    assert kv_cache.mlkv_cache_bytes(80, 1, 8, 128, 4096) == full
+    assert kv_cache.mlkv_cache_bytes(80, 2, 8, 128, 4096) * 2 == full
+    assert kv_cache.mlkv_cache_bytes(80, 4, 8, 128, 4096) * 4 == full
     # 61 layers in pairs: 31 caches (the last "pair" is a single layer)
-    assert kvmath.mlkv_cache_bytes(61, 2, 8, 128, 10) == kvmath.kv_cache_bytes(31, 8, 128, 10)
-    assert kvmath.mlkv_cache_bytes(80, 80, 8, 128, 1) == kvmath.kv_cache_bytes(1, 8, 128, 1)
+    assert kv_cache.mlkv_cache_bytes(61, 2, 8, 128, 10) == kv_cache.kv_cache_bytes(31, 8, 128, 10)
+    assert kv_cache.mlkv_cache_bytes(80, 80, 8, 128, 1) == kv_cache.kv_cache_bytes(1, 8, 128, 1)
 
 
 def test_quantized_cache_bytes_count_scales_and_zero_points():
     elements = 2 * 80 * 8 * 128 * 131072
     groups = elements // 32
-    assert kvmath.quantized_kv_cache_bytes(80, 8, 128, 131072, bits=8, group_size=32) == elements + groups * 4
-    assert kvmath.quantized_kv_cache_bytes(80, 8, 128, 131072, bits=4, group_size=32) == elements // 2 + groups * 4
-    assert kvmath.quantized_kv_cache_bytes(80, 8, 128, 131072, bits=4, group_size=32, zero_point=False) \
+    assert kv_cache.quantized_kv_cache_bytes(80, 8, 128, 131072, bits=8, group_size=32) == elements + groups * 4
+    assert kv_cache.quantized_kv_cache_bytes(80, 8, 128, 131072, bits=4, group_size=32) == elements // 2 + groups * 4
+    assert kv_cache.quantized_kv_cache_bytes(80, 8, 128, 131072, bits=4, group_size=32, zero_point=False) \
         == elements // 2 + groups * 2
-    assert kvmath.quantized_kv_cache_bytes(2, 1, 64, 3, bits=2, group_size=64, scale_bytes=4) == (2 * 2 * 64 * 3) * 2 // 8 + (2 * 2 * 64 * 3 // 64) * 8
+    assert kv_cache.quantized_kv_cache_bytes(2, 1, 64, 3, bits=2, group_size=64, scale_bytes=4) == (2 * 2 * 64 * 3) * 2 // 8 + (2 * 2 * 64 * 3 // 64) * 8
     # int4 with group 128 and fp16 scale + zero: 4.25 bits per element, so 3.76x smaller than FP16
-    q = kvmath.quantized_kv_cache_bytes(32, 8, 128, 1000, bits=4, group_size=128)
-    assert kvmath.kv_cache_bytes(32, 8, 128, 1000) / q == pytest.approx(16 / 4.25)
+    q = kv_cache.quantized_kv_cache_bytes(32, 8, 128, 1000, bits=4, group_size=128)
+    assert kv_cache.kv_cache_bytes(32, 8, 128, 1000) / q == pytest.approx(16 / 4.25)
 
 
 def test_int4_dtype_bytes_gives_fraction_free_count():
-    assert kvmath.kv_cache_bytes(1, 1, 3, 1, dtype_bytes=0.5) == 3
-    assert kvmath.kv_cache_bytes(1, 1, 1, 1, dtype_bytes=0.25) == 0.5
+    assert kv_cache.kv_cache_bytes(1, 1, 3, 1, dtype_bytes=0.5) == 3
+    assert kv_cache.kv_cache_bytes(1, 1, 1, 1, dtype_bytes=0.25) == 0.5
 
 
 # --- validation: every argument is named ----------------------------------------------------------------
@@ -96,45 +96,45 @@ def test_int4_dtype_bytes_gives_fraction_free_count():
 def test_kv_cache_bytes_rejects(name, kwargs):
     args = dict(n_layers=2, n_kv_heads=2, head_dim=4, seq_len=5, batch=1, dtype_bytes=2) | kwargs
     with pytest.raises(ValueError, match=name):
-        kvmath.kv_cache_bytes(**args)
+        kv_cache.kv_cache_bytes(**args)
 
 
 def test_heads_that_do_not_divide():
     with pytest.raises(ValueError, match=r"n_kv_heads \(6\) must divide n_heads \(64\)"):
-        kvmath.gqa_cache_bytes(80, 64, 6, 128, 10)
+        kv_cache.gqa_cache_bytes(80, 64, 6, 128, 10)
     with pytest.raises(ValueError, match="n_kv_heads"):
-        kvmath.kv_heads(64, "gqa", 0)
+        kv_cache.kv_heads(64, "gqa", 0)
     with pytest.raises(ValueError, match="n_kv_heads is required"):
-        kvmath.kv_heads(64, "gqa")
+        kv_cache.kv_heads(64, "gqa")
     with pytest.raises(ValueError, match="grouping"):
-        kvmath.kv_heads(64, "mla")
+        kv_cache.kv_heads(64, "mla")
     with pytest.raises(ValueError, match="n_heads"):
-        kvmath.kv_heads(0, "mha")
+        kv_cache.kv_heads(0, "mha")
 
 
 def test_other_validation():
     with pytest.raises(ValueError, match="kv_lora_rank"):
-        kvmath.mla_cache_bytes(60, 0, 64, 10)
+        kv_cache.mla_cache_bytes(60, 0, 64, 10)
     with pytest.raises(ValueError, match="qk_rope_head_dim"):
-        kvmath.mla_cache_bytes(60, 512, -1, 10)
+        kv_cache.mla_cache_bytes(60, 512, -1, 10)
     with pytest.raises(ValueError, match="layers_per_kv"):
-        kvmath.mlkv_cache_bytes(8, 0, 8, 128, 10)
+        kv_cache.mlkv_cache_bytes(8, 0, 8, 128, 10)
     with pytest.raises(ValueError, match=r"layers_per_kv \(9\) cannot exceed n_layers \(8\)"):
-        kvmath.mlkv_cache_bytes(8, 9, 8, 128, 10)
+        kv_cache.mlkv_cache_bytes(8, 9, 8, 128, 10)
     with pytest.raises(ValueError, match=r"group_size \(48\) must divide head_dim \(128\)"):
-        kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, group_size=48)
+        kv_cache.quantized_kv_cache_bytes(8, 8, 128, 10, group_size=48)
     with pytest.raises(ValueError, match="bits"):
-        kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, bits=3)
+        kv_cache.quantized_kv_cache_bytes(8, 8, 128, 10, bits=3)
     with pytest.raises(ValueError, match="hbm_bytes_per_s"):
-        kvmath.decode_time_floor(1e9, 0, 0)
+        kv_cache.decode_time_floor(1e9, 0, 0)
     with pytest.raises(ValueError, match="kv_bytes"):
-        kvmath.decode_time_floor(1e9, -1, 1e9)
+        kv_cache.decode_time_floor(1e9, -1, 1e9)
     with pytest.raises(ValueError, match="max_len"):
-        kvmath.reservation_utilisation([5, 10], 8)
+        kv_cache.reservation_utilisation([5, 10], 8)
     with pytest.raises(ValueError, match="lengths"):
-        kvmath.reservation_utilisation([], 8)
+        kv_cache.reservation_utilisation([], 8)
     with pytest.raises(ValueError, match="n_query"):
-        kvmath.forward_flops(10, 1, 4, 5, 4)
+        kv_cache.forward_flops(10, 1, 4, 5, 4)
 
 
 # --- the memory wall --------------------------------------------------------------------------------------
@@ -142,24 +142,24 @@ def test_bandwidth_floor_and_crossover():
     h100 = hardware.ACCELERATORS["H100-SXM"]
     m = PRESETS["Llama-3-8B"]
     w, per_tok = m.weight_bytes(), m.kv_bytes_per_token()
-    ctx = kvmath.kv_equals_weights_context(w, per_tok)
+    ctx = kv_cache.kv_equals_weights_context(w, per_tok)
     assert ctx * per_tok == pytest.approx(w)
     assert ctx == pytest.approx(8.03e9 * 2 / 131072)
     # at the crossover the floor is exactly twice the weights-only floor
-    t0 = kvmath.decode_time_floor(w, 0, h100.hbm_gbps * 1e9)
-    assert kvmath.decode_time_floor(w, ctx * per_tok, h100.hbm_gbps * 1e9) == pytest.approx(2 * t0)
-    ceiling = kvmath.tokens_per_s_ceiling(w, per_tok, np.array([0.0, ctx]), h100.hbm_gbps * 1e9)
+    t0 = kv_cache.decode_time_floor(w, 0, h100.hbm_gbps * 1e9)
+    assert kv_cache.decode_time_floor(w, ctx * per_tok, h100.hbm_gbps * 1e9) == pytest.approx(2 * t0)
+    ceiling = kv_cache.tokens_per_s_ceiling(w, per_tok, np.array([0.0, ctx]), h100.hbm_gbps * 1e9)
     assert ceiling[0] == pytest.approx(1 / t0) and ceiling[1] == pytest.approx(0.5 / t0)
     # a batch shares the weight read: B tokens per step
-    b4 = kvmath.tokens_per_s_ceiling(w, per_tok, 0, h100.hbm_gbps * 1e9, batch=4)
+    b4 = kv_cache.tokens_per_s_ceiling(w, per_tok, 0, h100.hbm_gbps * 1e9, batch=4)
     assert b4 == pytest.approx(4 / t0)
-    assert kvmath.kv_equals_weights_context(w, per_tok, batch=4) == pytest.approx(ctx / 4)
+    assert kv_cache.kv_equals_weights_context(w, per_tok, batch=4) == pytest.approx(ctx / 4)
 
 
 def test_sequences_that_fit():
-    assert kvmath.sequences_that_fit(80e9, 10e9) == 8
-    assert kvmath.sequences_that_fit(80e9, 10e9, weight_bytes=16e9) == 6
-    assert kvmath.sequences_that_fit(80e9, 10e9, weight_bytes=141e9) == 0
+    assert kv_cache.sequences_that_fit(80e9, 10e9) == 8
+    assert kv_cache.sequences_that_fit(80e9, 10e9, weight_bytes=16e9) == 6
+    assert kv_cache.sequences_that_fit(80e9, 10e9, weight_bytes=141e9) == 0
 
 
 # --- FLOPs: the formula against an independent count by torch's FlopCounterMode -------------------------------
@@ -181,21 +181,21 @@ def test_generation_flops_match_flop_counter(use_cache):
         out = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False, use_cache=use_cache,
                              pad_token_id=0)
     assert out.shape[1] == 12
-    expected = kvmath.generation_flops(layer_params, 3, 64, 7, 5, use_cache, lm_head_params=model.lm_head.weight.numel(),
+    expected = kv_cache.generation_flops(layer_params, 3, 64, 7, 5, use_cache, lm_head_params=model.lm_head.weight.numel(),
                                        full_square=True)
     assert counter.get_total_flops() == expected
 
 
 def test_causal_flops_are_about_half_the_square():
-    causal = kvmath.forward_flops(1, 1, 1, 100, 100) - 2 * 100
-    square = kvmath.forward_flops(1, 1, 1, 100, 100, full_square=True) - 2 * 100
+    causal = kv_cache.forward_flops(1, 1, 1, 100, 100) - 2 * 100
+    square = kv_cache.forward_flops(1, 1, 1, 100, 100, full_square=True) - 2 * 100
     assert causal == 4 * 5050 and square == 4 * 10000
-    assert kvmath.forward_flops(1, 1, 1, 1, 100) == kvmath.forward_flops(1, 1, 1, 1, 100, full_square=True)
+    assert kv_cache.forward_flops(1, 1, 1, 1, 100) == kv_cache.forward_flops(1, 1, 1, 1, 100, full_square=True)
 
 
 def test_cache_saves_flops():
-    with_cache = kvmath.generation_flops(10**6, 4, 128, 16, 48, True)
-    without = kvmath.generation_flops(10**6, 4, 128, 16, 48, False)
+    with_cache = kv_cache.generation_flops(10**6, 4, 128, 16, 48, True)
+    without = kv_cache.generation_flops(10**6, 4, 128, 16, 48, False)
     assert without > 10 * with_cache
 
 
@@ -213,24 +213,24 @@ def test_dynamic_cache_bytes_equal_formula(n_kv_heads, dtype, batch):
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
     assert cache.get_seq_length() == 12
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    assert held == kvmath.kv_cache_bytes(cfg.num_hidden_layers, n_kv_heads, head_dim, 12, batch,
+    assert held == kv_cache.kv_cache_bytes(cfg.num_hidden_layers, n_kv_heads, head_dim, 12, batch,
                                          torch.finfo(dtype).bits // 8)
 
 
 # --- fragmentation -------------------------------------------------------------------------------------------
 def test_request_mix_is_seeded_and_bounded():
-    a = kvmath.sample_request_lengths(500, 2048, seed=3)
-    b = kvmath.sample_request_lengths(500, 2048, seed=3)
+    a = kv_cache.sample_request_lengths(500, 2048, seed=3)
+    b = kv_cache.sample_request_lengths(500, 2048, seed=3)
     assert np.array_equal(a, b) and a.min() >= 1 and a.max() <= 2048
-    assert not np.array_equal(a, kvmath.sample_request_lengths(500, 2048, seed=4))
+    assert not np.array_equal(a, kv_cache.sample_request_lengths(500, 2048, seed=4))
 
 
 def test_utilisation():
-    assert kvmath.reservation_utilisation([512, 1024, 2048], 2048) == pytest.approx(3584 / 6144)
-    assert kvmath.paged_utilisation([1, 16, 17], 16) == pytest.approx(34 / 64)
-    assert kvmath.paged_utilisation([5, 7], 1) == 1.0
-    lengths = kvmath.sample_request_lengths(1000, 4096, seed=0)
-    assert kvmath.paged_utilisation(lengths, 16) > kvmath.reservation_utilisation(lengths, 4096)
+    assert kv_cache.reservation_utilisation([512, 1024, 2048], 2048) == pytest.approx(3584 / 6144)
+    assert kv_cache.paged_utilisation([1, 16, 17], 16) == pytest.approx(34 / 64)
+    assert kv_cache.paged_utilisation([5, 7], 1) == 1.0
+    lengths = kv_cache.sample_request_lengths(1000, 4096, seed=0)
+    assert kv_cache.paged_utilisation(lengths, 16) > kv_cache.reservation_utilisation(lengths, 4096)
 
 
 def test_presets_are_consistent():
@@ -242,23 +242,23 @@ def test_presets_are_consistent():
 
 
 def test_calculator():
-    row = kvmath.calculator("Llama-3-8B", 131072, batch=2, dtype="bf16")
+    row = kv_cache.calculator("Llama-3-8B", 131072, batch=2, dtype="bf16")
     assert row["kv_bytes"] == 2 * 16 * GiB and row["kv_gib"] == 32
     # 80 GB card, 16.06 GB of weights: (80 - 16.06) / 17.18 GB per sequence -> 3 sequences
     assert row["fit_80GB"] == int((80e9 - 8.03e9 * 2) // (16 * GiB)) == 3
     assert row["kv_only_fit_141GB"] == int(141e9 // (16 * GiB))
-    assert kvmath.calculator("Llama-3-70B", 131072)["fit_80GB"] == 0          # 141 GB of weights
-    assert kvmath.calculator("Llama-3-70B", 131072, grouping="mha")["kv_gib"] == 320
-    assert kvmath.calculator("DeepSeek-V3", 4096)["kv_bytes"] == 70_272 * 4096
-    assert kvmath.calculator("Llama-3-8B", 1000, dtype="fp8")["kv_bytes"] == 64 * 1024 * 1000
-    int4 = kvmath.calculator("Llama-3-8B", 1000, dtype="int4")["kv_bytes"]
-    assert int4 == kvmath.quantized_kv_cache_bytes(32, 8, 128, 1000, bits=4, group_size=32)
-    mla8 = kvmath.calculator("DeepSeek-V2", 10, dtype="int8")["kv_bytes"]
+    assert kv_cache.calculator("Llama-3-70B", 131072)["fit_80GB"] == 0          # 141 GB of weights
+    assert kv_cache.calculator("Llama-3-70B", 131072, grouping="mha")["kv_gib"] == 320
+    assert kv_cache.calculator("DeepSeek-V3", 4096)["kv_bytes"] == 70_272 * 4096
+    assert kv_cache.calculator("Llama-3-8B", 1000, dtype="fp8")["kv_bytes"] == 64 * 1024 * 1000
+    int4 = kv_cache.calculator("Llama-3-8B", 1000, dtype="int4")["kv_bytes"]
+    assert int4 == kv_cache.quantized_kv_cache_bytes(32, 8, 128, 1000, bits=4, group_size=32)
+    mla8 = kv_cache.calculator("DeepSeek-V2", 10, dtype="int8")["kv_bytes"]
     assert mla8 == 60 * 576 * 10 + 60 * 576 * 10 // 32 * 4
     with pytest.raises(ValueError, match="dtype"):
-        kvmath.calculator("Llama-3-8B", 10, dtype="fp4")
+        kv_cache.calculator("Llama-3-8B", 10, dtype="fp4")
     with pytest.raises(ValueError, match="group_size"):
-        kvmath.calculator("DeepSeek-V2", 10, dtype="int4", group_size=100)
+        kv_cache.calculator("DeepSeek-V2", 10, dtype="int4", group_size=100)
 
 
 # --- validation promises kept: every public function names a bad argument -----------------------------------
@@ -267,33 +267,33 @@ NAN, INF = float("nan"), float("inf")
 
 @pytest.mark.parametrize("call,match", [
     # used to raise KeyError
-    (lambda: kvmath.calculator("Llama-9-1T", 10), r"unknown preset 'Llama-9-1T'; known presets: source-70B-MHA"),
-    (lambda: kvmath.calculator(3, 10), "preset must be a ModelPreset"),
-    (lambda: kvmath.calculator("Llama-3-8B", 10, memories_gb=(80, NAN)), "memories_gb must be a positive number"),
-    (lambda: kvmath.calculator("Llama-3-8B", 10, memories_gb=80), "memories_gb must be a sequence"),
-    (lambda: kvmath.calculator("Llama-3-8B", NAN), "seq_len must be a positive integer"),
-    (lambda: kvmath.calculator("Llama-3-8B", 10, batch=True), "batch must be a positive integer"),
-    (lambda: kvmath.calculator("Llama-3-8B", 10, group_size=1.5), "group_size must be a positive integer"),
+    (lambda: kv_cache.calculator("Llama-9-1T", 10), r"unknown preset 'Llama-9-1T'; known presets: source-70B-MHA"),
+    (lambda: kv_cache.calculator(3, 10), "preset must be a ModelPreset"),
+    (lambda: kv_cache.calculator("Llama-3-8B", 10, memories_gb=(80, NAN)), "memories_gb must be a positive number"),
+    (lambda: kv_cache.calculator("Llama-3-8B", 10, memories_gb=80), "memories_gb must be a sequence"),
+    (lambda: kv_cache.calculator("Llama-3-8B", NAN), "seq_len must be a positive integer"),
+    (lambda: kv_cache.calculator("Llama-3-8B", 10, batch=True), "batch must be a positive integer"),
+    (lambda: kv_cache.calculator("Llama-3-8B", 10, group_size=1.5), "group_size must be a positive integer"),
     # used to return NaN
-    (lambda: kvmath.decode_time_floor(1e9, NAN, 1e9), "kv_bytes must be a non-negative number"),
-    (lambda: kvmath.tokens_per_s_ceiling(1e9, 1e5, [1.0, NAN], 1e12), "context must be non-negative and finite"),
-    (lambda: kvmath.tokens_per_s_ceiling(1e9, 1e5, INF, 1e12), "context must be non-negative and finite"),
+    (lambda: kv_cache.decode_time_floor(1e9, NAN, 1e9), "kv_bytes must be a non-negative number"),
+    (lambda: kv_cache.tokens_per_s_ceiling(1e9, 1e5, [1.0, NAN], 1e12), "context must be non-negative and finite"),
+    (lambda: kv_cache.tokens_per_s_ceiling(1e9, 1e5, INF, 1e12), "context must be non-negative and finite"),
     (lambda: PRESETS["Llama-3-8B"].weight_bytes(NAN), "dtype_bytes must be a positive number"),
     # used to raise a ValueError/TypeError that named nothing, or a bare TypeError from a comparison
-    (lambda: kvmath.tokens_per_s_ceiling(1e9, 1e5, "long", 1e12), "context must be a non-negative number"),
-    (lambda: kvmath.decode_time_floor(1e9, "x", 1e9), "kv_bytes must be a non-negative number"),
-    (lambda: kvmath.sequences_that_fit(80e9, 1e9, NAN), "weight_bytes must be a non-negative number"),
-    (lambda: kvmath.sequences_that_fit(80e9, 1e9, "w"), "weight_bytes must be a non-negative number"),
-    (lambda: kvmath.sample_request_lengths(4, 100, seed=-1), "seed must be a non-negative integer"),
-    (lambda: kvmath.sample_request_lengths(4, 100, seed=1.5), "seed must be a non-negative integer"),
+    (lambda: kv_cache.tokens_per_s_ceiling(1e9, 1e5, "long", 1e12), "context must be a non-negative number"),
+    (lambda: kv_cache.decode_time_floor(1e9, "x", 1e9), "kv_bytes must be a non-negative number"),
+    (lambda: kv_cache.sequences_that_fit(80e9, 1e9, NAN), "weight_bytes must be a non-negative number"),
+    (lambda: kv_cache.sequences_that_fit(80e9, 1e9, "w"), "weight_bytes must be a non-negative number"),
+    (lambda: kv_cache.sample_request_lengths(4, 100, seed=-1), "seed must be a non-negative integer"),
+    (lambda: kv_cache.sample_request_lengths(4, 100, seed=1.5), "seed must be a non-negative integer"),
     # float-where-int and non-bool flags used to be accepted
-    (lambda: kvmath.forward_flops(10, 1, 4, 2, 4, lm_head_params=2.5), "lm_head_params must be a non-negative integer"),
-    (lambda: kvmath.forward_flops(10, 1, 4, 2, 4, lm_head_params=NAN), "lm_head_params must be a non-negative integer"),
-    (lambda: kvmath.forward_flops(10, 1, 4, 2, 4, full_square="no"), "full_square must be a bool"),
-    (lambda: kvmath.generation_flops(10, 1, 4, 2, 3, use_cache="no"), "use_cache must be a bool"),
-    (lambda: kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, bits=8.0), r"bits must be 2, 4 or 8 \(an int\)"),
-    (lambda: kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, bits=True), "bits must be 2, 4 or 8"),
-    (lambda: kvmath.quantized_kv_cache_bytes(8, 8, 128, 10, zero_point="no"), "zero_point must be a bool"),
+    (lambda: kv_cache.forward_flops(10, 1, 4, 2, 4, lm_head_params=2.5), "lm_head_params must be a non-negative integer"),
+    (lambda: kv_cache.forward_flops(10, 1, 4, 2, 4, lm_head_params=NAN), "lm_head_params must be a non-negative integer"),
+    (lambda: kv_cache.forward_flops(10, 1, 4, 2, 4, full_square="no"), "full_square must be a bool"),
+    (lambda: kv_cache.generation_flops(10, 1, 4, 2, 3, use_cache="no"), "use_cache must be a bool"),
+    (lambda: kv_cache.quantized_kv_cache_bytes(8, 8, 128, 10, bits=8.0), r"bits must be 2, 4 or 8 \(an int\)"),
+    (lambda: kv_cache.quantized_kv_cache_bytes(8, 8, 128, 10, bits=True), "bits must be 2, 4 or 8"),
+    (lambda: kv_cache.quantized_kv_cache_bytes(8, 8, 128, 10, zero_point="no"), "zero_point must be a bool"),
     (lambda: PRESETS["Llama-3-8B"].weight_bytes(2, active="yes"), "active must be a bool"),
 ])
 def test_public_functions_raise_value_error_naming_the_argument(call, match):
@@ -316,11 +316,11 @@ def test_calculator_and_byte_formula_accept_the_same_group_sizes(preset, group_s
     p = PRESETS[preset]
 
     def formula():
-        return kvmath.quantized_kv_cache_bytes(p.n_layers, p.n_kv_heads, p.head_dim, 1000, 2, bits=bits,
+        return kv_cache.quantized_kv_cache_bytes(p.n_layers, p.n_kv_heads, p.head_dim, 1000, 2, bits=bits,
                                                group_size=group_size)
 
     def calc():
-        return kvmath.calculator(preset, 1000, 2, dtype=dtype, group_size=group_size)["kv_bytes"]
+        return kv_cache.calculator(preset, 1000, 2, dtype=dtype, group_size=group_size)["kv_bytes"]
 
     if p.head_dim % group_size:
         for fn in (formula, calc):
@@ -332,8 +332,8 @@ def test_calculator_and_byte_formula_accept_the_same_group_sizes(preset, group_s
 
 def test_calculator_mla_groups_run_along_the_latent():
     with pytest.raises(ValueError, match=r"group_size \(128\) must divide the MLA latent row .* \(576\)"):
-        kvmath.calculator("DeepSeek-V2", 10, dtype="int4", group_size=128)
-    assert kvmath.calculator("DeepSeek-V2", 10, dtype="int4", group_size=64)["kv_bytes"] == 60 * 576 * 10 // 2 + 60 * 576 * 10 // 64 * 4
+        kv_cache.calculator("DeepSeek-V2", 10, dtype="int4", group_size=128)
+    assert kv_cache.calculator("DeepSeek-V2", 10, dtype="int4", group_size=64)["kv_bytes"] == 60 * 576 * 10 // 2 + 60 * 576 * 10 // 64 * 4
 
 
 # --- property-based ---------------------------------------------------------------------------------------
@@ -345,16 +345,16 @@ _POS = st.integers(1, 512)
 
 @_SETTINGS
 @given(n_layers=_POS, n_kv_heads=st.integers(1, 64), head_dim=_POS, seq_len=st.integers(1, 10 ** 6),
-       batch=st.integers(1, 64), dtype_bytes=st.sampled_from(sorted(set(kvmath.DTYPE_BYTES.values()))),
+       batch=st.integers(1, 64), dtype_bytes=st.sampled_from(sorted(set(kv_cache.DTYPE_BYTES.values()))),
        k=st.integers(1, 9))
 def test_property_kv_cache_bytes_is_linear_in_seq_len_and_batch(n_layers, n_kv_heads, head_dim, seq_len, batch,
                                                                 dtype_bytes, k):
-    base = kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
-    assert kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, k * seq_len, batch, dtype_bytes) == k * base
-    assert kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, k * batch, dtype_bytes) == k * base
-    per_token = kvmath.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype_bytes)
+    base = kv_cache.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
+    assert kv_cache.kv_cache_bytes(n_layers, n_kv_heads, head_dim, k * seq_len, batch, dtype_bytes) == k * base
+    assert kv_cache.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, k * batch, dtype_bytes) == k * base
+    per_token = kv_cache.kv_bytes_per_token(n_layers, n_kv_heads, head_dim, dtype_bytes)
     assert base == per_token * seq_len * batch
-    assert kvmath.mlkv_cache_bytes(n_layers, 1, n_kv_heads, head_dim, seq_len, batch, dtype_bytes) == base
+    assert kv_cache.mlkv_cache_bytes(n_layers, 1, n_kv_heads, head_dim, seq_len, batch, dtype_bytes) == base
 
 
 @_SETTINGS
@@ -364,8 +364,8 @@ def test_property_kv_cache_bytes_is_linear_in_seq_len_and_batch(n_layers, n_kv_h
 def test_property_quantized_bytes_are_data_plus_metadata(n_layers, n_kv_heads, groups_per_head, group_size, seq_len,
                                                          bits, zero_point):
     head_dim = group_size * groups_per_head
-    elements = kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, dtype_bytes=1)
-    q = kvmath.quantized_kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, bits=bits, group_size=group_size,
+    elements = kv_cache.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, dtype_bytes=1)
+    q = kv_cache.quantized_kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, bits=bits, group_size=group_size,
                                         zero_point=zero_point)
     assert q == elements * bits / 8 + elements // group_size * 2 * (2 if zero_point else 1)
     assert q < elements * 2                      # always smaller than the fp16 cache
@@ -381,9 +381,9 @@ def test_property_bad_sizes_are_refused_naming_them(name, bad):
     args = dict(n_layers=2, n_kv_heads=2, head_dim=4, seq_len=5, batch=1)
     args[name] = bad
     with pytest.raises(ValueError, match=name):
-        kvmath.kv_cache_bytes(**args)
+        kv_cache.kv_cache_bytes(**args)
     with pytest.raises(ValueError, match=name):
-        kvmath.quantized_kv_cache_bytes(**args, group_size=2)
+        kv_cache.quantized_kv_cache_bytes(**args, group_size=2)
 
 
 _BAD_NUMBER = st.one_of(st.just(NAN), st.just(INF), st.just(-INF), st.floats(-1e12, 0.0), st.booleans(),
@@ -396,14 +396,14 @@ def test_property_bad_numbers_are_refused_naming_them(which, bad):
     args = dict(weight_bytes=16e9, kv_bytes_per_token=131072, hbm_bytes_per_s=3.35e12)
     args[which] = bad
     with pytest.raises(ValueError, match=which):
-        kvmath.tokens_per_s_ceiling(args["weight_bytes"], args["kv_bytes_per_token"], 1024, args["hbm_bytes_per_s"])
+        kv_cache.tokens_per_s_ceiling(args["weight_bytes"], args["kv_bytes_per_token"], 1024, args["hbm_bytes_per_s"])
     if which != "hbm_bytes_per_s":
         with pytest.raises(ValueError, match=which):
-            kvmath.kv_equals_weights_context(args["weight_bytes"], args["kv_bytes_per_token"])
+            kv_cache.kv_equals_weights_context(args["weight_bytes"], args["kv_bytes_per_token"])
 
 
 @_SETTINGS
 @given(name=st.text(min_size=1, max_size=12).filter(lambda s: s not in PRESETS))
 def test_property_unknown_presets_are_a_value_error(name):
     with pytest.raises(ValueError, match="unknown preset"):
-        kvmath.calculator(name, 10)
+        kv_cache.calculator(name, 10)

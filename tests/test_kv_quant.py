@@ -1,4 +1,4 @@
-"""Tests of labsrc.kvquant: the quantizer, KVarN normalisation, byte counts, calibration and the quantized cache."""
+"""Tests of labsrc.kv_quant: the quantizer, KVarN normalisation, byte counts, calibration and the quantized cache."""
 from __future__ import annotations
 
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import labsrc  # noqa: F401
-from labsrc import kvquant as kq
+from labsrc import kv_quant as kq
 
 
 def _x(shape, seed=0, dtype=torch.float32):
@@ -98,7 +98,7 @@ def test_int3_cache_bytes_match_kv_bytes_and_the_kernels_refuse_it():
     qt = kq.quantize(x, bits=3, group_size=128, normalize=False)
     assert kq.kv_bytes(300, 1, 2, 64, bits=3, group_size=128, stats=False) == 2 * qt.nbytes
     assert qt.nbytes_breakdown()["codes"] == 2 * 300 * 64 * 3 // 8
-    from labsrc.kernels import kvquant as kk
+    from labsrc.kernels import kv_quant as kk
     with pytest.raises(ValueError, match="PyTorch path"):
         kk.quantize_pack(x, bits=3)
     with pytest.raises(ValueError, match="PyTorch path"):

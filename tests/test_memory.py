@@ -151,7 +151,7 @@ def test_knn_memory_attention_equals_the_direct_formula():
 def test_gate_limits_and_joint_softmax_differ():
     """b -> -inf is local attention alone, b -> +inf memory attention alone; the source's joint softmax over
     [local; retrieved] is a third thing, equal to the gated mix only for one gate value per query."""
-    from labsrc.kernels.attention import flash_attention_ref
+    from labsrc.kernels.flash_attention import flash_attention_ref
 
     g = torch.Generator().manual_seed(4)
     q = torch.randn(1, 2, 3, 16, generator=g, dtype=torch.float64)

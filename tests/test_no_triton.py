@@ -20,8 +20,8 @@ assert not runtime.HAS_TRITON and not runtime.INTERPRETED
 info = labsrc.stamp()
 assert info["kernels"] == "PyTorch references (Triton unavailable)", info
 
-from labsrc.kernels import kv_store as ks, rope as rk, kvquant as kq
-from labsrc import rope, kvquant
+from labsrc.kernels import kv_cache as ks, rope as rk, kv_quant as kq
+from labsrc import rope, kv_quant
 g = torch.Generator().manual_seed(0)
 
 # kv_store: the cache is written in place, as by the kernel
@@ -55,7 +55,7 @@ qd = torch.randn(2, 6, 16, generator=g)
 lens = torch.tensor([40, 17])
 assert torch.equal(kq.decode_attention_quant(qd, qt, qt, lens), kq.decode_attention_quant_ref(qd, qt, qt, lens))
 # attention: forward with its log-sum-exp, the backward through autograd, decode
-from labsrc.kernels import attention as ka
+from labsrc.kernels import flash_attention as ka
 q = torch.randn(2, 4, 9, 16, generator=g, requires_grad=True)
 k = torch.randn(2, 2, 11, 16, generator=g, requires_grad=True)
 v = torch.randn(2, 2, 11, 16, generator=g, requires_grad=True)
@@ -71,7 +71,7 @@ with torch.no_grad():
     lens = torch.tensor([13, 5])
     assert torch.equal(ka.decode_attention(qd, kc, vc, lens), ka.decode_attention_ref(qd, kc, vc, lens))
 # paged attention: decode through block tables, and the chunked-prefill path
-from labsrc.kernels import paged_attention as kp
+from labsrc.kernels import serving as kp
 with torch.no_grad():
     pool_k, pool_v = torch.randn(6, 4, 2, 16, generator=g), torch.randn(6, 4, 2, 16, generator=g)
     tables, plens = torch.tensor([[5, 0, 3], [2, 1, 4]]), torch.tensor([9, 4])
@@ -116,26 +116,26 @@ try:
 except ValueError as e:
     assert "chunk_size" in str(e)
 # tree attention (speculative decoding's tree verification)
-from labsrc.kernels import tree_attention as kt
+from labsrc.kernels import speculative as kt
 from labsrc.speculative import tree_attention_mask
 qt, kt_, vt = torch.randn(1, 4, 5, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g), torch.randn(1, 2, 12, 16, generator=g)
 tm = tree_attention_mask([-1, 0, 0, 1, -1])
 assert torch.equal(kt.tree_attention(qt, kt_, vt, tm), kt.tree_attention_ref(qt, kt_, vt, tm))
 # the fused distillation loss: forward and the student's gradient through the reference
-from labsrc.kernels import distill as kdk
-from labsrc import distill
+from labsrc.kernels import distillation as kdk
+from labsrc import distillation
 s, t = torch.randn(3, 50, generator=g, requires_grad=True), torch.randn(3, 50, generator=g)
 kl = kdk.kd_kl(s, t, 2.0)
 assert torch.equal(kl, kdk.kd_kl_ref(s, t, 2.0))
 kl.sum().backward()
 assert torch.allclose(s.grad, kdk.kd_kl_backward_ref(torch.ones(3), s.detach(), t, 2.0), atol=1e-7)
-assert torch.equal(distill.kd_loss(s, t, T=2.0, fused=True), distill.kd_loss(s, t, T=2.0))
+assert torch.equal(distillation.kd_loss(s, t, T=2.0, fused=True), distillation.kd_loss(s, t, T=2.0))
 try:
     kdk.kd_kl(s, t.requires_grad_(True))
     raise AssertionError("a teacher that requires grad must still be refused")
 except ValueError as e:
     assert "teacher_logits" in str(e)
-from labsrc import attention  # the transformers integration imports and runs too
+from labsrc import flash_attention  # the transformers integration imports and runs too
 # the linear-attention kernels (chapter 8): the wrappers check, then call the chunked references
 from labsrc.kernels import linear_attention as kla
 from labsrc import linear_attention as la
@@ -175,7 +175,7 @@ try:
 except ValueError as e:
     assert "x must have shape" in str(e)
 # greedy verification (the pipeline's last stage)
-from labsrc.kernels import verify as kvf
+from labsrc.kernels import pipeline as kvf
 lg = torch.randn(2, 5, 30, generator=g)
 tk, fs = lg.argmax(-1), torch.tensor([3, 4])
 got, want = kvf.greedy_verify(lg, tk, fs), kvf.greedy_verify_ref(lg, tk, fs)

@@ -1,4 +1,4 @@
-"""labsrc.finetune: the RoPE swap matches labsrc.rope and transformers, and a short fine-tune lowers the loss."""
+"""labsrc.rope_finetune: the RoPE swap matches labsrc.rope and transformers, and a short fine-tune lowers the loss."""
 import logging
 import random
 
@@ -8,7 +8,7 @@ import torch
 import labsrc  # noqa: F401  (sets the interpreter switch before anything imports triton)
 from labsrc import rope
 from labsrc.data import load_tokenizer
-from labsrc.finetune import finetune, set_rope
+from labsrc.rope_finetune import finetune, set_rope
 from labsrc.models.train import CONFIGS, make_batch, model_config
 
 logging.getLogger("transformers").setLevel(logging.ERROR)

@@ -194,7 +194,7 @@ def test_block_policies_drop_what_they_say(lab):
 
 
 def test_blocks_to_keep_matches_chapter_6s_token_budget_within_half_a_block():
-    from labsrc.evict import budget_for
+    from labsrc.kv_eviction import budget_for
     from labsrc.serving.experiments import blocks_to_keep
 
     for n in (17, 100, 915, 921, 1024):
@@ -364,9 +364,9 @@ def test_logprobs_equal_log_softmax_of_the_full_forward(lab):
 
 def test_batched_torch_attention_equals_the_paged_references():
     """The engine's PyTorch path (all decodes in one gather and one SDPA call; a prefill chunk in one fused
-    call) against the per-sequence references of labsrc.kernels.paged_attention, on shuffled, partly filled
+    call) against the per-sequence references of labsrc.kernels.serving, on shuffled, partly filled
     tables and a chunk that starts mid-sequence."""
-    from labsrc.kernels import paged_attention as pa
+    from labsrc.kernels import serving as pa
     from labsrc.serving import engine as em
 
     g = torch.Generator().manual_seed(3)

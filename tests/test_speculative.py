@@ -486,7 +486,7 @@ def test_self_speculation_sampled_output_has_target_joint_distribution():
 
 # ----------------------------------------------------------------------------- a quantized draft cache
 def test_quantized_draft_cache_keeps_greedy_output_and_stores_less(lab_pair):
-    from labsrc.kvquant import KVarNCache
+    from labsrc.kv_quant import KVarNCache
     target, draft = lab_pair
     g = torch.Generator().manual_seed(13)
     for k, window in ((4, "fixed"), (8, "fixed"), (4, "adaptive")):
@@ -501,7 +501,7 @@ def test_quantized_draft_cache_keeps_greedy_output_and_stores_less(lab_pair):
 
 
 def test_quantized_draft_cache_sampled_output_has_target_joint_distribution():
-    from labsrc.kvquant import KVarNCache
+    from labsrc.kv_quant import KVarNCache
     V = 6
     target, draft = _tiny_llama(0, V), _tiny_llama(1, V)
     pval = _joint_chi_square(lambda ids, g: spec.speculative_generate(
@@ -511,7 +511,7 @@ def test_quantized_draft_cache_sampled_output_has_target_joint_distribution():
 
 
 def test_quantized_draft_cache_errors(lab_pair):
-    from labsrc.kvquant import KVarNCache
+    from labsrc.kv_quant import KVarNCache
     target, draft = lab_pair
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(ValueError, match="window >= 3"):
@@ -527,7 +527,7 @@ def test_quantized_draft_cache_errors(lab_pair):
 
 
 def test_alpha_with_draft_cache_moves_by_at_most_the_total_variation(lab_pair):
-    from labsrc.kvquant import KVarNCache
+    from labsrc.kv_quant import KVarNCache
     target, draft = lab_pair
     ids = torch.randint(2, target.config.vocab_size, (60,), generator=torch.Generator().manual_seed(14))
     # a full-precision cache changes nothing (decoding one token at a time = one forward, to rounding)

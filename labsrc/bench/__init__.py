@@ -7,13 +7,13 @@
 
 The entries, one module per kernel family in this package (``labsrc/bench/<family>.py``):
 
-* ``kv_store`` (:mod:`labsrc.bench.kv_store`): the slot-addressed cache write, in GB/s;
-* ``flash_attention``, ``flash_attention_backward``, ``decode_attention`` (:mod:`labsrc.bench.attention`):
+* ``kv_store`` (:mod:`labsrc.bench.kv_cache`): the slot-addressed cache write, in GB/s;
+* ``flash_attention``, ``flash_attention_backward``, ``decode_attention`` (:mod:`labsrc.bench.flash_attention`):
   prefill forward and backward in TFLOP/s, flash-decoding in GB/s of K/V read;
 * ``rope`` (:mod:`labsrc.bench.rope`): rotating queries and keys, in GB/s;
-* ``kvquant_pack``, ``kvquant_decode`` (:mod:`labsrc.bench.kvquant`): quantize-and-pack and attention straight
+* ``kvquant_pack``, ``kvquant_decode`` (:mod:`labsrc.bench.kv_quant`): quantize-and-pack and attention straight
   from the packed INT4/INT8 cache;
-* ``paged_decode_attention`` (:mod:`labsrc.bench.paged_attention`): decode through block tables against dense
+* ``paged_decode_attention`` (:mod:`labsrc.bench.serving`): decode through block tables against dense
   flash-decoding, in GB/s of K/V read.
 * ``knn_memory_attention`` (:mod:`labsrc.bench.memory`): the Memorizing Transformer's gated local + retrieved-row
   attention, in GB/s.
@@ -24,13 +24,13 @@ The entries, one module per kernel family in this package (``labsrc/bench/<famil
   (``ssd`` also in TFLOP/s).
 * ``int4_matmul``, ``mxfp4_matmul`` (:mod:`labsrc.bench.weight_quant`): W4A16 and MXFP4 GEMMs dequantizing in
   registers, GB/s of weight bytes and TFLOP/s beside ``torch.matmul`` on the dequantized 16-bit weight.
-* ``tree_attention`` (:mod:`labsrc.bench.tree_attention`): verifying a speculative draft tree (its queries
+* ``tree_attention`` (:mod:`labsrc.bench.speculative`): verifying a speculative draft tree (its queries
   against the cached prefix and their ancestors) in one launch, in GB/s;
-* ``greedy_verify`` (:mod:`labsrc.bench.verify`): the last pipeline stage's greedy verification (argmax of
+* ``greedy_verify`` (:mod:`labsrc.bench.pipeline`): the last pipeline stage's greedy verification (argmax of
   each window row, compare with the drafts, accepted length), in GB/s of logits read.
 * ``diff_attention`` (:mod:`labsrc.bench.frontier`): differential attention's two softmaxes fused in one kernel,
   in TFLOP/s, against two calls of ``flash_attention`` and a subtraction.
-* ``kd_kl``, ``kd_kl_backward`` (:mod:`labsrc.bench.distill`): the fused distillation loss (temperature
+* ``kd_kl``, ``kd_kl_backward`` (:mod:`labsrc.bench.distillation`): the fused distillation loss (temperature
   softmaxes and their KL in one pass over the vocabulary) and its backward, in GB/s.
 
 Each module registers its entries with :func:`register`: a function ``entry(size) -> list[Case]`` for

@@ -3,7 +3,7 @@
 Per row the forward reads the student's and the teacher's logits once and writes one KL and two log-sum-exps;
 the backward reads both rows again and writes the student's gradient. Both are bound by memory bandwidth, so
 the figure of merit is GB/s of that minimum traffic (goal on a GPU: most of the HBM bandwidth). The baseline
-is :func:`labsrc.distill.soft_kl` (two log-softmaxes, a product and a sum: it writes and reads back several
+is :func:`labsrc.distillation.soft_kl` (two log-softmaxes, a product and a sum: it writes and reads back several
 ``(rows, V)`` fp32 tensors) and, for the backward, PyTorch autograd through it.
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 from labsrc import runtime
 from labsrc.bench import Case, register
-from labsrc.distill import soft_kl
-from labsrc.kernels.distill import kd_kl, kd_kl_backward_ref, kd_kl_ref
+from labsrc.distillation import soft_kl
+from labsrc.kernels.distillation import kd_kl, kd_kl_backward_ref, kd_kl_ref
 
 # (rows, V): a batch of 8k tokens at Llama-3's 128k vocabulary, 32k tokens at a 32k vocabulary
 _GPU = [(8192, 128256), (32768, 32000)]

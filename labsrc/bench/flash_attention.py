@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from labsrc.bench import Case, register
 from labsrc import runtime
 from labsrc.exercises import tolerance
-from labsrc.kernels.attention import (decode_attention, decode_attention_ref, flash_attention,
+from labsrc.kernels.flash_attention import (decode_attention, decode_attention_ref, flash_attention,
                                       flash_attention_backward, flash_attention_backward_ref, flash_attention_ref)
 
 _GQA = (32, 4)  # (Hq, Hkv): 8 query heads per K/V head

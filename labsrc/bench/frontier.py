@@ -3,7 +3,7 @@
 The prefill shape: ``T`` queries of each (batch, head) against their causal keys, twice (two query/key pairs)
 over one set of values. Its figure of merit is TFLOP/s: causal attention does about ``2 * T^2 / 2 * (D + Dv)``
 FLOPs per map, so the fused kernel does twice that. The baseline is what the kernel replaces: two calls of
-chapter 3's :func:`labsrc.kernels.attention.flash_attention` and a subtraction
+chapter 3's :func:`labsrc.kernels.flash_attention.flash_attention` and a subtraction
 (:func:`labsrc.frontier.diff_attention`), which reads ``v`` twice and writes two outputs.
 """
 from __future__ import annotations

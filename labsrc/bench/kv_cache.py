@@ -11,7 +11,7 @@ import torch
 
 from labsrc.bench import Case, register
 from labsrc import runtime
-from labsrc.kernels.kv_store import kv_store, kv_store_ref
+from labsrc.kernels.kv_cache import kv_store, kv_store_ref
 
 # (n_slots, n_rows, n_kv_heads, head_dim): a decode step of 256 sequences and a 4096-token prefill chunk,
 # each into a 64K-slot cache with Llama-3-like heads (8 x 128).

@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from labsrc.bench import Case, register
-from labsrc import kvquant as kq
+from labsrc import kv_quant as kq
 from labsrc import runtime
-from labsrc.kernels.kvquant import decode_attention_quant, decode_attention_quant_ref, quantize_pack, \
+from labsrc.kernels.kv_quant import decode_attention_quant, decode_attention_quant_ref, quantize_pack, \
     quantize_pack_ref
 
 # Llama-3-8B-like heads: 32 query heads, 8 KV heads, head_dim 128; group of 128 tokens.

@@ -21,7 +21,7 @@ import torch
 from labsrc import linear_attention as la, runtime
 from labsrc.bench import Case, register
 from labsrc.exercises import tolerance
-from labsrc.kernels.attention import flash_attention
+from labsrc.kernels.flash_attention import flash_attention
 from labsrc.kernels.linear_attention import chunk_gated_delta_rule, chunk_linear_attention
 
 # (B, T, H, K, V)

@@ -11,7 +11,7 @@ import torch
 
 from labsrc import runtime
 from labsrc.bench import Case, register
-from labsrc.kernels.verify import greedy_verify, greedy_verify_ref
+from labsrc.kernels.pipeline import greedy_verify, greedy_verify_ref
 
 # (B, N, V): 64 sequences verifying k = 16 drafts (N = 17) with Llama-3's 128K vocab, and one window of 9.
 _GPU = [(64, 17, 128256), (1, 9, 128256)]

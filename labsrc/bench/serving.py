@@ -1,5 +1,5 @@
 """Bench entry ``paged_decode_attention``: decode attention read through block tables, against chapter 3's
-dense :func:`~labsrc.kernels.attention.decode_attention` on the same keys laid out contiguously.
+dense :func:`~labsrc.kernels.flash_attention.decode_attention` on the same keys laid out contiguously.
 
 Decode is memory-bound, so the figure of merit is GB/s of K/V read. The baseline is the same flash-decoding
 over a dense cache: the gap between the two is what the block-table indirection costs (scattered blocks of
@@ -12,8 +12,8 @@ import torch
 from labsrc import runtime
 from labsrc.bench import Case, register
 from labsrc.exercises import tolerance
-from labsrc.kernels.attention import decode_attention
-from labsrc.kernels.paged_attention import gather_kv, paged_decode_attention, paged_decode_attention_ref
+from labsrc.kernels.flash_attention import decode_attention
+from labsrc.kernels.serving import gather_kv, paged_decode_attention, paged_decode_attention_ref
 
 # (batch, Hq, Hkv, tokens per sequence, head dim, block size): Llama-3-8B-like heads on a GPU.
 _GPU = [(64, 32, 8, 4096, 128, 16), (16, 32, 8, 16384, 128, 16), (256, 32, 8, 1024, 128, 32)]

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from labsrc import runtime
 from labsrc.bench import Case, register
 from labsrc.exercises import tolerance
-from labsrc.kernels.tree_attention import tree_attention, tree_attention_ref
+from labsrc.kernels.speculative import tree_attention, tree_attention_ref
 from labsrc.speculative import tree_attention_mask
 
 # (B, Hq, Hkv, N, P, D): a Llama-3-8B-like layer verifying a tree of N nodes after a prefix of P tokens.

@@ -20,9 +20,9 @@ The experiment (:func:`distill_run`) trains students of ``lab-draft``'s shape fo
 batches as a from-scratch baseline, scores them (perplexity, entropy, pass keys, expected acceptance against the
 teacher) and writes ``labsrc/data/distill_results.json``::
 
-    python -m labsrc.distill experiment --steps 120 --sweep-steps 60 --save-dir /tmp/students
-    python -m labsrc.distill drafts --students /tmp/students --prompts 8   # each as chapter 10's draft
-    python -m labsrc.distill ship --method kd --steps 120 --T 2.0   # checkpoints/lab-draft-distilled
+    python -m labsrc.distillation experiment --steps 120 --sweep-steps 60 --save-dir /tmp/students
+    python -m labsrc.distillation drafts --students /tmp/students --prompts 8   # each as chapter 10's draft
+    python -m labsrc.distillation ship --method kd --steps 120 --T 2.0   # checkpoints/lab-draft-distilled
 
 ``ship`` writes over the shipped student only with ``--overwrite``; without it, beside it, in
 ``lab-draft-distilled-retrained-<n>``, as retraining a model does.
@@ -35,39 +35,39 @@ GKD and the total variation that acceptance is one minus (:func:`tv_loss`). Each
 target (:func:`finetune_figures`: KL, TV and acceptance on held-out prose and on the probe tasks, tokens per
 target call and wall clock as chapter 10's draft) and summarised across seeds with Student-t intervals::
 
-    python -m labsrc.distill finetune-experiment --steps 300 --seeds 0 1 2     # resumable per (method, seed)
-    python -m labsrc.distill ship-finetuned --method tv   # only if it beats lab-draft with separated intervals
+    python -m labsrc.distillation finetune-experiment --steps 300 --seeds 0 1 2     # resumable per (method, seed)
+    python -m labsrc.distillation ship-finetuned --method tv   # only if it beats lab-draft with separated intervals
 
 Every run is deterministic from its seed, so the methods and the sweep may also run as separate processes
 (``experiment(..., methods=...)``) and give the same figures.
 
 The package, one concept per file (imports run down this list, never back up):
 
-* :mod:`~labsrc.distill.losses` -- the losses above and :func:`tv_loss`, with their argument checks;
-* :mod:`~labsrc.distill.measure` -- prose windows, per-token figures against the target, a draft's acceptance and
+* :mod:`~labsrc.distillation.losses` -- the losses above and :func:`tv_loss`, with their argument checks;
+* :mod:`~labsrc.distillation.measure` -- prose windows, per-token figures against the target, a draft's acceptance and
   speed in chapter 10's loop (both experiments score with it);
-* :mod:`~labsrc.distill.scratch` -- the from-scratch students, their experiment and ``ship``;
-* :mod:`~labsrc.distill.finetune` -- fine-tuning lab-draft, its experiment, summary and ``ship-finetuned``;
-* :mod:`~labsrc.distill.cli` -- the command line (``python -m labsrc.distill``).
+* :mod:`~labsrc.distillation.scratch` -- the from-scratch students, their experiment and ``ship``;
+* :mod:`~labsrc.distillation.finetune` -- fine-tuning lab-draft, its experiment, summary and ``ship-finetuned``;
+* :mod:`~labsrc.distillation.cli` -- the command line (``python -m labsrc.distillation``).
 
 Everything public is re-exported here, so ``from labsrc import distill; distill.kd_loss(...)`` is the way to use
 it; a test that replaces a function an experiment calls patches the module that calls it
-(``labsrc.distill.scratch.distill_run``).
+(``labsrc.distillation.scratch.distill_run``).
 """
 from __future__ import annotations
 
-from labsrc.distill.losses import (DISTILBERT_WEIGHTS, cosine_hidden_loss,
+from labsrc.distillation.losses import (DISTILBERT_WEIGHTS, cosine_hidden_loss,
                                    distilbert_loss, expected_acceptance, fit_unimodal, generalized_jsd, kd_loss,
                                    soft_kl, tinybert_layer_map, tinybert_loss, token_mask, tv_loss)
-from labsrc.distill.measure import draft_figures, evaluate_student, prose_windows, window_figures
-from labsrc.distill.scratch import (METHODS, RESULTS, STUDENT_CONFIG, add_draft_figures, distill_run, experiment,
+from labsrc.distillation.measure import draft_figures, evaluate_student, prose_windows, window_figures
+from labsrc.distillation.scratch import (METHODS, RESULTS, STUDENT_CONFIG, add_draft_figures, distill_run, experiment,
                                     save_student, ship, student_config)
-from labsrc.distill.finetune import (FINETUNE_DEFAULT, FINETUNE_METHODS, FINETUNE_RESULTS, GKD_BETA, SUMMARY_KEYS,
+from labsrc.distillation.finetune import (FINETUNE_DEFAULT, FINETUNE_METHODS, FINETUNE_RESULTS, GKD_BETA, SUMMARY_KEYS,
                                      FinetuneConfig, FinetuneEval, FinetuneMethod, batch_digest, finetune_experiment,
                                      finetune_figures, finetune_run, finetune_table, probe_alpha,
                                      sample_continuations, ship_decision, ship_finetuned, summarize_finetune,
                                      summary_estimate)
-from labsrc.distill.cli import main
+from labsrc.distillation.cli import main
 
 __all__ = [
     # losses

@@ -1,4 +1,4 @@
-"""``python -m labsrc.distill ...``: see :mod:`labsrc.distill.cli`."""
-from labsrc.distill.cli import main
+"""``python -m labsrc.distillation ...``: see :mod:`labsrc.distillation.cli`."""
+from labsrc.distillation.cli import main
 
 raise SystemExit(main())

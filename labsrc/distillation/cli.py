@@ -1,4 +1,4 @@
-"""``python -m labsrc.distill``: the command line of both experiments and of shipping a draft (see the package
+"""``python -m labsrc.distillation``: the command line of both experiments and of shipping a draft (see the package
 docstring for the commands)."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from labsrc.distill.finetune import (FINETUNE_DEFAULT, FINETUNE_METHODS, FINETUNE_RESULTS, FinetuneConfig,
+from labsrc.distillation.finetune import (FINETUNE_DEFAULT, FINETUNE_METHODS, FINETUNE_RESULTS, FinetuneConfig,
                                      FinetuneEval, finetune_experiment, finetune_table, ship_finetuned)
-from labsrc.distill.scratch import METHODS, RESULTS, add_draft_figures, experiment, ship
+from labsrc.distillation.scratch import METHODS, RESULTS, add_draft_figures, experiment, ship
 
 
 def main(argv=None):
@@ -75,8 +75,8 @@ def main(argv=None):
                              p_corpus=args.p_corpus)
         ev = FinetuneEval(windows=args.windows, window_len=args.window_len, probe_n=args.probe_n,
                           probe_len=args.probe_len, prompts=args.prompts)
-        command = command_line("labsrc.distill", f, args).replace(
-            "python -m labsrc.distill", "python -m labsrc.distill finetune-experiment", 1)
+        command = command_line("labsrc.distillation", f, args).replace(
+            "python -m labsrc.distillation", "python -m labsrc.distillation finetune-experiment", 1)
         results = finetune_experiment(args.methods, args.seeds, cfg, ev, out=args.out, command=command,
                                       threads=args.threads, save_dir=args.save_dir)
         print(finetune_table(results))

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from labsrc.distill.losses import _check_unit, generalized_jsd, kd_loss, tv_loss
-from labsrc.distill.measure import draft_figures, prose_windows, window_figures
-from labsrc.distill.scratch import _train_module, save_student
+from labsrc.distillation.losses import _check_unit, generalized_jsd, kd_loss, tv_loss
+from labsrc.distillation.measure import draft_figures, prose_windows, window_figures
+from labsrc.distillation.scratch import _train_module, save_student
 from labsrc.models.stored_runs import models_stamp
 
 
@@ -26,7 +26,7 @@ from labsrc.models.stored_runs import models_stamp
 # draft's excess mass (it proposes what the target rejects) and its missing mass (it rarely proposes what the
 # target would accept) alike. Forward KL (beta = 0) barely charges the first, reverse KL (beta = 1) the second;
 # beta = 0.5 charges both, like TV, and is sandwiched by it: TV²/2 <= JSD_0.5 <= TV ln 2 (Pinsker on each half,
-# and Lin 1991), where either KL can be unbounded while TV is small. tests/test_distill.py checks the sandwich.
+# and Lin 1991), where either KL can be unbounded while TV is small. tests/test_distillation.py checks the sandwich.
 GKD_BETA = 0.5
 
 
@@ -523,7 +523,7 @@ def ship_finetuned(method: str, results_path: Path = FINETUNE_RESULTS, seed: int
 
     results_path = Path(results_path)
     if not results_path.is_file():
-        raise FileNotFoundError(f"no results at {results_path}: run `python -m labsrc.distill "
+        raise FileNotFoundError(f"no results at {results_path}: run `python -m labsrc.distillation "
                                 f"finetune-experiment` first")
     results = json.loads(results_path.read_text())
     now = models_stamp("lab-target", "lab-draft")
@@ -554,7 +554,7 @@ def ship_finetuned(method: str, results_path: Path = FINETUNE_RESULTS, seed: int
     info.update(shipped_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), decision=why, metric=metric,
                 results=str(results_path), same_losses_as_measured=row["losses"] == [round(r["loss"], 5)
                                                                                      for r in log])
-    command = f"python -m labsrc.distill ship-finetuned --method {method} --seed {seed} --metric {metric}"
+    command = f"python -m labsrc.distillation ship-finetuned --method {method} --seed {seed} --metric {metric}"
     card = save_student(student, log, info, folder, teacher, tokenizer, command=command,
                         models=("lab-target", "lab-draft"),
                         trained_context=int(getattr(draft.config, "lab_trained_context", cfg.seq_len)))

@@ -1,7 +1,7 @@
 """The distillation losses, each averaged over tokens (never over the vocabulary), with the checks they share.
 
 Logits are ``(..., V)`` and labels aligned with them (no shift inside); positions whose label is
-``ignore_index`` are left out. The package's docstring (:mod:`labsrc.distill`) lists each loss and its source;
+``ignore_index`` are left out. The package's docstring (:mod:`labsrc.distillation`) lists each loss and its source;
 :func:`fit_unimodal` shows forward KL covering and reverse KL seeking modes on a toy target.
 """
 from __future__ import annotations
@@ -91,14 +91,14 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, labels: 
     alone, ``T² * KL`` (``alpha`` is then unused), over every token. The T² keeps the soft term's gradient
     on the scale of the hard term's as T grows (its gradient is ``(q_T - p_T) / T`` per logit and
     ``q_T - p_T = O(1/T)``). ``fused=True`` computes the soft term with the Triton kernel
-    :func:`labsrc.kernels.distill.kd_kl` (same value, no probabilities materialised).
+    :func:`labsrc.kernels.distillation.kd_kl` (same value, no probabilities materialised).
     """
     _check_logits(student_logits, teacher_logits, labels, ignore_index)
     _check_temperature(T)
     _check_unit("alpha", alpha)
     mask = token_mask(labels, student_logits.shape[:-1], ignore_index, student_logits.device)
     if fused:
-        from labsrc.kernels.distill import kd_kl
+        from labsrc.kernels.distillation import kd_kl
         V = student_logits.shape[-1]
         kl = kd_kl(student_logits.reshape(-1, V), teacher_logits.reshape(-1, V), T).reshape(mask.shape)
     else:

@@ -1,6 +1,6 @@
 """What a student or draft is measured on against ``lab-target``: held-out prose windows, the per-token figures
 (KL, expected acceptance, entropy) on them, and a draft's acceptance and speed in chapter 10's speculative loop.
-Both experiments (:mod:`labsrc.distill.scratch`, :mod:`labsrc.distill.finetune`) score with these."""
+Both experiments (:mod:`labsrc.distillation.scratch`, :mod:`labsrc.distillation.finetune`) score with these."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from labsrc.distill.losses import expected_acceptance, soft_kl
+from labsrc.distillation.losses import expected_acceptance, soft_kl
 
 
 def prose_windows(tokenizer, n_windows: int, window_len: int, offset: int = 0) -> list[torch.Tensor]:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from labsrc.distill.losses import DISTILBERT_WEIGHTS, cosine_hidden_loss, generalized_jsd, kd_loss
-from labsrc.distill.measure import draft_figures, evaluate_student
+from labsrc.distillation.losses import DISTILBERT_WEIGHTS, cosine_hidden_loss, generalized_jsd, kd_loss
+from labsrc.distillation.measure import draft_figures, evaluate_student
 from labsrc.models.stored_runs import models_stamp
 
 RESULTS = Path(__file__).resolve().parents[1] / "data" / "distill_results.json"
@@ -274,7 +274,7 @@ def save_student(student, log, info, out: Path, teacher, tokenizer, command: str
     t0 = time.time()
     model, _ = load(str(out))
     if command is None:
-        command = f"python -m labsrc.distill ship --method {method} --steps {steps} --T {T}"
+        command = f"python -m labsrc.distillation ship --method {method} --steps {steps} --T {T}"
     card = {"name": "lab-draft-distilled", "teacher": "lab-target", "models": models_stamp(*models),
             "parameters": sum(p.numel() for p in model.parameters()),
             "trained_context": trained_context or info["train_config"]["seq_len"],

@@ -1,7 +1,7 @@
 """Checks for the exercises of the distillation chapter.
 
 Each check runs the student's answer on several seeded random cases and compares it with what the check computes
-itself (from :mod:`labsrc.distill`, from autograd, or by fitting); it prints ``passed``, what is wrong (with a
+itself (from :mod:`labsrc.distillation`, from autograd, or by fitting); it prints ``passed``, what is wrong (with a
 hint), or ``not solved yet`` when the function still raises ``NotImplementedError``. Expected answers are
 computed here, never printed.
 
@@ -12,12 +12,12 @@ computed here, never printed.
   against autograd.
 * :func:`check_fit_acceptance` -- a prediction, ``fn(w, mu1, sd1, mu2, sd2) -> (forward, reverse)``: the
   acceptance ``sum min(p, q)`` of the one-bump students that forward and reverse KL fit to a two-mode teacher,
-  against :func:`labsrc.distill.fit_unimodal`'s fits measured here.
+  against :func:`labsrc.distillation.fit_unimodal`'s fits measured here.
 * :func:`check_kd_row_kernel` -- a ``@triton.jit`` kernel that computes the whole KD loss of one token (hard
   and soft terms, padding written as 0), one program per row, launched by the check under Triton's
   interpreter.
 
-A check refuses an answer that calls the :mod:`labsrc.distill` function that computes what it asks for.
+A check refuses an answer that calls the :mod:`labsrc.distillation` function that computes what it asks for.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from labsrc import distill
+from labsrc import distillation
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
                                    _with_hint, as_number, check_function, exercise, hidden, randint,
@@ -38,13 +38,13 @@ __all__ = ["jsd_buggy", "check_jsd_fix", "check_reverse_kl_gradient", "GRID", "b
 
 
 def _forbidden():
-    from labsrc.kernels import distill as kd
-    return (distill.kd_loss, distill.soft_kl, distill.generalized_jsd, distill.losses._gjsd_per_token, distill.losses._kl_terms,
-            distill.fit_unimodal, distill.expected_acceptance, kd.kd_kl, kd.kd_kl_ref, kd.kd_kl_backward_ref)
+    from labsrc.kernels import distillation as kd
+    return (distillation.kd_loss, distillation.soft_kl, distillation.generalized_jsd, distillation.losses._gjsd_per_token, distillation.losses._kl_terms,
+            distillation.fit_unimodal, distillation.expected_acceptance, kd.kd_kl, kd.kd_kl_ref, kd.kd_kl_backward_ref)
 
 
 def _refuse(name, fn, make_inputs, seed, hint, extra=()):
-    return refuse_library(name, fn, _forbidden() + tuple(extra), hint, owner="labsrc.distill",
+    return refuse_library(name, fn, _forbidden() + tuple(extra), hint, owner="labsrc.distillation",
                           args=make_inputs(torch.Generator().manual_seed(seed)))
 
 
@@ -189,12 +189,12 @@ def bimodal_teacher(w: float, mu1: float, sd1: float, mu2: float, sd2: float) ->
 
 def _measured_acceptance(w, mu1, sd1, mu2, sd2) -> tuple[float, float]:
     """``sum min(p, q)`` of the best bump under forward (beta = 0) and reverse (beta = 1) KL, fitted by
-    :func:`labsrc.distill.fit_unimodal` over means 0.125 and widths 0.1 apart."""
+    :func:`labsrc.distillation.fit_unimodal` over means 0.125 and widths 0.1 apart."""
     p = bimodal_teacher(w, mu1, sd1, mu2, sd2)
     means, stds = torch.linspace(-5, 5, 81), torch.linspace(0.3, 3.5, 33)
     out = []
     for beta in (0.0, 1.0):
-        mu, sd = distill.fit_unimodal(p, GRID, beta, means=means, stds=stds)
+        mu, sd = distillation.fit_unimodal(p, GRID, beta, means=means, stds=stds)
         out.append(float(torch.minimum(p, _component(mu, sd)).sum()))
     return out[0], out[1]
 
@@ -218,7 +218,7 @@ def _fit_case(gen):
 def check_fit_acceptance(fn) -> Result:
     """Check ``fn(w, mu1, sd1, mu2, sd2) -> (forward, reverse)``: the predicted acceptance ``sum_v min(p_v,
     q_v)`` of the single bump fitted to :func:`bimodal_teacher` by forward KL and by reverse KL, each within
-    ``ACCEPT_ATOL`` of the fits measured here with :func:`labsrc.distill.fit_unimodal`."""
+    ``ACCEPT_ATOL`` of the fits measured here with :func:`labsrc.distillation.fit_unimodal`."""
     name = "forward or reverse KL: which student is accepted more"
     hint = ("re-read 'Mode covering and mode seeking': where does each fitted bump sit and how wide is it, "
             "for this teacher? Then how much of the teacher's mass lies under it?")

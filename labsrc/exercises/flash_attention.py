@@ -334,7 +334,7 @@ def _library_objects() -> tuple:
     """The lab's own attention kernels module and the kernels and helpers it defines: a call to them would hand
     in the library's answer instead of the student's."""
     from labsrc.show import _unwrap
-    import labsrc.kernels.attention as lib
+    import labsrc.kernels.flash_attention as lib
 
     return (lib, *(obj for obj in vars(lib).values()
                    if getattr(_unwrap(obj), "__module__", None) == lib.__name__ and callable(_unwrap(obj))))

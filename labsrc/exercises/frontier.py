@@ -5,11 +5,11 @@
   only the first map sees the needle. The truth is measured on the two maps of
   :func:`labsrc.kernels.frontier.diff_attention_ref` built for that case.
 * :func:`check_mod_block_fraction` -- a derivation, ``fn(capacity, T, d)``: the fraction of a full block's
-  FLOPs that a Mixture-of-Depths block does at a capacity, counted as :func:`labsrc.kvmath.forward_flops`
+  FLOPs that a Mixture-of-Depths block does at a capacity, counted as :func:`labsrc.kv_cache.forward_flops`
   counts them.
 * :func:`check_yoco_kv_bytes` -- a derivation, ``fn(n_layers, n_kv_heads, head_dim, seq_len, window,
   dtype_bytes)``: the KV-cache bytes of a YOCO-style model (sliding-window lower half, one shared global cache
-  for the upper half), from :func:`labsrc.kvmath.kv_cache_bytes`.
+  for the upper half), from :func:`labsrc.kv_cache.kv_cache_bytes`.
 * :func:`check_diff_norm_kernel` -- a ``@triton.jit`` kernel that fuses the DIFF layer's per-head RMSNorm and
   ``(1 - lambda_init)`` scale into one block of differential attention (the chapter's kernel leaves both to
   PyTorch), launched by the check under Triton's interpreter and compared with
@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from labsrc import frontier, kvmath
+from labsrc import frontier, kv_cache
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, PASSED, Result, _report, as_number,
                                    check_function, exercise, hidden, randint, refuse_library, tolerance)
@@ -109,9 +109,9 @@ def _mod_inputs(gen):
 
 def _mod_fraction_ref(capacity, T, d):
     """A block of ``8 d^2`` matmul weights (attention projections and MLP) over ``T`` tokens against one that
-    runs only its routed tokens, both causal, FLOPs as ``kvmath.forward_flops`` counts them."""
+    runs only its routed tokens, both causal, FLOPs as ``kv_cache.forward_flops`` counts them."""
     k = frontier.mod_capacity_count(T, capacity)
-    return kvmath.forward_flops(8 * d * d, 1, d, k, k) / kvmath.forward_flops(8 * d * d, 1, d, T, T)
+    return kv_cache.forward_flops(8 * d * d, 1, d, k, k) / kv_cache.forward_flops(8 * d * d, 1, d, T, T)
 
 
 def _explain_mod(fn):
@@ -135,12 +135,12 @@ def check_mod_block_fraction(fn) -> Result:
     """Check ``fn(capacity, T, d) -> float``: the FLOPs of a Mixture-of-Depths block of width ``d`` (attention
     projections ``4 d^2`` and MLP ``4 d^2`` weights) that routes ``round(capacity T)`` tokens (halves up, at
     least 1) of a ``T``-token sequence, causal attention among them, over the FLOPs of the same block run on all
-    ``T`` tokens; FLOPs as :func:`labsrc.kvmath.forward_flops` counts them."""
+    ``T`` tokens; FLOPs as :func:`labsrc.kv_cache.forward_flops` counts them."""
     name = "the share of a block's FLOPs a MoD block does"
     hint = ("re-read 'Mixture-of-Depths: only some tokens pass through a block' and the counting rule in the task: "
             "count a full block's matmul FLOPs and attention FLOPs for T tokens separately, then a routed "
             "block's.")
-    refused = refuse_library(name, fn, (kvmath.forward_flops, frontier.variant_flops_per_token,
+    refused = refuse_library(name, fn, (kv_cache.forward_flops, frontier.variant_flops_per_token,
                                         frontier.mod_flops_fraction, frontier.mod_capacity_count), hint,
                              owner="labsrc", args=(0.5, 72, 32))
     if refused is not None:
@@ -159,13 +159,13 @@ def _yoco_inputs(gen):
 
 def _yoco_bytes_ref(n_layers, n_kv_heads, head_dim, seq_len, window, dtype_bytes):
     """The lower half's sliding-window caches plus one global cache of every token for the upper half."""
-    lower = kvmath.kv_cache_bytes(n_layers // 2, n_kv_heads, head_dim, min(seq_len, window), 1, dtype_bytes)
-    return lower + kvmath.kv_cache_bytes(1, n_kv_heads, head_dim, seq_len, 1, dtype_bytes)
+    lower = kv_cache.kv_cache_bytes(n_layers // 2, n_kv_heads, head_dim, min(seq_len, window), 1, dtype_bytes)
+    return lower + kv_cache.kv_cache_bytes(1, n_kv_heads, head_dim, seq_len, 1, dtype_bytes)
 
 
 def _explain_yoco(fn):
     def explain(got, expected, n_layers, n_kv_heads, head_dim, seq_len, window, dtype_bytes) -> str:
-        if got == kvmath.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, 1, dtype_bytes):
+        if got == kv_cache.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, 1, dtype_bytes):
             return "That is the ordinary cache of every layer: nothing is shared or windowed."
         if seq_len < window:
             return "In this trial the sequence is shorter than the window."
@@ -182,7 +182,7 @@ def check_yoco_kv_bytes(fn) -> Result:
     name = "the KV bytes of a YOCO-style model"
     hint = ("re-read 'Cross-layer KV: adjacent layers share one cache' and the task: count the two halves "
             "separately, and try a sequence shorter than the window.")
-    refused = refuse_library(name, fn, (frontier.shared_kv_bytes, kvmath.mlkv_cache_bytes), hint,
+    refused = refuse_library(name, fn, (frontier.shared_kv_bytes, kv_cache.mlkv_cache_bytes), hint,
                              owner="labsrc", args=(32, 8, 128, 1000, 512, 2))
     if refused is not None:
         return refused

@@ -1,10 +1,10 @@
 """Checks for the exercises of the KV-cache chapter.
 
 Each check calls the student's function on several seeded random configurations and compares it with what
-this module computes or measures: closed forms from :mod:`labsrc.kvmath`, a paged cache's utilisation measured
+this module computes or measures: closed forms from :mod:`labsrc.kv_cache`, a paged cache's utilisation measured
 on seeded request mixes (for the prediction), a store into a head-major cache (for the kernel). It prints ``passed``, what is wrong (with a hint), or ``not solved yet`` when the
 function still raises ``NotImplementedError``. Expected answers are computed here, never printed. A function
-that calls the :mod:`labsrc.kvmath` function it is asked to write (or any of its helpers that would do the
+that calls the :mod:`labsrc.kv_cache` function it is asked to write (or any of its helpers that would do the
 work) fails: the exercise is the derivation, not the call.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from labsrc import kvmath
+from labsrc import kv_cache
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number,
                                    check_function, exercise, hidden, randint, refuse_library,
                                    triton_missing)
@@ -21,15 +21,16 @@ from labsrc.kernels._triton import HAS_TRITON
 
 
 def _library() -> tuple:
-    """What a student's code may not use: :mod:`labsrc.kvmath` and the functions that would do the work, and
+    """What a student's code may not use: :mod:`labsrc.kv_cache` and the functions that would do the work, and
     the lab's own KV-store kernel (its module is imported only where Triton is)."""
-    found = [kvmath, kvmath.kv_cache_bytes, kvmath.gqa_cache_bytes, kvmath.kv_bytes_per_token,
-             kvmath.kv_equals_weights_context, kvmath.mla_cache_bytes, kvmath.mla_equivalent_kv_heads,
-             kvmath.mlkv_cache_bytes, kvmath.reservation_utilisation, kvmath.paged_utilisation, kvmath.calculator,
-             kvmath.PRESETS, kvmath.ModelPreset.weight_bytes, kvmath.ModelPreset.kv_bytes_per_token]
+    found = [kv_cache, kv_cache.kv_cache_bytes, kv_cache.gqa_cache_bytes, kv_cache.kv_bytes_per_token,
+             kv_cache.kv_equals_weights_context, kv_cache.mla_cache_bytes, kv_cache.mla_equivalent_kv_heads,
+             kv_cache.mlkv_cache_bytes, kv_cache.reservation_utilisation, kv_cache.paged_utilisation, kv_cache.calculator,
+             kv_cache.PRESETS, kv_cache.ModelPreset.weight_bytes, kv_cache.ModelPreset.kv_bytes_per_token]
     if HAS_TRITON:
-        from labsrc.kernels import kv_store
-        found += [kv_store, kv_store.kv_store, kv_store.kv_store_ref, kv_store._kv_store_kernel]
+        from labsrc.kernels import kv_cache as kv_cache_kernel
+        found += [kv_cache_kernel, kv_cache_kernel.kv_store, kv_cache_kernel.kv_store_ref,
+                  kv_cache_kernel._kv_store_kernel]
     return tuple(found)
 
 
@@ -46,7 +47,7 @@ def _gqa_inputs(gen: torch.Generator) -> tuple:
 
 
 def _gqa_reference(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes):
-    return kvmath.gqa_cache_bytes(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
+    return kv_cache.gqa_cache_bytes(n_layers, n_heads, n_kv_heads, head_dim, seq_len, batch, dtype_bytes)
 
 
 @exercise
@@ -122,7 +123,7 @@ def _paged_inputs(gen: torch.Generator) -> tuple:
     sigma = 0.4 + 0.7 * float(torch.rand((), generator=gen))
     sizes = [b for b in (8, 16, 32, 64, 128, 256) if median / 20 <= b <= median / 3]
     block_size = sizes[randint(gen, 0, len(sizes) - 1)]
-    lengths = kvmath.sample_request_lengths(PAGED_REQUESTS, 1 << 20, seed=randint(gen, 0, 10**6), median=median,
+    lengths = kv_cache.sample_request_lengths(PAGED_REQUESTS, 1 << 20, seed=randint(gen, 0, 10**6), median=median,
                                             sigma=sigma)
     return lengths, block_size
 
@@ -156,7 +157,7 @@ def check_paged_utilisation(fn) -> Result:
             got = predict(mean, block_size)
         except NotImplementedError:
             return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
-        measured = kvmath.paged_utilisation(lengths, block_size)
+        measured = kv_cache.paged_utilisation(lengths, block_size)
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             return _report(Result(name, FAILED, _with_hint(f"expected a number, got {type(got).__name__}.", hint)))
         if not abs(got - measured) <= PAGED_TOLERANCE:
@@ -175,7 +176,7 @@ def _mla_heads_inputs(gen: torch.Generator) -> tuple:
 
 
 def _mla_heads_reference(kv_lora_rank, qk_rope_head_dim, head_dim):
-    return kvmath.mla_equivalent_kv_heads(kv_lora_rank, qk_rope_head_dim, head_dim)
+    return kv_cache.mla_equivalent_kv_heads(kv_lora_rank, qk_rope_head_dim, head_dim)
 
 
 @exercise

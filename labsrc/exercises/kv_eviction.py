@@ -1,6 +1,6 @@
 """Checks for the KV-cache eviction chapter's exercises.
 
-Each check takes the student's function, computes the truth with :mod:`labsrc.evict` (or with code here),
+Each check takes the student's function, computes the truth with :mod:`labsrc.kv_eviction` (or with code here),
 and prints passed / failed / not solved yet without revealing the answer.
 
 * :func:`check_scores`: the value-aware score A^alpha ||V||^beta R^gamma, on a small hand-sized case and
@@ -13,7 +13,7 @@ and prints passed / failed / not solved yet without revealing the answer.
   each key's attention summed over a window of queries, recomputed from the keys and each query row's
   log-sum-exp (the second pass a fused attention kernel forces), run under Triton's interpreter.
 
-Every check refuses an answer whose code calls the :mod:`labsrc.evict` function the exercise asks the
+Every check refuses an answer whose code calls the :mod:`labsrc.kv_eviction` function the exercise asks the
 student to write (:func:`refuses_library`): the point is to write it.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numbers
 
 import torch
 
-from labsrc import evict as ev
+from labsrc import kv_eviction as ev
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, PASSED, Result, _call, _report,
                                    _with_hint, check_function, exercise, hidden, launch_failed, not_a_kernel,
                                    refuse_library, skipped_without_triton)
@@ -33,9 +33,9 @@ __all__ = ["hand_case", "check_scores", "reasoning_chain", "check_lru_keep", "ch
 
 def refuses_library(name: str, fn, forbidden: tuple) -> Result | None:
     """A failed Result when ``fn`` is, or its code refers to, one of the ``forbidden`` objects of
-    :mod:`labsrc.evict` (what the exercise asks for); None when the answer is the student's own
+    :mod:`labsrc.kv_eviction` (what the exercise asks for); None when the answer is the student's own
     (:func:`labsrc.exercises.core.refuse_library`)."""
-    return refuse_library(name, fn, forbidden, "use torch operations only.", owner="labsrc.evict")
+    return refuse_library(name, fn, forbidden, "use torch operations only.", owner="labsrc.kv_eviction")
 
 
 def _as(dtype):

@@ -1,7 +1,7 @@
 """Checks for the exercises of the KV-cache quantization chapter.
 
 Each check calls the student's function on seeded random inputs and compares it with the answer computed
-here (from :mod:`labsrc.kvquant` or from the definition); it prints ``passed``, what is wrong with a hint,
+here (from :mod:`labsrc.kv_quant` or from the definition); it prints ``passed``, what is wrong with a hint,
 or ``not solved yet`` while the function still raises ``NotImplementedError``. Answers are never printed.
 
 * :func:`check_scale_zero` -- ``fn(group, bits) -> (scale, zero)`` of one quantization group.
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from labsrc import kvquant, runtime
+from labsrc import kv_quant, runtime
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, _with_hint, as_number, check_function,
                                    exercise, hidden, launch_failed, randint, refuse_library, triton_missing)
 
@@ -65,7 +65,7 @@ def check_scale_zero(fn) -> Result:
     Convention of the chapter: ``z`` is the value code 0 stands for, ``x_hat = q * s + z`` with ``q`` in
     ``[0, 2**bits - 1]``, and the grid spans exactly the group's range (no fp16 rounding here).
     """
-    refused = _own_work("step and zero point of a group", fn, (kvquant.scale_zero, kvquant.quantize))
+    refused = _own_work("step and zero point of a group", fn, (kv_quant.scale_zero, kv_quant.quantize))
     if refused is not None:
         return refused
     return check_function("step and zero point of a group", _pair_as_tensor(fn), _scale_zero_reference,
@@ -151,7 +151,7 @@ def check_fp16_params(fn) -> Result:
     the group's range plus what fp16 rounding costs. Groups sit far from zero, where fp16's spacing is a good
     part of a step."""
     name = "fp16 step and zero point"
-    refused = _own_work(name, fn, (kvquant.quantize, kvquant.QuantizedTensor))
+    refused = _own_work(name, fn, (kv_quant.quantize, kv_quant.QuantizedTensor))
     if refused is not None:
         return refused
     hint = ("re-read step 4 of 'Quantize and pack: one program per (row, group)' and check, for the failing "
@@ -184,8 +184,8 @@ def _head_inputs(gen: torch.Generator) -> tuple:
 
 def _mse_ratio_at(x: torch.Tensor, bits: int, g: int) -> float:
     """MSE of per-group quantization (g tokens by all channels, no normalisation) over the per-token MSE."""
-    per_group = kvquant.mse(x, kvquant.quantize(x, bits, g, normalize=False, granularity="group").dequantize())
-    per_token = kvquant.mse(x, kvquant.quantize(x, bits, normalize=False, granularity="token").dequantize())
+    per_group = kv_quant.mse(x, kv_quant.quantize(x, bits, g, normalize=False, granularity="group").dequantize())
+    per_token = kv_quant.mse(x, kv_quant.quantize(x, bits, normalize=False, granularity="token").dequantize())
     return float(per_group / per_token)
 
 
@@ -291,7 +291,7 @@ def check_unpack_kernel(kernel) -> Result:
     ``BLOCK_T`` tokens on random odd sizes and compares with :func:`per_channel_unpack_ref`. Without Triton
     (macOS, Windows) it prints that the kernel exercise is skipped.
     """
-    from labsrc.kernels import kvquant as kk
+    from labsrc.kernels import kv_quant as kk
 
     if not runtime.HAS_TRITON:
         return triton_missing(UNPACK_KERNEL)

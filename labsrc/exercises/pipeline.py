@@ -29,7 +29,7 @@ from labsrc import runtime
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, exercise,
                                    hidden, randint, refuse_library)
-from labsrc.kernels import verify as kverify
+from labsrc.kernels import pipeline as kverify
 from labsrc.pipeline import simulate as sim
 
 __all__ = ["check_pipeline_bubble", "check_pipeline_predicted_bubble", "check_pipeline_split", "split_case",
@@ -363,7 +363,7 @@ def check_pipeline_lenient_kernel(kernel) -> Result:
     hint = ("re-read the task of this exercise and 'The kernel: greedy verification on the last stage', and "
             "trace the window named above by hand; these logits have many equal maxima.")
     refused = refuse_library(name, kernel, (kverify._greedy_verify_kernel, kverify.greedy_verify,
-                                            kverify.greedy_verify_ref), hint, owner="labsrc.kernels.verify")
+                                            kverify.greedy_verify_ref), hint, owner="labsrc.kernels.pipeline")
     if refused is not None:
         return refused
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of B programs")) is not None:

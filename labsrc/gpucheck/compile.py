@@ -88,13 +88,13 @@ def configurations(kernel: Kernel, arch: int) -> list[dict]:
     module = importlib.import_module(f"labsrc.kernels.{kernel.module}")
     obj = getattr(module, kernel.name)
     if spec.arch_configs:
-        from labsrc.kernels import attention
-        saved = attention._capability
-        attention._capability = lambda: divmod(arch, 10)   # the list this architecture's GPU would get
+        from labsrc.kernels import flash_attention
+        saved = flash_attention._capability
+        flash_attention._capability = lambda: divmod(arch, 10)   # the list this architecture's GPU would get
         try:
             tuned = getattr(module, spec.arch_configs)()
         finally:
-            attention._capability = saved
+            flash_attention._capability = saved
     elif isinstance(obj, triton.runtime.Autotuner):
         tuned = obj.configs
     else:
@@ -226,7 +226,7 @@ def markdown_table(rows: list[dict]) -> str:
     """
     groups: dict[tuple, list] = {}
     for row in rows:
-        # "attention._flash_attention" for labsrc.kernels.attention._flash_attention_kernel: the longest names
+        # "flash_attention._flash_attention" for labsrc.kernels.flash_attention._flash_attention_kernel: the longest names
         # set the table's width.
         name = row["kernel"].removeprefix("labsrc.kernels.").removesuffix("_kernel")
         groups.setdefault((row["arch"], name), []).append(row)

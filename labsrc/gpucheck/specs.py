@@ -51,29 +51,29 @@ _GRADS = {"DO": "*T", "LSE": "*fp32", "DELTA": "*fp32", "DK": "*T", "DV": "*T", 
 
 SPECS: dict[str, Spec] = {
     # chapter 3: prefill forward (causal, D = 128), its backward, and flash-decoding with GQA (4 heads per group)
-    "attention._flash_attention_kernel": Spec(
+    "flash_attention._flash_attention_kernel": Spec(
         {**_ATT_IO, "LSE": "*fp32", "qk_scale": "fp32"},
         [dict(CAUSAL=True, WRITE_LSE=True, **_GPU16, BLOCK_D=128)], arch_configs="_flash_configs", ints=_GQA),
-    "attention._bwd_preprocess_kernel": Spec(
+    "flash_attention._bwd_preprocess_kernel": Spec(
         {"O": "*T", "DO": "*T", "DELTA": "*fp32"}, [dict(BLOCK_M=64, BLOCK_D=128)]),
-    "attention._bwd_dkdv_kernel": Spec(
+    "flash_attention._bwd_dkdv_kernel": Spec(
         {**_ATT_IO, **_GRADS, "qk_scale": "fp32", "sm_scale": "fp32"},
         [dict(CAUSAL=True, **_GPU16, BLOCK_D=128)], arch_configs="_bwd_dkdv_configs", ints=dict(_GQA, Hkv=8)),
-    "attention._bwd_dq_kernel": Spec(
+    "flash_attention._bwd_dq_kernel": Spec(
         {**_ATT_IO, **_GRADS, "qk_scale": "fp32", "sm_scale": "fp32"},
         [dict(CAUSAL=True, **_GPU16, BLOCK_D=128)], arch_configs="_bwd_dq_configs", ints=_GQA),
-    "attention._decode_split_kernel": Spec(
+    "flash_attention._decode_split_kernel": Spec(
         {**_ATT_IO, "SEQ_LENS": "*i32", "MID_O": "*fp32", "MID_LSE": "*fp32", "qk_scale": "fp32"},
         [dict(**_GPU16, BLOCK_G=16, BLOCK_D=128)], arch_configs="_decode_configs", ints=_SPLIT_DECODE),
-    "attention._decode_merge_kernel": Spec(
+    "flash_attention._decode_merge_kernel": Spec(
         {"MID_O": "*fp32", "MID_LSE": "*fp32", "O": "*T"},   # 16 splits, and the most (256), as the wrapper warps them
         [dict(BLOCK_S=16, BLOCK_D=128, num_warps=4), dict(BLOCK_S=256, BLOCK_D=128, num_warps=8)],
         ints=dict(NUM_SPLITS=None, stride_mlh=None)),
     # chapter 11 (distillation): a 128K vocabulary row streamed in BLOCK_V chunks
-    "distill._kd_kl_fwd_kernel": Spec(
+    "distillation._kd_kl_fwd_kernel": Spec(
         {"s_ptr": "*T", "t_ptr": "*T", "kl_ptr": "*fp32", "lse_s_ptr": "*fp32", "lse_t_ptr": "*fp32",
          "inv_T": "fp32"}),
-    "distill._kd_kl_bwd_kernel": Spec(
+    "distillation._kd_kl_bwd_kernel": Spec(
         {"s_ptr": "*T", "t_ptr": "*T", "lse_s_ptr": "*fp32", "lse_t_ptr": "*fp32", "g_ptr": "*fp32",
          "ds_ptr": "*T", "inv_T": "fp32"}),
     # differential attention: 64 x 64 blocks on a GPU, head dims 64 and 128
@@ -82,18 +82,18 @@ SPECS: dict[str, Spec] = {
         [dict(**_GPU16, BLOCK_M=b, BLOCK_N=b, BLOCK_D=d, BLOCK_DV=2 * d) for b, d in ((64, 64), (32, 128))],
         num_warps=8),
     # the slot-addressed cache write: 1024-element blocks of one (8 heads x 128) row
-    "kv_store._kv_store_kernel": Spec(
+    "kv_cache._kv_store_kernel": Spec(
         {"k_cache": "*T", "v_cache": "*T", "k_new": "*T", "v_new": "*T", "slots": "*i64"}, [dict(BLOCK=1024)]),
     # KV quantization, D = 128, groups of 128 tokens, INT4 and INT8
-    "kvquant._quantize_pack_kernel": Spec(
+    "kv_quant._quantize_pack_kernel": Spec(
         {"x_ptr": "*T", "mean_ptr": "*fp32", "std_ptr": "*fp32", "out_ptr": "*u8", "scale_ptr": "*fp16",
          "zero_ptr": "*fp16"},
         [dict(BITS=b, PACK=8 // b, GROUP=128, BLOCK_T=128, BLOCK_DP=128 * b // 8) for b in (4, 8)], num_warps=8),
-    "kvquant._dequantize_kernel": Spec(
+    "kv_quant._dequantize_kernel": Spec(
         {"p_ptr": "*u8", "scale_ptr": "*fp16", "zero_ptr": "*fp16", "mean_ptr": "*fp32", "std_ptr": "*fp32",
          "out_ptr": "*T"},
         [dict(BITS=b, PACK=8 // b, GROUP=128, BLOCK_T=64, BLOCK_DP=128 * b // 8) for b in (4, 8)], num_warps=8),
-    "kvquant._decode_kernel": Spec(
+    "kv_quant._decode_kernel": Spec(
         {"q_ptr": "*T", "kp_ptr": "*u8", "ks_ptr": "*fp16", "kz_ptr": "*fp16", "kstd_ptr": "*fp32",
          "vp_ptr": "*u8", "vs_ptr": "*fp16", "vz_ptr": "*fp16", "lens_ptr": "*i32", "o_ptr": "*fp32",
          "m_ptr": "*fp32", "l_ptr": "*fp32", "sm_scale": "fp32"},
@@ -116,7 +116,7 @@ SPECS: dict[str, Spec] = {
          "qk_scale": "fp32"}, [dict(HAS_VALID=True, BLOCK_N=32, BLOCK_K=32, BLOCK_D=128)],
         ints=dict(GROUP=4, T=1, stride_mmn=1)),   # one decode step; the (B, H, T, K) byte mask is dense
     # paged decode: 16-token pages, 4 query heads per KV head, D = 128
-    "paged_attention._paged_decode_split_kernel": Spec(
+    "serving._paged_decode_split_kernel": Spec(
         {"Q": "*T", "K_POOL": "*T", "V_POOL": "*T", "BLOCK_TABLES": "*i32", "SEQ_LENS": "*i32",
          "MID_O": "*fp32", "MID_LSE": "*fp32", "qk_scale": "fp32"},
         [dict(**_GPU16, BLOCK_G=16, BLOCK_D=128)], arch_configs="_decode_configs", ints=_SPLIT_DECODE),
@@ -138,10 +138,10 @@ SPECS: dict[str, Spec] = {
         [dict(HAS_D=True, HAS_INIT=True, **_SPLIT16, BLOCK_Q=32, BLOCK_N=n, G=g)
          for n, g in ((64, 8), (128, 1))], arch_configs="_ssd_configs"),   # 8 groups of n = 64, or one of 128
     # tree attention: a draft tree against the cached prefix, D = 128
-    "tree_attention._tree_attention_kernel": Spec(
+    "speculative._tree_attention_kernel": Spec(
         {**_ATT_IO, "MASK": "*i8", "qk_scale": "fp32"}, [dict(**_GPU16, BLOCK_D=128)], ints=_GQA),
     # greedy verification of a 17-token window over a 128K vocabulary (tiles of 8192 values)
-    "verify._greedy_verify_kernel": Spec(
+    "pipeline._greedy_verify_kernel": Spec(
         {"logits": "*T", "tokens": "*i64", "first": "*i64", "preds": "*i64", "accepted": "*i64"},
         [dict(BLOCK_N=32, BLOCK_V=256)], ints=dict(N=17)),
     # W4A16 and MXFP4 GEMMs: the autotune list covers decode (M <= 16) and prefill tiles

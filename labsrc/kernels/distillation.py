@@ -5,8 +5,8 @@ without materialising a probability.
 
     KL_row = KL(softmax(teacher / T) || softmax(student / T))
 
-the soft term of :func:`labsrc.distill.kd_loss` before its ``T²`` weight and its mean over tokens (the
-reference :func:`kd_kl_ref` computes what :func:`labsrc.distill.soft_kl` does, and the tests hold them equal;
+the soft term of :func:`labsrc.distillation.kd_loss` before its ``T²`` weight and its mean over tokens (the
+reference :func:`kd_kl_ref` computes what :func:`labsrc.distillation.soft_kl` does, and the tests hold them equal;
 it is written out here because the mechanism module imports this one for ``kd_loss(..., fused=True)``, and a
 kernel module never imports back from the module that uses it). Written in the scaled logits
 ``a = teacher / T`` and ``b = student / T``, with ``p = softmax(a)``::
@@ -79,7 +79,7 @@ def check_kd_kl_inputs(student_logits, teacher_logits, T, allow_float64: bool = 
 def kd_kl_ref(student_logits: torch.Tensor, teacher_logits: torch.Tensor, T: float = 1.0) -> torch.Tensor:
     """Per-row ``KL(softmax(teacher/T) || softmax(student/T))`` in PyTorch, the soft term of ``kd_loss``
     before its ``T²`` and its mean (float32; float64 in, float64 out). The same arithmetic as
-    :func:`labsrc.distill.soft_kl` (tests/test_distill.py holds them equal bit for bit)."""
+    :func:`labsrc.distillation.soft_kl` (tests/test_distillation.py holds them equal bit for bit)."""
     check_kd_kl_inputs(student_logits, teacher_logits, T, allow_float64=True)
     work = torch.float64 if student_logits.dtype == torch.float64 else torch.float32
     log_q = torch.log_softmax(student_logits.to(work) / T, dim=-1)

@@ -21,7 +21,7 @@ The kernel (:func:`diff_attention_fused`) runs one program per block of ``BLOCK_
 visible key blocks: per block it loads ``k1``, ``k2`` and ``v`` once, computes the two score tiles with
 ``tl.dot``, folds each into its own online softmax (two running maxima, two row sums, two accumulators) and
 multiplies *the same* ``v`` tile into both accumulators. Compared with two calls of
-:func:`labsrc.kernels.attention.flash_attention` it reads ``v`` once instead of twice and writes the output
+:func:`labsrc.kernels.flash_attention.flash_attention` it reads ``v`` once instead of twice and writes the output
 once instead of twice plus a subtraction pass. Under the Triton interpreter bf16 tiles are upcast to fp32
 after loading (``tl.dot`` on bf16 returns garbage there); compiled on a GPU they go to the tensor cores as
 they are.
@@ -38,7 +38,7 @@ import torch
 
 from labsrc import runtime
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
-from labsrc.kernels.attention import (GRID_AXIS_LIMIT, LOG2E, MAX_HEAD_DIM, MIN_HEAD_DIM, _online_softmax_step,
+from labsrc.kernels.flash_attention import (GRID_AXIS_LIMIT, LOG2E, MAX_HEAD_DIM, MIN_HEAD_DIM, _online_softmax_step,
                                       _softmax_finish)
 
 __all__ = ["diff_attention_fused", "diff_attention_ref", "GRID_AXIS_LIMIT"]

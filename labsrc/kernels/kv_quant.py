@@ -1,6 +1,6 @@
 """Triton kernels of the quantized KV cache: quantize-and-pack, unpack-dequantize, and decode attention on codes.
 
-The format is the one of :mod:`labsrc.kvquant` with ``granularity="group"`` (KVarN; ``group_size=1`` is the
+The format is the one of :mod:`labsrc.kv_quant` with ``granularity="group"`` (KVarN; ``group_size=1`` is the
 per-token baseline): a tensor ``(..., T, D)`` becomes
 
 * ``packed``: uint8 ``(..., T, D*bits/8)``, planar layout (byte ``j`` holds channel ``j + k*D*bits/8`` in bits
@@ -11,8 +11,8 @@ per-token baseline): a tensor ``(..., T, D)`` becomes
 Kernels (each with a PyTorch ``*_ref`` beside it):
 
 * :func:`quantize_pack` -- one program per (row, group): normalise, min/max, fp16 step and zero point
-  (rounded in the safe direction, :func:`labsrc.kvquant.scale_zero`), round and pack. Produces the same
-  codes and parameters as :func:`labsrc.kvquant.quantize` (checked bit for bit under the interpreter).
+  (rounded in the safe direction, :func:`labsrc.kv_quant.scale_zero`), round and pack. Produces the same
+  codes and parameters as :func:`labsrc.kv_quant.quantize` (checked bit for bit under the interpreter).
 * :func:`dequantize_unpack` -- the inverse: ``sigma_j * (q * s_g + z_g) + mu_j``.
 * :func:`decode_attention_quant` -- one query token per sequence against the packed cache, GQA and per-sequence
   lengths, dequantising in registers. Because one step is shared by all channels of a group, the key side
@@ -26,7 +26,7 @@ Kernels (each with a PyTorch ``*_ref`` beside it):
 Supported: bits 2/4/8 for (de)quantization, 4/8 for decode attention; inputs fp32/fp16/bf16. The only
 ``tl.dot`` is on fp16 operands, which the interpreter computes correctly, so bf16 inputs need no upcasting.
 
-Edge cases, as in the reference (:mod:`labsrc.kvquant`, "Two edge cases"):
+Edge cases, as in the reference (:mod:`labsrc.kv_quant`, "Two edge cases"):
 
 * a group holding NaN or +-inf gets NaN step and zero point and code 0, so it dequantizes to NaN (the kernel
   takes the group's range over its finite values only to keep the codes defined, then marks the group);
@@ -36,8 +36,8 @@ Edge cases, as in the reference (:mod:`labsrc.kvquant`, "Two edge cases"):
 * decode attention reads only the first ``seq_lens[b]`` tokens: a NaN group beyond them does not matter,
   one within them makes that sequence's output NaN for the query heads of its KV head.
 
-Wrappers validate every argument and every field of a :class:`~labsrc.kvquant.QuantizedTensor`
-(:meth:`~labsrc.kvquant.QuantizedTensor.validate`) before a launch, copy strided or expanded inputs to
+Wrappers validate every argument and every field of a :class:`~labsrc.kv_quant.QuantizedTensor`
+(:meth:`~labsrc.kv_quant.QuantizedTensor.validate`) before a launch, copy strided or expanded inputs to
 contiguous buffers in the dtype the kernel reads, and refuse sizes beyond Triton's launch limits (a block of
 at most 2^20 elements, grid axes 1 and 2 at most 65535 programs) with a message stating the limit.
 """
@@ -48,7 +48,7 @@ import numbers
 
 from labsrc import runtime
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
-from labsrc.kvquant import (SUPPORTED_BITS, ChannelStats, QuantizedTensor, _check_bits, _check_group_size,
+from labsrc.kv_quant import (SUPPORTED_BITS, ChannelStats, QuantizedTensor, _check_bits, _check_group_size,
                             quantize)
 
 import torch
@@ -63,7 +63,7 @@ def _check_kernel_bits(bits) -> int:
     _check_bits(bits)
     if bits not in KERNEL_BITS:
         raise ValueError(f"bits must be one of {KERNEL_BITS} for the packed kernels, got {bits!r}; {bits}-bit "
-                         "caches run on labsrc.kvquant's PyTorch path (quantize, KVarNCache)")
+                         "caches run on labsrc.kv_quant's PyTorch path (quantize, KVarNCache)")
     return bits
 MAX_BLOCK_NUMEL = 1048576  # Triton's largest tensor (tl.arange and every block): 2^20 elements
 MAX_GRID_0 = 2 ** 31 - 1  # programs along grid axis 0
@@ -175,7 +175,7 @@ def _quantize_pack_kernel(
     xmin = tl.min(tl.min(lo, axis=1), axis=0)
     xmax = tl.max(tl.max(hi, axis=1), axis=0)
     bad = tl.sum(tl.sum(n_bad, axis=1), axis=0) > 0
-    # The same safe fp16 rounding as labsrc.kvquant.scale_zero: zero point down, step
+    # The same safe fp16 rounding as labsrc.kv_quant.scale_zero: zero point down, step
     # up.
     z16 = (xmin - tl.abs(xmin) * 0.0009765625 - 5.960464477539063e-08).to(tl.float16)
     z = z16.to(tl.float32)
@@ -220,8 +220,8 @@ def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
                   stats: ChannelStats | None = None) -> QuantizedTensor:
     """Quantize ``x`` ``(..., T, D)`` with one fp16 step and zero point per ``group_size`` tokens and pack the codes.
 
-    ``stats`` (a :class:`~labsrc.kvquant.ChannelStats`, e.g. calibrated) switches on KVarN's normalisation.
-    Returns the same :class:`~labsrc.kvquant.QuantizedTensor` as :func:`quantize_pack_ref`. ``D`` must be a
+    ``stats`` (a :class:`~labsrc.kv_quant.ChannelStats`, e.g. calibrated) switches on KVarN's normalisation.
+    Returns the same :class:`~labsrc.kv_quant.QuantizedTensor` as :func:`quantize_pack_ref`. ``D`` must be a
     multiple of ``8 // bits``. ``x`` may be any strided view (it is copied to a contiguous buffer). A group
     holding NaN or +-inf dequantizes to NaN; a group whose range does not fit fp16's step or zero point
     raises the reference's ``ValueError`` (module docstring).
@@ -270,8 +270,8 @@ def quantize_pack(x: torch.Tensor, bits: int = 4, group_size: int = 128,
 
 def quantize_pack_ref(x: torch.Tensor, bits: int = 4, group_size: int = 128,
                       stats: ChannelStats | None = None) -> QuantizedTensor:
-    """PyTorch reference of :func:`quantize_pack`: :func:`labsrc.kvquant.quantize` with ``granularity="group"``
-    (the kernel's widths only: for INT3 call :func:`labsrc.kvquant.quantize` itself)."""
+    """PyTorch reference of :func:`quantize_pack`: :func:`labsrc.kv_quant.quantize` with ``granularity="group"``
+    (the kernel's widths only: for INT3 call :func:`labsrc.kv_quant.quantize` itself)."""
     _check_kernel_bits(bits)
     return quantize(x, bits=bits, group_size=group_size, normalize=stats is not None, stats=stats,
                     granularity="group")
@@ -322,7 +322,7 @@ def _check_quantized(qt, name: str, device=None) -> None:
     """Validate ``qt`` for the kernels: every field against the others (:meth:`QuantizedTensor.validate`),
     a granularity the kernels read, and the device."""
     if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"{name} must be a labsrc.kvquant.QuantizedTensor, got {type(qt).__name__}")
+        raise TypeError(f"{name} must be a labsrc.kv_quant.QuantizedTensor, got {type(qt).__name__}")
     if qt.granularity not in ("group", "token"):
         raise ValueError(f"{name} has granularity {qt.granularity!r}; the kernels support 'group' and 'token'")
     qt.validate(name)
@@ -342,7 +342,7 @@ def _check_out_dtype(out_dtype) -> None:
 
 
 def dequantize_unpack(qt: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Unpack and dequantize a ``"group"``/``"token"`` :class:`~labsrc.kvquant.QuantizedTensor` to ``(..., T, D)``.
+    """Unpack and dequantize a ``"group"``/``"token"`` :class:`~labsrc.kv_quant.QuantizedTensor` to ``(..., T, D)``.
 
     Every field of ``qt`` is checked against the others first (``packed`` of shape ``(..., T, D*bits/8)``,
     ``scale``/``zero`` of shape ``(..., ceil(T/g), 1)``, statistics, devices), with an error naming the field.
@@ -378,7 +378,7 @@ def dequantize_unpack(qt: QuantizedTensor, out_dtype: torch.dtype | None = None)
 def dequantize_unpack_ref(qt: QuantizedTensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """PyTorch reference of :func:`dequantize_unpack`: ``qt.dequantize()`` (which validates ``qt`` too)."""
     if not isinstance(qt, QuantizedTensor):
-        raise TypeError(f"qt must be a labsrc.kvquant.QuantizedTensor, got {type(qt).__name__}")
+        raise TypeError(f"qt must be a labsrc.kv_quant.QuantizedTensor, got {type(qt).__name__}")
     if out_dtype is not None:
         _check_out_dtype(out_dtype)
     qt.validate("qt")
@@ -559,7 +559,7 @@ def decode_attention_quant(
 ) -> torch.Tensor:
     """Attention of one query token per sequence over a packed INT4/INT8 cache, without dequantising it in memory.
 
-    ``q``: ``[B, Hq, D]``; ``k``, ``v``: :class:`~labsrc.kvquant.QuantizedTensor` of shape ``[B, Hkv, T, D]``
+    ``q``: ``[B, Hq, D]``; ``k``, ``v``: :class:`~labsrc.kv_quant.QuantizedTensor` of shape ``[B, Hkv, T, D]``
     (``"group"`` or ``"token"`` granularity, e.g. from :func:`quantize_pack`, with or without statistics);
     ``seq_lens``: ``[B]`` valid tokens per sequence (default ``T``). ``Hq`` must be a multiple of ``Hkv``
     (GQA). ``sm_scale``: a finite positive number (default ``1/sqrt(D)``). ``num_splits`` splits each

@@ -19,7 +19,7 @@ is never read, so it takes no weight in the memory softmax (a zero key would oth
 share, and a padded row's NaN could not leak in either). The output is ``(B, H, T, D)`` in ``q.dtype``; the
 arithmetic is fp32.
 
-The softmax rule shared with :mod:`labsrc.kernels.attention`: a set of scores that are all ``-inf``
+The softmax rule shared with :mod:`labsrc.kernels.flash_attention`: a set of scores that are all ``-inf``
 contributes nothing, and a softmax with no finite score gives 0. So a query that sees no local key (only when
 ``T > Tk``) has ``attn_local = 0``, and an empty memory (``K = 0``, or no valid row) has ``attn_mem = 0``: the
 output is then the
@@ -33,7 +33,7 @@ blocks of ``BLOCK_N`` with an online softmax, then streams its own ``K`` retriev
 are a broadcast multiply and a row sum, not a ``tl.dot`` (a dot needs at least 16 rows on each side): this is
 the decode shape (one new token per sequence, as in flash-decoding), where the retrieved rows are gathered
 per query anyway and no two queries share a memory tile. A prefill version would block several queries of one
-head together for the local part, as :func:`labsrc.kernels.attention.flash_attention` does. Because there is
+head together for the local part, as :func:`labsrc.kernels.flash_attention.flash_attention` does. Because there is
 no ``tl.dot``, bf16 runs natively under the interpreter too (no upcast is needed).
 
 Inference only: the wrapper refuses inputs that require grad while a graph is recorded (the reference is
@@ -48,7 +48,7 @@ import torch
 
 from labsrc import runtime
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
-from labsrc.kernels.attention import (LOG2E, MAX_HEAD_DIM, MIN_HEAD_DIM, _online_softmax_step,
+from labsrc.kernels.flash_attention import (LOG2E, MAX_HEAD_DIM, MIN_HEAD_DIM, _online_softmax_step,
                                       _softmax_finish)
 
 __all__ = ["knn_memory_attention", "knn_memory_attention_ref", "GRID_AXIS_LIMIT"]

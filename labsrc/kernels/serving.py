@@ -15,7 +15,7 @@ in the pool, in any order, and several sequences may name the same block (a shar
 * :func:`paged_prefill_attention` is the chunked-prefill path: a chunk of ``Tq`` new queries of one sequence
   attends to its ``context_len`` cached keys (the prefix and the chunk itself, already written through the
   slot mapping), causal and aligned bottom-right. It gathers the sequence's keys from its blocks and runs
-  chapter 3's :func:`~labsrc.kernels.attention.flash_attention`; a fused kernel would read the blocks in
+  chapter 3's :func:`~labsrc.kernels.flash_attention.flash_attention`; a fused kernel would read the blocks in
   place, as the decode kernel does (the gather costs one copy of the sequence's K/V per chunk and layer).
 
 Inputs are fp32, fp16 or bf16 (scores and accumulators in fp32); head dims 16 to 128. Under the Triton
@@ -28,7 +28,7 @@ import math
 import torch
 
 from labsrc import runtime
-from labsrc.kernels import attention as _att
+from labsrc.kernels import flash_attention as _att
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
 
 __all__ = ["paged_decode_attention", "paged_decode_attention_ref", "paged_prefill_attention",
@@ -372,7 +372,7 @@ def paged_prefill_attention_ref(q, k_pool, v_pool, block_table, context_len, sm_
 
 def paged_prefill_attention(q, k_pool, v_pool, block_table, context_len, sm_scale=None):
     """Chunked prefill over a paged cache: the gather of :func:`gather_kv`, then chapter 3's causal
-    :func:`~labsrc.kernels.attention.flash_attention` (bottom-right aligned). Arguments and checks as
+    :func:`~labsrc.kernels.flash_attention.flash_attention` (bottom-right aligned). Arguments and checks as
     :func:`paged_prefill_attention_ref`; inference only."""
     _check_prefill(q, k_pool, v_pool, block_table, context_len, sm_scale)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_pool, v_pool)):

@@ -9,7 +9,7 @@ token on that node's path.
 * :func:`tree_attention_ref`: the plain PyTorch definition (a dense ``N x (P + N)`` mask, softmax, weights).
 * :func:`tree_attention`: a Triton kernel. One program owns ``BLOCK_M`` tree queries of one (batch, query
   head); it streams the prefix's key blocks with no mask (every node sees the whole prefix), then the tree's
-  key blocks under the ancestor mask, with the online softmax of :mod:`labsrc.kernels.attention` (its
+  key blocks under the ancestor mask, with the online softmax of :mod:`labsrc.kernels.flash_attention` (its
   ``_online_softmax_step`` and ``_softmax_finish``, so the same empty-row rule: a row that sees no key gives
   output 0). Grouped-query attention: query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
 
@@ -26,7 +26,7 @@ import torch
 
 from labsrc import runtime
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
-from labsrc.kernels.attention import (LOG2E, _batch_chunks, _check_device, _check_float_dtype,
+from labsrc.kernels.flash_attention import (LOG2E, _batch_chunks, _check_device, _check_float_dtype,
                                       _check_head_dim, _check_heads_on_grid, _check_kv_match_q,
                                       _check_last_dim_contiguous, _check_offsets, _check_out, _check_scale,
                                       _check_tensor, _default_scale, _kernel_operand, _launch_flags, _online_softmax_step,

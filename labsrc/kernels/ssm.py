@@ -360,8 +360,8 @@ def _ssd_configs() -> list:
     """
     if runtime.INTERPRETED:
         return [triton.Config({"BLOCK_P": 64}, num_warps=4, num_stages=1)]
-    from labsrc.kernels import attention
-    hopper = attention._capability()[0] >= 9
+    from labsrc.kernels import flash_attention
+    hopper = flash_attention._capability()[0] >= 9
     return [triton.Config({"BLOCK_P": 64 if hopper else 32}, num_warps=8, num_stages=1)]
 
 

@@ -5,7 +5,7 @@ Shipped names (see :data:`SHIPPED`): ``lab-target`` (about 9M parameters, traine
 state-space model, trained on the same data with a smaller budget) and ``lab-draft-distilled`` (a draft of
 lab-draft's shape distilled from lab-target, chapter 13). They live in ``labsrc/models/checkpoints/<name>/``
 and are trained by ``python -m labsrc.models.train <name>`` (the distilled draft by the command on its eval
-card, ``python -m labsrc.distill ship ...``). A local folder, or on a machine with a network a
+card, ``python -m labsrc.distillation ship ...``). A local folder, or on a machine with a network a
 Hugging Face hub id, loads the same way.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def resolve(name_or_path: str) -> str:
     if name in SHIPPED:
         path = CHECKPOINTS / name
         if not (path / "config.json").is_file():
-            how = ("python -m labsrc.distill ship" if name == "lab-draft-distilled"
+            how = ("python -m labsrc.distillation ship" if name == "lab-draft-distilled"
                    else f"python -m labsrc.models.train {name}")
             raise FileNotFoundError(f"shipped model {name!r} has no checkpoint at {path}; "
                                     f"train it with `{how}`")

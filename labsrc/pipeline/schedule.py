@@ -3,7 +3,7 @@
 The target processes a *stream* of tokens, cut into windows. A window is ``(seq, epoch, pos, tokens)``: the
 tokens of sequence ``seq`` at positions ``pos .. pos + n - 1``. Every stage runs it through its layers (its
 cache first cropped to ``pos``) and sends the hidden states on; the last stage compares each window token
-with the token the target wanted there (:func:`labsrc.kernels.verify.greedy_verify`) and replies to stage 0
+with the token the target wanted there (:func:`labsrc.kernels.pipeline.greedy_verify`) and replies to stage 0
 with how many were accepted and the target's next token (a correction, or the prediction after a fully
 accepted window). The last stage keeps, per sequence, the prediction for the next position (``pending``).
 
@@ -95,7 +95,7 @@ class Timeline:
 
 def verify_window(logits: torch.Tensor, tokens: list[int], first: int, impl: str):
     """``(preds, accepted)`` for one window on the last stage: the Triton kernel or its reference."""
-    from labsrc.kernels.verify import greedy_verify, greedy_verify_ref
+    from labsrc.kernels.pipeline import greedy_verify, greedy_verify_ref
 
     fn = greedy_verify if impl == "kernel" else greedy_verify_ref
     preds, accepted = fn(logits[None], torch.tensor([tokens], device=logits.device),

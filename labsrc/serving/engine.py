@@ -7,9 +7,9 @@ One step of :class:`Engine`:
    their *slot mapping* (the pool slot each new K/V goes to, from the block table);
 3. one forward of the model, in which every attention layer (the ``"lab_paged"`` attention implementation
    registered here) writes the new K/V into its layer's pool through the slot mapping with chapter 1's
-   :func:`~labsrc.kernels.kv_store.kv_store`, then attends: all single-token queries together through
-   :func:`~labsrc.kernels.paged_attention.paged_decode_attention`, each prefill chunk through
-   :func:`~labsrc.kernels.paged_attention.paged_prefill_attention`;
+   :func:`~labsrc.kernels.kv_cache.kv_store`, then attends: all single-token queries together through
+   :func:`~labsrc.kernels.serving.paged_decode_attention`, each prefill chunk through
+   :func:`~labsrc.kernels.serving.paged_prefill_attention`;
 4. sample a token for every sequence whose step reached its last token; finish on EOS, ``max_tokens`` or
    the model's context length.
 
@@ -31,8 +31,8 @@ import torch
 
 import labsrc  # noqa: F401  (interpreter switch before triton loads)
 from labsrc import runtime
-from labsrc.kernels import kv_store as _kv
-from labsrc.kernels import paged_attention as _pa
+from labsrc.kernels import kv_cache as _kv
+from labsrc.kernels import serving as _pa
 from labsrc.models import config_head_dim
 from labsrc.sampling import sample_token
 from labsrc.serving.blocks import BlockManager, slot_mapping
@@ -82,7 +82,7 @@ def batched_decode_attention(q, k_pool, v_pool, slots, mask, scaling):
     """Every decoding sequence of a step at once: ``q (B, Hq, D)`` against the keys at ``slots (B, L)`` of the
     flattened pools, ``mask (B, L)`` marking the real ones; returns ``(B, Hq, D)``.
 
-    The same result as :func:`~labsrc.kernels.paged_attention.paged_decode_attention_ref` (a loop over the
+    The same result as :func:`~labsrc.kernels.serving.paged_decode_attention_ref` (a loop over the
     sequences), as one gather and one attention call: on a CPU each call costs more in Python and dispatch
     than in arithmetic for a small model, so the per-sequence loop, not the FLOPs, set the engine's speed."""
     hkv, d = k_pool.shape[2], k_pool.shape[3]
@@ -96,7 +96,7 @@ def batched_decode_attention(q, k_pool, v_pool, slots, mask, scaling):
 def prefill_attention(q, k_pool, v_pool, table, ctx, sm_scale=None):
     """One prefill chunk on the PyTorch path: ``q (Hq, Tq, D)`` against the sequence's first ``ctx`` keys,
     causal and bottom-right aligned (query ``i`` sees keys ``j <= i + ctx - Tq``), in one fused attention call;
-    the same result as :func:`~labsrc.kernels.paged_attention.paged_prefill_attention_ref`."""
+    the same result as :func:`~labsrc.kernels.serving.paged_prefill_attention_ref`."""
     k, v = _pa.gather_kv(k_pool, v_pool, table, ctx)  # (Hkv, ctx, D)
     tq = q.shape[1]
     mask = None if tq == ctx else \
@@ -323,10 +323,10 @@ class Engine:
     def block_scores(self, request_id: int, alpha: float = 1.0, beta: float = 0.5, gamma: float = 0.3):
         """Chapter 6's value-aware score of every cached token, averaged per block: ``(n_blocks,)``.
 
-        Per layer and K/V head, :func:`labsrc.evict.value_aware_scores` of the recorded last queries' attention
+        Per layer and K/V head, :func:`labsrc.kv_eviction.value_aware_scores` of the recorded last queries' attention
         (``record_queries`` must be set before the prefill) over the cached keys; each layer's scores are
         normalised to sum 1 and summed over layers and heads, and a block scores the mean of its tokens."""
-        from labsrc.evict import value_aware_scores
+        from labsrc.kv_eviction import value_aware_scores
 
         seq = self.seqs[request_id]
         table = self.blocks.block_table(request_id)

@@ -7,10 +7,10 @@ test can tell when the stored file is stale.
 
 * :mod:`labsrc.sweeps.rope`: RoPE scaling methods against context length, from the trained length to 4x
   (chapter 4).
-* :mod:`labsrc.sweeps.kvquant`: quantized KV caches against bits, with and without KVarN's normalisation
+* :mod:`labsrc.sweeps.kv_quant`: quantized KV caches against bits, with and without KVarN's normalisation
   (chapter 5).
-* :mod:`labsrc.sweeps.evict`: eviction policies against the KV budget (chapter 6).
-* :mod:`labsrc.sweeps.paged_evict`: block-eviction policies in the paged engine against the share of blocks kept
+* :mod:`labsrc.sweeps.kv_eviction`: eviction policies against the KV budget (chapter 6).
+* :mod:`labsrc.sweeps.serving`: block-eviction policies in the paged engine against the share of blocks kept
   (chapter 9).
 
 :mod:`labsrc.sweeps.cli` holds what their commands share (common options, loading the model, stamping the

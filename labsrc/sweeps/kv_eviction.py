@@ -1,13 +1,13 @@
 """Chapter 6's stored curve: every eviction policy against the share of the KV cache it may keep.
 
-    python -m labsrc.sweeps.evict                  # the stored run: labsrc/data/results/evict_curve.json
-    python -m labsrc.sweeps.evict --n 8 --out /tmp/evict.json --kept 0.2 0.5   # a small one
+    python -m labsrc.sweeps.kv_eviction                  # the stored run: labsrc/data/results/evict_curve.json
+    python -m labsrc.sweeps.kv_eviction --n 8 --out /tmp/evict.json --kept 0.2 0.5   # a small one
 
 Each policy keeps a fraction ``x`` of the prompt's entries (from 10% to 90%: the budget of
-:func:`labsrc.evict.budget_for` with ``evict_rate = 1 - x``) while ``lab-target`` reads the same ``n`` probe
+:func:`labsrc.kv_eviction.budget_for` with ``evict_rate = 1 - x``) while ``lab-target`` reads the same ``n`` probe
 samples per probe, at 90% of its trained context (:func:`labsrc.tasks.probe_samples`, seed 0), and greedy
-decoding through :class:`labsrc.evict.EvictingCache` must reproduce the answer exactly
-(:func:`labsrc.evict.answer_matches`). The full cache is the baseline. Small budgets are where policies differ;
+decoding through :class:`labsrc.kv_eviction.EvictingCache` must reproduce the answer exactly
+(:func:`labsrc.kv_eviction.answer_matches`). The full cache is the baseline. Small budgets are where policies differ;
 near 90% every sensible policy keeps what the probe needs, so the curve shows both.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import functools
 import time
 
 
-from labsrc import curves, evict as ev, tasks
+from labsrc import curves, kv_eviction as ev, tasks
 from labsrc.models.stored_runs import models_stamp
 from labsrc.sweeps import cli
 
@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     model, tok = cli.load_model(args.model, args.threads)
     scorer = Scorer(model, tok, args.n)
-    command = (f"python -m labsrc.sweeps.evict --n {args.n} --probes {' '.join(args.probes)} --kept "
+    command = (f"python -m labsrc.sweeps.kv_eviction --n {args.n} --probes {' '.join(args.probes)} --kept "
                f"{' '.join(map(str, args.kept))} --policies {' '.join(args.policies)} {cli.tail(args, PATH)}")
     t0 = time.perf_counter()
     result = curves.sweep(scorer, args.policies, args.kept, args.probes,

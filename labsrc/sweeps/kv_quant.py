@@ -1,7 +1,7 @@
 """Chapter 5's stored curve: probe accuracy of every quantized KV cache against its bit width.
 
-    python -m labsrc.sweeps.kvquant                 # the stored run: labsrc/data/results/kvquant_curve.json
-    python -m labsrc.sweeps.kvquant --n 10 --out /tmp/kvq.json --bits 2 --configs per_token kvarn128   # small
+    python -m labsrc.sweeps.kv_quant                 # the stored run: labsrc/data/results/kvquant_curve.json
+    python -m labsrc.sweeps.kv_quant --n 10 --out /tmp/kvq.json --bits 2 --configs per_token kvarn128   # small
 
 Each configuration of chapter 5's ladder (:data:`CONFIGS`: per token, KIVI and a group of 128 tokens, each
 without and with KVarN's per-channel normalisation) stores the cache at 2, 3 and 4 bits while ``lab-target``
@@ -14,7 +14,7 @@ prompt and the answer both go through the quantized cache. The unquantized model
 
 KVarN's statistics are calibrated on :data:`CALIB_WINDOWS` windows of :data:`CALIB_LEN` tokens of the training
 split, as chapter 5's CPU profile does (:func:`calibration_stats`). INT3 runs on the PyTorch path of
-:mod:`labsrc.kvquant` (the Triton kernels read 2, 4 and 8 bits), as every configuration here does: the cache
+:mod:`labsrc.kv_quant` (the Triton kernels read 2, 4 and 8 bits), as every configuration here does: the cache
 simulates the stored codes and the attention reads their dequantized values.
 """
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 
 import torch
 
-from labsrc import curves, kvquant as kq, tasks
-from labsrc.kvquant import KVarNCache
+from labsrc import curves, kv_quant as kq, tasks
+from labsrc.kv_quant import KVarNCache
 from labsrc.models.stored_runs import models_stamp
 from labsrc.sweeps import cli
 
@@ -83,7 +83,7 @@ def calibration_ids(tokenizer, n: int = CALIB_WINDOWS, length: int = CALIB_LEN) 
 
 
 def calibration_stats(model, tokenizer) -> list:
-    """KVarN's per-layer channel statistics (:func:`labsrc.kvquant.calibrate`) on :func:`calibration_ids`."""
+    """KVarN's per-layer channel statistics (:func:`labsrc.kv_quant.calibrate`) on :func:`calibration_ids`."""
     return kq.calibrate(model, list(calibration_ids(tokenizer)))
 
 
@@ -157,7 +157,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     model, tok = cli.load_model(args.model, args.threads)
     scorer = Scorer(model, tok, args.n)
-    command = (f"python -m labsrc.sweeps.kvquant --n {args.n} --probes {' '.join(args.probes)} --bits "
+    command = (f"python -m labsrc.sweeps.kv_quant --n {args.n} --probes {' '.join(args.probes)} --bits "
                f"{' '.join(map(str, args.bits))} --configs {' '.join(args.configs)} {cli.tail(args, PATH)}")
     t0 = time.perf_counter()
     result = curves.sweep(scorer, args.configs, args.bits, args.probes,

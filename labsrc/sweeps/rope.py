@@ -6,7 +6,7 @@
 ``lab-target`` was trained on windows of ``L = model.config.lab_trained_context`` tokens. Each method of
 :data:`METHODS` is configured *once*, for the longest length of the sweep (``s = longest / L``, the way a
 deployment sets one config; dynamic NTK with factor 1, so its ratio is the input's length over ``L``), through
-:func:`labsrc.finetune.set_rope`, and then reads the same ``n`` pass keys (:func:`labsrc.tasks.probe_samples`,
+:func:`labsrc.rope_finetune.set_rope`, and then reads the same ``n`` pass keys (:func:`labsrc.tasks.probe_samples`,
 seed 0, keys at depths spread over the whole context) at every length ``x = m L`` for the ``--multiples`` ``m``
 (1 to 4 by default). A point is right when greedy decoding gives the whole key (one forward pass,
 :func:`labsrc.tasks.score`). Inside ``L`` the model finds nearly every key, so the pass key is the probe that
@@ -27,7 +27,7 @@ import torch
 from transformers import modeling_rope_utils as hf_rope
 from transformers.models.llama import modeling_llama
 
-from labsrc import claims, curves, finetune, rope, tasks
+from labsrc import claims, curves, rope_finetune, rope, tasks
 from labsrc.models.stored_runs import models_stamp
 from labsrc.sweeps import cli
 
@@ -46,7 +46,7 @@ def lengths_for(model, multiples) -> list[int]:
 
 
 def method_kwargs(method: str, factor: float) -> dict:
-    """:func:`labsrc.finetune.set_rope` arguments for ``method`` configured for the extension ratio ``factor``
+    """:func:`labsrc.rope_finetune.set_rope` arguments for ``method`` configured for the extension ratio ``factor``
     (dynamic NTK gets factor 1: it stretches by the input's own length over ``L``, nothing more)."""
     return {"default": {}, "dynamic": {"factor": 1.0}}.get(method, {"factor": float(factor)})
 
@@ -65,7 +65,7 @@ class Scorer:
 
     def use(self, method: str) -> None:
         """Give the model ``method``'s RoPE, configured for the longest length."""
-        finetune.set_rope(self.model, method, **method_kwargs(method, self.factor))
+        rope_finetune.set_rope(self.model, method, **method_kwargs(method, self.factor))
 
     def __call__(self, method: str, length: int, probe: str, m: int | None = None) -> list[bool]:
         samples = self.samples(probe, length)[:m]
@@ -73,7 +73,7 @@ class Scorer:
         try:
             return [all(spans) for spans in tasks.score(self.model, samples)]
         finally:
-            finetune.set_rope(self.model, "default")
+            rope_finetune.set_rope(self.model, "default")
 
     @torch.no_grad()
     def window_losses(self, method: str, length: int, windows: int) -> dict:
@@ -97,7 +97,7 @@ class Scorer:
                 past = per_tok[self.trained - 1:]
                 beyond.append(float(past.mean()) if length > self.trained else None)
         finally:
-            finetune.set_rope(self.model, "default")
+            rope_finetune.set_rope(self.model, "default")
         return {"nll": nll, "nll_beyond": beyond if length > self.trained else None}
 
 
@@ -111,7 +111,7 @@ def perplexity_estimate(nlls) -> claims.Estimate:
 def scoring_code() -> list:
     """Everything whose source decides a point's result (the samples are pinned by their own digest):
     ``transformers``' frequency functions included, since ``set_rope`` lets them compute the tables."""
-    return [tasks.score, finetune.set_rope, rope.ntk_base, method_kwargs, Scorer,
+    return [tasks.score, rope_finetune.set_rope, rope.ntk_base, method_kwargs, Scorer,
             modeling_llama.LlamaRotaryEmbedding, hf_rope.dynamic_rope_update,
             hf_rope._compute_linear_scaling_rope_parameters, hf_rope._compute_dynamic_ntk_parameters,
             hf_rope._compute_yarn_parameters]

@@ -1,7 +1,7 @@
 """Chapter 9's stored curve: block-eviction policies in the paged engine against the share of blocks kept.
 
-    python -m labsrc.sweeps.paged_evict             # the stored run: labsrc/data/results/paged_evict_curve.json
-    python -m labsrc.sweeps.paged_evict --n 4 --out /tmp/paged.json --kept 0.3   # a small one
+    python -m labsrc.sweeps.serving             # the stored run: labsrc/data/results/paged_evict_curve.json
+    python -m labsrc.sweeps.serving --n 4 --out /tmp/paged.json --kept 0.3   # a small one
 
 Each policy of :meth:`labsrc.serving.engine.Engine.evict_blocks` (value-aware block scores, attention alone,
 recency: the first and the newest blocks, random blocks) keeps a share ``x`` of a prompt's blocks of 16 tokens
@@ -19,7 +19,7 @@ import functools
 import time
 
 
-from labsrc import curves, evict as ev, tasks
+from labsrc import curves, kv_eviction as ev, tasks
 from labsrc.models.stored_runs import models_stamp
 from labsrc.sweeps import cli
 from labsrc.serving import blocks as serving_blocks, engine as serving_engine, experiments as X
@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     model, tok = cli.load_model(args.model, args.threads)
     scorer = Scorer(model, tok, args.n)
-    command = (f"python -m labsrc.sweeps.paged_evict --n {args.n} --probes {' '.join(args.probes)} --kept "
+    command = (f"python -m labsrc.sweeps.serving --n {args.n} --probes {' '.join(args.probes)} --kept "
                f"{' '.join(map(str, args.kept))} --policies {' '.join(args.policies)} {cli.tail(args, PATH)}")
     t0 = time.perf_counter()
     result = curves.sweep(scorer, args.policies, args.kept, args.probes,

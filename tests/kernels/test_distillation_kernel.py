@@ -1,4 +1,4 @@
-"""The fused KD kernel (labsrc.kernels.distill.kd_kl) against kd_loss's soft term and its gradient.
+"""The fused KD kernel (labsrc.kernels.distillation.kd_kl) against kd_loss's soft term and its gradient.
 
 Every buffer the kernels write is prefilled with NaN (``_new`` patched), so a row or column the kernel forgets
 fails. Vocabularies 1, 7, 1000 and 2500 (several 1024-wide blocks, the last one partial, so the online
@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import labsrc  # noqa: F401  (interpreter switch before triton)
-from labsrc import distill, runtime
-from labsrc.kernels import distill as kd
+from labsrc import distillation, runtime
+from labsrc.kernels import distillation as kd
 
 DEV = runtime.DEVICE
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -54,7 +54,7 @@ def test_forward_and_backward_match_the_reference(shape, T, dtype):
     assert got.shape == shape[:-1] and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=TOL[dtype][0], atol=TOL[dtype][1])
     # and the reference is kd_loss's soft term: T² times the mean over rows
-    torch.testing.assert_close(T * T * got.mean(), distill.kd_loss(s, t, T=T), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(T * T * got.mean(), distillation.kd_loss(s, t, T=T), rtol=1e-4, atol=1e-6)
     go = torch.randn(shape[:-1], generator=torch.Generator().manual_seed(1)).to(DEV)
     g_kernel, g_ref = grads(s, t, T, go)
     assert g_kernel.dtype == dtype

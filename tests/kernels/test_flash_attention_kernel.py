@@ -1,4 +1,4 @@
-"""Tests of the FlashAttention and flash-decoding kernels (labsrc.kernels.attention).
+"""Tests of the FlashAttention and flash-decoding kernels (labsrc.kernels.flash_attention).
 
 Every kernel call writes into outputs pre-filled with NaN, so an element the kernel forgets to write fails the
 comparison. Each result is compared with two independent definitions: the plain PyTorch reference evaluated in
@@ -24,10 +24,10 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 import labsrc
-import labsrc.kernels.attention as attention_module
+import labsrc.kernels.flash_attention as attention_module
 from labsrc import runtime
 from labsrc.exercises import tolerance
-from labsrc.kernels.attention import (decode_attention, decode_attention_ref, flash_attention,
+from labsrc.kernels.flash_attention import (decode_attention, decode_attention_ref, flash_attention,
                                       flash_attention_backward, flash_attention_backward_ref, flash_attention_ref)
 
 DEV = runtime.DEVICE

@@ -1,4 +1,4 @@
-"""Tests of labsrc.kernels.kv_store against its PyTorch reference.
+"""Tests of labsrc.kernels.kv_cache against its PyTorch reference.
 
 kv_store is a copy, so the comparison is exact for every dtype (bf16 included: no tl.dot is involved, so the
 interpreter's bf16 problem does not arise). Destination caches are poisoned with NaN: the stored rows must
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labsrc import runtime
-from labsrc.kernels.kv_store import kv_store, kv_store_ref
+from labsrc.kernels.kv_cache import kv_store, kv_store_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEVICE = runtime.DEVICE
@@ -292,7 +292,7 @@ def test_validate_slots_must_be_a_bool():
 def test_rows_with_more_blocks_than_grid_axis_1_are_looped(monkeypatch):
     """Axis 1 of the grid holds at most 65535 programs; a longer row is covered by each program looping.
     The limit is lowered here so that a small row exercises the loop."""
-    from labsrc.kernels import kv_store as module
+    from labsrc.kernels import kv_cache as module
     monkeypatch.setattr(module, "_BLOCK_INTERPRETER", 4)
     monkeypatch.setattr(module, "_BLOCK_GPU", 4)
     monkeypatch.setattr(module, "_MAX_GRID_AXIS_1", 2)
@@ -311,7 +311,7 @@ def test_more_rows_than_grid_axis_0_are_refused_up_front():
 
 
 def test_rows_too_long_for_int32_offsets_are_refused(monkeypatch):
-    from labsrc.kernels import kv_store as module
+    from labsrc.kernels import kv_cache as module
     monkeypatch.setattr(module, "_MAX_ROW_SIZE", 15)
     args = _good()  # rows of 2 * 8 = 16 elements
     with pytest.raises(ValueError, match="n_kv_heads \\* head_dim = 16 elements; .* at most 15"):

@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import labsrc  # noqa: F401
-from labsrc import kvquant as kq
+from labsrc import kv_quant as kq
 from labsrc import runtime
 from labsrc.exercises.core import tolerance
-from labsrc.kernels import kvquant as kk
+from labsrc.kernels import kv_quant as kk
 
 # NaN, inf and fp16-overflow inputs are the point of several tests: the interpreter's NumPy reports them.
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -168,7 +168,7 @@ def test_quantize_pack_errors():
 
 def test_dequantize_unpack_errors():
     x = _x((2, 10, 64), seed=0)
-    with pytest.raises(TypeError, match="qt must be a labsrc.kvquant.QuantizedTensor"):
+    with pytest.raises(TypeError, match="qt must be a labsrc.kv_quant.QuantizedTensor"):
         kk.dequantize_unpack(x)
     with pytest.raises(ValueError, match="granularity 'channel'"):
         kk.dequantize_unpack(kq.quantize(x, granularity="channel", group_size=4))
@@ -188,7 +188,7 @@ def test_decode_attention_errors():
         kk.decode_attention_quant(q[0], k, v)
     with pytest.raises(TypeError, match="q has dtype torch.int64"):
         kk.decode_attention_quant(q.long(), k, v)
-    with pytest.raises(TypeError, match="k must be a labsrc.kvquant.QuantizedTensor"):
+    with pytest.raises(TypeError, match="k must be a labsrc.kv_quant.QuantizedTensor"):
         kk.decode_attention_quant(q, k.dequantize(), v)
     with pytest.raises(ValueError, match="decode attention supports bits"):
         kk.decode_attention_quant(q, kk.quantize_pack(_x((2, 2, 20, 64), seed=1), 2, 8),

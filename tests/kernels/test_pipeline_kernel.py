@@ -1,4 +1,4 @@
-"""Tests of labsrc.kernels.verify.greedy_verify (the last pipeline stage's greedy verification) against its
+"""Tests of labsrc.kernels.pipeline.greedy_verify (the last pipeline stage's greedy verification) against its
 PyTorch reference: seeded random windows, odd sizes, ties and NaN as torch.argmax, strided and expanded
 views, every dtype, outputs that start poisoned (-1), every error message, and hypothesis properties."""
 import labsrc  # noqa: F401  (before triton)
@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from labsrc import runtime
-from labsrc.kernels import verify as kv
-from labsrc.kernels.verify import greedy_verify, greedy_verify_ref
+from labsrc.kernels import pipeline as kv
+from labsrc.kernels.pipeline import greedy_verify, greedy_verify_ref
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEVICE = runtime.DEVICE

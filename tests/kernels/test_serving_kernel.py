@@ -7,8 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from labsrc.kernels.attention import decode_attention_ref, flash_attention_ref
-from labsrc.kernels.paged_attention import (gather_kv, paged_decode_attention, paged_decode_attention_ref,
+from labsrc.kernels.flash_attention import decode_attention_ref, flash_attention_ref
+from labsrc.kernels.serving import (gather_kv, paged_decode_attention, paged_decode_attention_ref,
                                             paged_prefill_attention, paged_prefill_attention_ref)
 from labsrc.exercises.core import tolerance
 
@@ -91,7 +91,7 @@ def test_expanded_query_and_sm_scale():
     assert_close(out, ref, torch.float32)
 
 
-# The interpreter's NumPy matmul warns on the -inf keys (as in tests/kernels/test_attention.py); the results are
+# The interpreter's NumPy matmul warns on the -inf keys (as in tests/kernels/test_flash_attention_kernel.py); the results are
 # what the rule defines, checked below.
 @pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 def test_minus_inf_keys_contribute_nothing_and_an_all_minus_inf_row_gives_zero():

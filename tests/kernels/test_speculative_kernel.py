@@ -1,4 +1,4 @@
-"""Tests of the tree-attention kernel (labsrc.kernels.tree_attention) against its reference and against
+"""Tests of the tree-attention kernel (labsrc.kernels.speculative) against its reference and against
 PyTorch's scaled_dot_product_attention with the explicit mask, on random trees.
 
 Outputs are pre-filled with NaN (an element the kernel forgets fails). bf16 under the interpreter: tiles are
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from labsrc import runtime
 from labsrc.exercises import tolerance
-from labsrc.kernels.tree_attention import tree_attention, tree_attention_ref
+from labsrc.kernels.speculative import tree_attention, tree_attention_ref
 from labsrc.speculative import tree_attention_mask
 
 DEV = runtime.DEVICE
