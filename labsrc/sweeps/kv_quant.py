@@ -83,7 +83,7 @@ def calibration_ids(tokenizer, n: int = CALIB_WINDOWS, length: int = CALIB_LEN) 
 
 
 def calibration_stats(model, tokenizer) -> list:
-    """KVarN's per-layer channel statistics (:func:`labsrc.kv_quant.calibrate`) on :func:`calibration_ids`."""
+    """KVarN's per-layer channel statistics (:func:`labsrc.kvquant.calibrate`) on :func:`calibration_ids`."""
     return kq.calibrate(model, list(calibration_ids(tokenizer)))
 
 
