@@ -323,10 +323,10 @@ class Engine:
     def block_scores(self, request_id: int, alpha: float = 1.0, beta: float = 0.5, gamma: float = 0.3):
         """Chapter 6's value-aware score of every cached token, averaged per block: ``(n_blocks,)``.
 
-        Per layer and K/V head, :func:`labsrc.kv_eviction.value_aware_scores` of the recorded last queries' attention
+        Per layer and K/V head, :func:`labsrc.evict.value_aware_scores` of the recorded last queries' attention
         (``record_queries`` must be set before the prefill) over the cached keys; each layer's scores are
         normalised to sum 1 and summed over layers and heads, and a block scores the mean of its tokens."""
-        from labsrc.kv_eviction import value_aware_scores
+        from labsrc.evict import value_aware_scores
 
         seq = self.seqs[request_id]
         table = self.blocks.block_table(request_id)

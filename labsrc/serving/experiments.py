@@ -109,11 +109,11 @@ def greedy_reference(model, prompt: list[int], max_tokens: int) -> list[int]:
 
 def blocks_to_keep(n_tokens: int, kept: float, block_size: int, protect: int = 1) -> int:
     """How many of a prompt's ``ceil(n_tokens / block_size)`` blocks to keep so that the tokens they hold come
-    closest to chapter 6's token budget for the same share, :func:`labsrc.kv_eviction.budget_for` ``(n_tokens,
+    closest to chapter 6's token budget for the same share, :func:`labsrc.evict.budget_for` ``(n_tokens,
     1 - kept)``: the last block (partly filled, never dropped) holds ``n_tokens`` mod ``block_size`` tokens
     (or a full block), every other block ``block_size``. At least the ``protect`` first blocks and the last
     stay, so the two budgets are equal within half a block."""
-    from labsrc.kv_eviction import budget_for
+    from labsrc.evict import budget_for
 
     if not 0.0 < kept < 1.0:
         raise ValueError(f"kept must lie in (0, 1), got {kept!r}")

@@ -27,7 +27,8 @@ import torch
 from transformers import modeling_rope_utils as hf_rope
 from transformers.models.llama import modeling_llama
 
-from labsrc import claims, curves, rope_finetune, rope, tasks
+from labsrc import claims, curves, rope, tasks
+from labsrc import rope_finetune as finetune  # the name the stored curve's fingerprinted Scorer uses
 from labsrc.models.stored_runs import models_stamp
 from labsrc.sweeps import cli
 
@@ -46,7 +47,7 @@ def lengths_for(model, multiples) -> list[int]:
 
 
 def method_kwargs(method: str, factor: float) -> dict:
-    """:func:`labsrc.rope_finetune.set_rope` arguments for ``method`` configured for the extension ratio ``factor``
+    """:func:`labsrc.finetune.set_rope` arguments for ``method`` configured for the extension ratio ``factor``
     (dynamic NTK gets factor 1: it stretches by the input's own length over ``L``, nothing more)."""
     return {"default": {}, "dynamic": {"factor": 1.0}}.get(method, {"factor": float(factor)})
 
@@ -65,7 +66,7 @@ class Scorer:
 
     def use(self, method: str) -> None:
         """Give the model ``method``'s RoPE, configured for the longest length."""
-        rope_finetune.set_rope(self.model, method, **method_kwargs(method, self.factor))
+        finetune.set_rope(self.model, method, **method_kwargs(method, self.factor))
 
     def __call__(self, method: str, length: int, probe: str, m: int | None = None) -> list[bool]:
         samples = self.samples(probe, length)[:m]
@@ -73,7 +74,7 @@ class Scorer:
         try:
             return [all(spans) for spans in tasks.score(self.model, samples)]
         finally:
-            rope_finetune.set_rope(self.model, "default")
+            finetune.set_rope(self.model, "default")
 
     @torch.no_grad()
     def window_losses(self, method: str, length: int, windows: int) -> dict:
@@ -97,7 +98,7 @@ class Scorer:
                 past = per_tok[self.trained - 1:]
                 beyond.append(float(past.mean()) if length > self.trained else None)
         finally:
-            rope_finetune.set_rope(self.model, "default")
+            finetune.set_rope(self.model, "default")
         return {"nll": nll, "nll_beyond": beyond if length > self.trained else None}
 
 
@@ -111,7 +112,7 @@ def perplexity_estimate(nlls) -> claims.Estimate:
 def scoring_code() -> list:
     """Everything whose source decides a point's result (the samples are pinned by their own digest):
     ``transformers``' frequency functions included, since ``set_rope`` lets them compute the tables."""
-    return [tasks.score, rope_finetune.set_rope, rope.ntk_base, method_kwargs, Scorer,
+    return [tasks.score, finetune.set_rope, rope.ntk_base, method_kwargs, Scorer,
             modeling_llama.LlamaRotaryEmbedding, hf_rope.dynamic_rope_update,
             hf_rope._compute_linear_scaling_rope_parameters, hf_rope._compute_dynamic_ntk_parameters,
             hf_rope._compute_yarn_parameters]
