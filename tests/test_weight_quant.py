@@ -388,11 +388,12 @@ def test_run_experiment_records_probe_answers_for_every_config(lab_target, monke
     # The quantizers are tested above; here they are stubbed (each returns the model itself), so that the
     # test checks what run_experiment records, in seconds: then every config must answer as fp32 does.
     model, tok = lab_target
-    monkeypatch.setattr(wq, "quantize_model", lambda m, *a, **k: (m, 1))
-    monkeypatch.setattr(wq, "int8_model", lambda m, *a, **k: (m, 1))
-    monkeypatch.setattr(wq, "qat_mxfp4", lambda m, *a, **k: (m, [1.0], m))
-    monkeypatch.setattr(wq, "gptq_quantize", lambda w, h, bits, g, **k: wq.quantize_rtn(w, bits, g))
-    monkeypatch.setattr(wq, "awq_search_scales", lambda w, x, *a, **k: torch.ones(w.shape[1]))
+    # (patched where run_experiment looks them up: its own module, labsrc.weight_quant.experiment)
+    monkeypatch.setattr(wq.experiment, "quantize_model", lambda m, *a, **k: (m, 1))
+    monkeypatch.setattr(wq.experiment, "int8_model", lambda m, *a, **k: (m, 1))
+    monkeypatch.setattr(wq.experiment, "qat_mxfp4", lambda m, *a, **k: (m, [1.0], m))
+    monkeypatch.setattr(wq.experiment, "gptq_quantize", lambda w, h, bits, g, **k: wq.quantize_rtn(w, bits, g))
+    monkeypatch.setattr(wq.experiment, "awq_search_scales", lambda w, x, *a, **k: torch.ones(w.shape[1]))
     R = wq.run_experiment(calib_windows=1, calib_len=32, eval_windows=1, eval_len=32, probe_n=2,
                           qat_steps=1, log=lambda m: None)
     assert R["probe_ctx"] == wq.probe_context(model) and R["probe_n"] == 2 and R["probe_seed"] == 0
