@@ -19,6 +19,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import importlib
+import inspect
 import io
 import itertools
 import re
@@ -89,12 +90,18 @@ def configurations(kernel: Kernel, arch: int) -> list[dict]:
     obj = getattr(module, kernel.name)
     if spec.arch_configs:
         from labsrc.kernels import flash_attention
+        # the package and each of its files that looks the function up (the config functions are spread
+        # over forward, backward and decode, and other families call flash_attention._capability)
+        holders = [flash_attention] + [m for m in vars(flash_attention).values()
+                                       if inspect.ismodule(m) and hasattr(m, "_capability")]
         saved = flash_attention._capability
-        flash_attention._capability = lambda: divmod(arch, 10)   # the list this architecture's GPU would get
+        for holder in holders:
+            holder._capability = lambda: divmod(arch, 10)   # the list this architecture's GPU would get
         try:
             tuned = getattr(module, spec.arch_configs)()
         finally:
-            flash_attention._capability = saved
+            for holder in holders:
+                holder._capability = saved
     elif isinstance(obj, triton.runtime.Autotuner):
         tuned = obj.configs
     else:

@@ -52,10 +52,13 @@ def _uses_dot(node: ast.FunctionDef) -> bool:
 def launchable_kernels(folder: Path = KERNELS_DIR) -> list[Kernel]:
     """Every launchable ``@triton.jit`` kernel under ``folder``, sorted by module and name."""
     jit: dict[tuple[str, str], ast.FunctionDef] = {}
-    for path in sorted(folder.glob("*.py")):
+    for path in sorted(folder.rglob("*.py")):
+        # a family split into a package (kernels/flash_attention/forward.py) is named by its folder, whose
+        # __init__ re-exports its kernels: labsrc.kernels.flash_attention._flash_attention_kernel
+        family = path.relative_to(folder).parts[0].removesuffix(".py")
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef) and _is_jit(node):
-                jit[(path.stem, node.name)] = node
+                jit[(family, node.name)] = node
     calls = {key: _used_names(node) for key, node in jit.items()}
     helpers = {name for (_, name) in jit if any(name in called for called in calls.values())}
 

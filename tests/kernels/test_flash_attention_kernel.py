@@ -451,7 +451,7 @@ def poisoned_buffers(monkeypatch):
         buf = real(t, *args, **kwargs)
         return buf.fill_(float("nan")) if buf.is_floating_point() else buf
 
-    monkeypatch.setattr(attention_module.torch, "empty_like", nan_like)
+    monkeypatch.setattr(torch, "empty_like", nan_like)
 
 
 def _grad_bounds(dout, q, k, v, causal, sm_scale=None):
@@ -848,7 +848,7 @@ def test_decode_group_beyond_one_tile_is_refused():
 
 def test_heads_beyond_the_grid_axis_limit_are_refused(monkeypatch):
     # The real limit is 65535 programs on grid axis 1; lower it so that the check runs at a testable size.
-    monkeypatch.setattr(attention_module, "GRID_AXIS_LIMIT", 3)
+    monkeypatch.setattr(attention_module.common, "GRID_AXIS_LIMIT", 3)
     with pytest.raises(ValueError, match="Hq=4 heads exceed the launch limit of 3 programs on grid axis 1"):
         flash_attention(**_flash_args())
     flash_attention_ref(**_flash_args())
@@ -858,7 +858,7 @@ def test_heads_beyond_the_grid_axis_limit_are_refused(monkeypatch):
 def test_batch_beyond_the_grid_axis_limit_is_launched_in_chunks(monkeypatch, limit):
     # B * Hq = 5 * 4 = 20 programs on axis 1 against a limit of 4 (one sequence per launch) or 9 (two, then a
     # ragged last chunk): every chunk must land in its own slice of out and lse.
-    monkeypatch.setattr(attention_module, "GRID_AXIS_LIMIT", limit)
+    monkeypatch.setattr(attention_module.common, "GRID_AXIS_LIMIT", limit)
     gen = torch.Generator().manual_seed(22)
     q = _rand(gen, 5, 4, 19, 32, dtype=torch.float32)
     k, v = (_rand(gen, 5, 2, 23, 32, dtype=torch.float32) for _ in range(2))
@@ -868,7 +868,7 @@ def test_batch_beyond_the_grid_axis_limit_is_launched_in_chunks(monkeypatch, lim
 def test_tensors_beyond_32_bit_offsets_are_refused(monkeypatch):
     # Offsets inside one (batch, head) slice are 32-bit in the kernels; a real case needs > 8 GB of memory,
     # so lower the limit to test the check.
-    monkeypatch.setattr(attention_module, "MAX_INT32_OFFSET", 200)  # q spans 159, k 223
+    monkeypatch.setattr(attention_module.common, "MAX_INT32_OFFSET", 200)  # q spans 159, k 223
     with pytest.raises(ValueError, match=r"k spans 223 elements inside one \(batch, head\) slice .* at most 200"):
         flash_attention(**_flash_args())
     with pytest.raises(ValueError, match=r"k_cache spans 319 elements .* at most 200"):
