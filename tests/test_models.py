@@ -427,3 +427,18 @@ def test_eval_card_progress_bar_counts_every_stage(monkeypatch):
         card = training.evaluate(None, None, context_len=ctx)
         assert bars[-1].closed and bars[-1].n == bars[-1].total, (ctx, bars[-1].n, bars[-1].total)
         assert ("validation_perplexity_512" in card) == (ctx != 512)
+
+
+def test_the_probes_length_is_one_function_that_every_stored_run_uses():
+    """90% of the trained context, defined once (issue 42): the three sweeps and chapter 12's stored run use
+    labsrc.models.context_len itself, not a copy of it."""
+    from types import SimpleNamespace
+
+    from labsrc import weight_quant
+    from labsrc.sweeps import kv_eviction, kv_quant, serving
+
+    for user in (kv_eviction, kv_quant, serving):
+        assert user.context_len is models.context_len, user.__name__
+    assert weight_quant.probe_context is models.context_len
+    fake = SimpleNamespace(config=SimpleNamespace(lab_trained_context=512))
+    assert models.context_len(fake) == int(training.PROBE_FRACTION * 512) == 460

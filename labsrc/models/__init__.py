@@ -77,6 +77,15 @@ def config_head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+# The one rule for how long a probe is: every stored curve and chapter 12's stored run scores probes of this
+# length. Chapter 5's stored curve hashes this function's source text (labsrc.sweeps.kv_quant.scoring_code):
+# an edit inside it stales that curve.
+def context_len(model) -> int:
+    """The probes' length: 90% of the model's trained context, as on its eval card (room for the question)."""
+    from labsrc.models.train import PROBE_FRACTION
+    return int(PROBE_FRACTION * model.config.lab_trained_context)
+
+
 def eval_card(name_or_path: str) -> dict:
     """The eval card (``eval_card.json``) written when a shipped or local model was trained."""
     where = Path(resolve(name_or_path))

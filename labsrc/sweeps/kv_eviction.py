@@ -17,6 +17,7 @@ import time
 
 
 from labsrc import curves, kv_eviction as ev, tasks
+from labsrc.models import context_len
 from labsrc.models.stored_runs import models_stamp
 from labsrc.sweeps import cli
 
@@ -25,12 +26,6 @@ KEPT = (0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
 PROBES = ("passkey", "needle")
 N = 100
 PATH = curves.RESULTS / "evict_curve.json"
-
-
-def context_len(model) -> int:
-    """The probes' length: 90% of the model's trained context, as on its eval card (room for the question)."""
-    from labsrc.models.train import PROBE_FRACTION
-    return int(PROBE_FRACTION * model.config.lab_trained_context)
 
 
 class Scorer:

@@ -27,6 +27,7 @@ import torch
 
 from labsrc import curves, kv_quant as kq, tasks
 from labsrc.kv_quant import KVarNCache
+from labsrc.models import context_len
 from labsrc.models.stored_runs import models_stamp
 from labsrc.sweeps import cli
 
@@ -66,12 +67,6 @@ def make_cache(config: str, model_config, stats, bits: int) -> KVarNCache:
     if config == "kvarn128":
         return KVarNCache.kvarn(cfg, stats, bits, 128)
     raise ValueError(f"config must be one of {CONFIGS}, got {config!r}")
-
-
-def context_len(model) -> int:
-    """The probes' length: 90% of the model's trained context, as on its eval card (room for the question)."""
-    from labsrc.models.train import PROBE_FRACTION
-    return int(PROBE_FRACTION * model.config.lab_trained_context)
 
 
 def calibration_ids(tokenizer, n: int = CALIB_WINDOWS, length: int = CALIB_LEN) -> torch.Tensor:

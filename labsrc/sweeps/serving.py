@@ -20,6 +20,7 @@ import time
 
 
 from labsrc import curves, kv_eviction as ev, tasks
+from labsrc.models import context_len
 from labsrc.models.stored_runs import models_stamp
 from labsrc.sweeps import cli
 from labsrc.serving import blocks as serving_blocks, engine as serving_engine, experiments as X
@@ -30,12 +31,6 @@ PROBES = ("passkey", "needle")
 N = 100
 BLOCK_SIZE = 16   # the source's (and vLLM's) default block
 PATH = curves.RESULTS / "paged_evict_curve.json"
-
-
-def context_len(model) -> int:
-    """The probes' length: 90% of the model's trained context, as on its eval card (chapter 6's too)."""
-    from labsrc.models.train import PROBE_FRACTION
-    return int(PROBE_FRACTION * model.config.lab_trained_context)
 
 
 class Scorer:

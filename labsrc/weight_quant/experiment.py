@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from labsrc.models import context_len as probe_context  # the probes' length, one rule for the lab
 from labsrc.weight_quant.awq import apply_awq, awq_search_scales
 from labsrc.weight_quant.gptq import gptq_quantize, hessian
 from labsrc.weight_quant.model import (activation_outliers, calibration_ids, collect_linear_inputs, int8_model,
@@ -30,14 +31,6 @@ minutes, nice'd on a 2-core machine shared with a training run."""
 
 ONE_ANSWER_PROBES = ("passkey", "needle", "variable_tracking")
 """The eval-card probes whose samples are each one right-or-wrong answer (what :func:`score_probes` counts)."""
-
-
-def probe_context(model) -> int:
-    """The probes' context: :data:`labsrc.models.train.PROBE_FRACTION` (0.9) of the context ``model`` was
-    trained at, as on its eval card (room for the question at the end of a context it was trained on)."""
-    from labsrc.models import train
-
-    return int(train.PROBE_FRACTION * train.trained_context(model))
 
 
 def probe_sets(tokenizer, probes, context_len: int, n: int = 100, seed: int = 0) -> dict:
