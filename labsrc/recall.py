@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib
-import inspect
 import json
 import math
 import random
@@ -56,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labsrc import linear_attention as la
+from labsrc import curves, linear_attention as la
 
 __all__ = ["MIXERS", "register_mixer", "BLOCKS", "register_block", "RecallModel", "MQARData", "PassKeyData",
            "PassKeySample", "RecallConfig", "train", "evaluate", "run", "sweep", "progress_echo", "across_seeds",
@@ -442,32 +440,32 @@ _CORE = ("_Heads", "_Block", "RecallModel", "RecallConfig", "train", "evaluate",
 DATA = {"mqar": MQARData, "passkey": PassKeyData}
 
 
-def _sources(obj) -> list[str]:
-    out = [inspect.getsource(obj)]
+def _with_deps(obj) -> list:
+    out = [obj]
     for dep in getattr(obj, "code_deps", ()):        # a function or class, or "module:name" (imported late)
         if isinstance(dep, str):
             module, name = dep.split(":")
             dep = getattr(importlib.import_module(module), name)
-        out.append(inspect.getsource(dep))
+        out.append(dep)
     return out
 
 
 def code_version(mixers, task: str) -> str:
-    """A SHA-256 (first 16 hex digits) over the source of everything that determines a stored run's result:
-    this module's model, blocks, training loop, scoring and :func:`sweep`, the ``task``'s data class
-    (``"mqar"`` or ``"passkey"``) and each mixer or block kind in ``mixers`` with the functions it names in
-    ``code_deps``. Source is read with :func:`inspect.getsource`, so an edit elsewhere in a file (another
+    """:func:`labsrc.curves.source_version` (a SHA-256, first 16 hex digits) over the source of everything that
+    determines a stored run's result: this module's model, blocks, training loop, scoring and :func:`sweep`, the
+    ``task``'s data class (``"mqar"`` or ``"passkey"``) and each mixer or block kind in ``mixers`` with the
+    functions it names in ``code_deps``. Source is read with :func:`inspect.getsource`, so an edit elsewhere in a file (another
     function, a comment between functions) leaves it unchanged, while any edit inside these does not: a
     stored run whose version differs was made by other code and must be rerun by its stored command."""
     if task not in DATA:
         raise ValueError(f"task must be one of {sorted(DATA)}, got {task!r}")
-    parts = [inspect.getsource(globals()[name]) for name in _CORE] + _sources(DATA[task])
+    parts = [globals()[name] for name in _CORE] + _with_deps(DATA[task])
     for name in sorted(set(mixers)):
         if name not in MIXERS and name not in BLOCKS:
             raise ValueError(f"unknown mixer {name!r}; registered: {sorted(MIXERS) + sorted(BLOCKS)} "
                              "(chapter 15's kinds register when labsrc.frontier is imported)")
-        parts += _sources(BLOCKS.get(name) or MIXERS[name])
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+        parts += _with_deps(BLOCKS.get(name) or MIXERS[name])
+    return curves.source_version(*parts)     # the stored curves' digest: one rule for every stored result
 
 
 def sweep(grid: dict, data, widths: Sequence[int], seeds: Sequence[int], steps: int, batch: int = 32,

@@ -222,3 +222,13 @@ def test_a_trained_softmax_model_finds_the_pass_key_above_chance():
     right, total = recall.evaluate(model, d)
     assert total == 60
     assert wilson(right, total)[0] > 10 * d.chance                 # the interval's lower end, not the point
+
+
+def test_code_version_is_the_stored_curves_digest_over_the_same_objects():
+    """One digest for every stored result (issue 42): recall's is labsrc.curves.source_version over the core,
+    the data class and the mixers, each with the functions its code_deps name."""
+    from labsrc import curves
+
+    objects = [getattr(recall, name) for name in recall._CORE]
+    objects += recall._with_deps(recall.DATA["mqar"]) + recall._with_deps(recall.MIXERS["linear"])
+    assert recall.code_version(["linear"], "mqar") == curves.source_version(*objects)
