@@ -320,3 +320,21 @@ def test_check_function_adds_a_chapter_explanation_to_a_failed_trial(monkeypatch
     broken = ex.check_function("add", lambda a, b: a - b, lambda a, b: a + b, lambda g: (2.0, 3.0),
                                explain=lambda *args: 1 / 0)     # a failing explanation keeps the plain message
     assert not broken.passed and "too small" in broken.message
+
+
+def test_one_predicate_tells_the_untouched_stub_from_a_failure():
+    """Every check asks labsrc.exercises.core.stub_raised whether an exception is the student build's stub:
+    raised directly, wrapped by Triton's interpreter (anywhere in the chain), or named by a compile error."""
+    from labsrc.exercises.core import stub_raised
+
+    def wrapped():
+        try:
+            raise NotImplementedError
+        except NotImplementedError as err:
+            raise RuntimeError("interpreter failed") from err
+
+    with pytest.raises(RuntimeError) as info:
+        wrapped()
+    assert stub_raised(NotImplementedError()) and stub_raised(info.value)
+    assert stub_raised(RuntimeError("CompilationError: ... raise NotImplementedError ..."))
+    assert not stub_raised(ValueError("shapes differ")) and not stub_raised(RuntimeError("boom"))

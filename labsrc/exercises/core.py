@@ -212,15 +212,25 @@ def not_a_kernel(name: str, kernel: Any, launch: str) -> Result | None:
                                 f"{launch}. Hint: re-read how the chapter's kernel is declared and launched.")
 
 
+def stub_raised(err: BaseException) -> bool:
+    """Whether ``err`` is the student build's stub saying it is not filled in: a ``NotImplementedError``
+    anywhere in the chain of wrappers (Triton's interpreter re-raises a kernel's exception wrapped), or an
+    error whose text names it (a compiled kernel's stub fails to compile with the ``raise`` in its message).
+    Every check asks this one question before it calls a failure a failure."""
+    link: BaseException | None = err
+    while link is not None:
+        if isinstance(link, NotImplementedError) or "NotImplementedError" in repr(link):
+            return True
+        link = link.__cause__ or link.__context__
+    return False
+
+
 def launch_failed(name: str, err: BaseException, where: str, hint: str) -> Result:
     """What to report when launching a student's kernel raised ``err``: "not solved yet" when it is the stub's
     ``NotImplementedError`` (the interpreter wraps a kernel's exception, so its cause is looked at too), else
     a failure naming the exception's type and first line, ``where`` (the trial and sizes) and the ``hint``."""
-    link: BaseException | None = err
-    while link is not None:  # the stub's exception may sit anywhere in the chain of wrappers
-        if isinstance(link, NotImplementedError):
-            return Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again.")
-        link = link.__cause__ or link.__context__
+    if stub_raised(err):
+        return Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again.")
     shown = err.__cause__ or err.__context__ or err
     first = str(shown).splitlines()[0][:160] if str(shown) else ""
     return Result(name, FAILED, _with_hint(f"{where}: the launch raised {type(shown).__name__}: {first}", hint))

@@ -17,7 +17,7 @@ import types
 import torch
 
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _code_names, _report, as_number, check_function,
-                                   exercise, randint, refuse_library, triton_missing)
+                                   exercise, randint, refuse_library, stub_raised, triton_missing)
 
 
 
@@ -365,7 +365,7 @@ def _dq_launcher(kernel):
         except NotImplementedError:
             raise
         except Exception as err:  # noqa: BLE001 - a compiled stub reports its NotImplementedError inside
-            if "NotImplementedError" in repr(err) or "NotImplementedError" in str(err.__cause__):
+            if stub_raised(err):
                 raise NotImplementedError from err
             print(f"  (the kernel raised {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})")
             return torch.full((tq, d), float("nan"))

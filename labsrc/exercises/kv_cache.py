@@ -16,7 +16,7 @@ import torch
 from labsrc import kv_cache
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number,
                                    check_function, exercise, hidden, randint, refuse_library,
-                                   triton_missing)
+                                   stub_raised, triton_missing)
 from labsrc.kernels._triton import HAS_TRITON
 
 
@@ -281,16 +281,6 @@ def _kernel_problem(kernel, n_slots, k_new, v_new, slots) -> str | None:
     return None
 
 
-def _not_implemented(err: BaseException) -> bool:
-    """The student build's stub raises NotImplementedError; Triton's interpreter re-raises it wrapped."""
-    seen = err
-    while seen is not None:
-        if isinstance(seen, NotImplementedError) or "NotImplementedError" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 @exercise
 def check_kv_store_kernel(kernel) -> Result:
     """Check a ``@triton.jit`` kernel ``kernel(k_cache, v_cache, k_new, v_new, slots, n_slots, head_dim, row_size,
@@ -324,7 +314,7 @@ def check_kv_store_kernel(kernel) -> Result:
         try:
             problem = _kernel_problem(kernel, n_slots, k_new, v_new, slots)
         except Exception as err:  # noqa: BLE001 - a crash inside the student's kernel is reported, not raised
-            if _not_implemented(err):
+            if stub_raised(err):
                 return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
             problem = f"the launch raised {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         if problem:

@@ -27,7 +27,7 @@ import numbers
 import torch
 
 from labsrc import rope
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton, stub_raised
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report, as_number,
                                    check_function, exercise, hidden, randint, refuse_library, tolerance)
 
@@ -283,7 +283,7 @@ def check_rope_kernel(kernel) -> Result:
             out, problem = _run_kernel(kernel, x, cos, sin, positions)
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
             cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
+            if stub_raised(err):
                 return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
             return _report(Result(name, FAILED, f"trial {trial + 1} (T={size[0]}, D={2 * size[1]}): the launch "
                                                 f"raised {type(cause or err).__name__}: {cause or err}. "

@@ -22,7 +22,7 @@ import math
 import torch
 
 from labsrc import runtime, ssm
-from labsrc.exercises.core import not_a_kernel, skipped_without_triton
+from labsrc.exercises.core import not_a_kernel, skipped_without_triton, stub_raised
 from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _call, _compare_tensors,
                                    _report, check_function, diagnose_number, exercise, hidden, randint,
                                    refuse_library)
@@ -329,7 +329,7 @@ def check_scan_grad_kernel(kernel) -> Result:
             kernel[(rows,)](ag, gg, d, L, BLOCK_L=block)
         except Exception as err:  # noqa: BLE001 - the interpreter wraps the student's exception
             cause = err.__cause__ or err.__context__
-            if isinstance(err, NotImplementedError) or isinstance(cause, NotImplementedError):
+            if stub_raised(err):
                 return _report(Result(name, NOT_SOLVED, "Fill in the kernel above, then run this cell again."))
             return _report(Result(name, FAILED, f"trial {trial + 1} (rows={rows}, L={L}, BLOCK_L={block}): the "
                                                 f"launch raised {type(cause or err).__name__}: {cause or err}. "
