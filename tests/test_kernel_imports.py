@@ -1,11 +1,13 @@
-"""Kernel modules and the modules that use them import in one direction only.
+"""Kernel modules and the modules that use them import in one direction only: down.
 
-A kernel family has a mechanism module (``labsrc/<family>.py``: the from-scratch version and the reference) and
-a kernel module (``labsrc/kernels/<family>.py``). Either may use the other, but not both: a cycle makes the
-result of an import depend on which module a reader imports first (a name looked up while the other module is
-half-initialised is missing), and hides which one is the reference. This reads every ``import`` statement in
-the package's source (function-level ones too: a lazy import is still a dependency) without importing
-anything, and fails naming each cycle that passes through a kernel module.
+A chapter's mechanism (``labsrc/<name>``: the experiment, the model-level code) uses its kernel family
+(``labsrc/kernels/<name>``: the Triton kernels with the plain PyTorch references and the formats they read,
+flash-linear-attention's naive-beside-the-fast-op layout). A kernel module imports only the runtime, the shared
+PyTorch helpers below every mechanism (``labsrc.decay``) and other kernel modules, never a mechanism module above
+it: the floors CONTRIBUTING.md promises (issue 42). And no import cycle passes through a kernel module: a cycle
+makes the result of an import depend on which module a reader imports first. This reads every ``import``
+statement in the package's source (function-level ones too: a lazy import is still a dependency) without
+importing anything.
 """
 import ast
 from pathlib import Path
@@ -71,7 +73,7 @@ def path_back(start: str, goal: str) -> list[str] | None:
 def test_the_graph_sees_the_imports_the_kernel_families_are_built_on():
     """The parser finds a module-level import, a lazy one inside a function and a ``from package import
     module`` one: without these the cycle test below would pass on an empty graph."""
-    assert "labsrc.rope" in GRAPH["labsrc.kernels.rope"]                 # from labsrc.rope import ...
+    assert "labsrc.kernels.rope" in GRAPH["labsrc.rope"]                 # from labsrc.kernels.rope import ...
     assert "labsrc.kernels.distillation" in GRAPH["labsrc.distillation.losses"]    # inside kd_loss (fused=True)
     assert "labsrc.runtime" in GRAPH["labsrc.kernels.distillation"]           # from labsrc import runtime
     assert "labsrc.kernels.flash_attention" in GRAPH["labsrc.kernels.serving"]
@@ -84,3 +86,22 @@ def test_no_module_a_kernel_imports_imports_it_back(kernel):
                         + "; ".join(" -> ".join([kernel, *c]) for c in cycles)
                         + ". Keep one direction: the kernel module holds the reference it needs, or the "
                           "mechanism module does not import the kernel")
+
+
+# What a kernel module may import from labsrc: the package (its __init__ sets up the runtime), the runtime, the
+# shared PyTorch helpers no mechanism owns, and the kernel layer itself.
+BELOW_KERNELS = {"labsrc", "labsrc.runtime", "labsrc.decay", "labsrc._moved"}
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_no_import_runs_from_the_kernels_up_into_a_mechanism(kernel):
+    up = sorted(m for m in GRAPH[kernel]
+                if m not in BELOW_KERNELS and m != "labsrc.kernels" and not m.startswith("labsrc.kernels."))
+    assert not up, (f"{kernel} imports {up}, above the kernel layer. Move what it needs (a reference, a check, a "
+                    "format) into the kernel family, and let the mechanism module import it from there")
+
+
+def test_the_direction_test_sees_a_mechanism_import():
+    """Without this the test above could pass on a graph that misses imports of mechanism modules."""
+    assert {"labsrc.kernels.ssm", "labsrc.decay"} <= GRAPH["labsrc.ssm"]
+    assert "labsrc.kernels.kv_quant.codes" in GRAPH["labsrc.kv_quant"]       # a package's __init__ counts too

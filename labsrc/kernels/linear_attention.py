@@ -45,18 +45,223 @@ and call the references.
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from labsrc import runtime
+from labsrc.decay import segsum
 from labsrc.kernels._decay import chunk_segsum, last_row
 from labsrc.kernels._dots import exact_dot, split_dot, split_dot2, split_dot_b
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
-from labsrc.linear_attention import (check_delta_inputs, check_linear_inputs, gated_delta_rule_chunked,
-                                     lightning_attention)
 
 __all__ = ["chunk_linear_attention", "chunk_gated_delta_rule", "chunk_linear_attention_ref",
            "chunk_gated_delta_rule_ref"]
 
+# -------------------------------------------------- the references, in plain PyTorch (chapter 8 builds them)
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _check_qkv(q, k, v):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (B, T, H, D), got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"{name} must be float32, float16, bfloat16 or float64, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; put all tensors on one device")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must be (B, T, H, V) with B, T, H of q {tuple(q.shape[:3])}, got {tuple(v.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.shape[1] < 1:
+        raise ValueError(f"q must hold at least one token (T >= 1), got shape {tuple(q.shape)}")
+    if min(q.shape[0], q.shape[2], q.shape[3], v.shape[3]) < 1:
+        raise ValueError(f"B, H, K and V must be positive, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+
+
+def _check_chunk(chunk_size, name="chunk_size"):
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
+        raise ValueError(f"{name} must be a positive int, got {chunk_size!r}")
+
+
+def _check_scale(scale):
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite positive number or None, got {scale!r}")
+
+
+def _check_state(initial_state, q, v):
+    if initial_state is None:
+        return
+    if not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state must be a torch.Tensor or None, got {type(initial_state).__name__}")
+    B, _, H, K = q.shape
+    shape = (B, H, K, v.shape[-1])
+    if tuple(initial_state.shape) != shape:
+        raise ValueError(f"initial_state must have shape (B, H, K, V) = {shape}, got {tuple(initial_state.shape)}")
+    if initial_state.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"initial_state must be float32 (or float64), got {initial_state.dtype}")
+    if initial_state.device != q.device:
+        raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_linear_inputs(q, k, v, decay, scale, initial_state, output_final_state, chunk_size=1,
+                        chunk_name="chunk_size"):
+    """The checks shared by :func:`linear_attention_recurrent`, :func:`lightning_attention` and the kernel
+    ``chunk_linear_attention``: shapes ``(B, T, H, K)``/``(B, T, H, V)``, one float dtype, ``decay`` a
+    ``(H,)`` tensor of per-step decays in ``(0, 1]`` (or None), ``scale`` positive, the state ``(B, H, K, V)``."""
+    _check_qkv(q, k, v)
+    if decay is not None:
+        if not isinstance(decay, torch.Tensor):
+            raise TypeError(f"decay must be a torch.Tensor of shape (H,) or None, got {type(decay).__name__}")
+        if tuple(decay.shape) != (q.shape[2],):
+            raise ValueError(f"decay must have shape (H,) = ({q.shape[2]},), got {tuple(decay.shape)}")
+        if not decay.is_floating_point():
+            raise TypeError(f"decay must be a float tensor, got {decay.dtype}")
+        if decay.device != q.device:
+            raise ValueError(f"decay is on {decay.device} but q is on {q.device}")
+        if bool(((decay <= 0) | (decay > 1)).any()):
+            raise ValueError("decay must lie in (0, 1] (the factor the state is multiplied by per step)")
+    _check_scale(scale)
+    _check_state(initial_state, q, v)
+    _check_flag("output_final_state", output_final_state)
+    _check_chunk(chunk_size, chunk_name)
+
+
+def check_delta_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size=1):
+    """The checks shared by the gated-delta-rule references and the kernel ``chunk_gated_delta_rule``:
+    ``g`` and ``beta`` ``(B, T, H)`` float tensors, ``g <= 0`` (the log of the decay), ``beta`` in ``[0, 1]``
+    (NaN passes the checks and propagates, as in the reference), plus the checks of
+    :func:`check_linear_inputs`."""
+    _check_qkv(q, k, v)
+    for name, t in (("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (B, T, H), got {type(t).__name__}")
+        if tuple(t.shape) != tuple(q.shape[:3]):
+            raise ValueError(f"{name} must have shape (B, T, H) = {tuple(q.shape[:3])}, got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if bool((g > 0).any()):
+        raise ValueError("g must be <= 0: it is the log of the decay alpha = exp(g) in (0, 1]")
+    if bool(((beta < 0) | (beta > 1)).any()):
+        raise ValueError("beta must lie in [0, 1] (the delta rule's step size)")
+    _check_scale(scale)
+    _check_state(initial_state, q, v)
+    _check_flag("output_final_state", output_final_state)
+    _check_chunk(chunk_size)
+
+
+def _work(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _init_state(initial_state, q, v, work):
+    B, _, H, K = q.shape
+    if initial_state is None:
+        return torch.zeros(B, H, K, v.shape[-1], dtype=work, device=q.device)
+    return initial_state.to(work).clone()
+
+
+def lightning_attention(q, k, v, decay=None, block_size: int = 64, scale: float = 1.0, initial_state=None,
+                        output_final_state: bool = False):
+    """:func:`linear_attention_recurrent` block by block (Lightning attention, Qin et al.): inside a block of
+    ``n`` tokens the output is a masked ``n x n`` product with decay ``lambda^(i-j)`` (intra-block), plus the
+    state carried in from earlier blocks, decayed by ``lambda^(i+1)`` (inter-block); the state then advances
+    once per block. No cumulative sum over the whole sequence is ever formed, and the decays between two
+    positions are segment sums (:func:`labsrc.decay.segsum`), exact for the smallest decays a float holds.
+    Same arguments and results."""
+    check_linear_inputs(q, k, v, decay, scale, initial_state, output_final_state, block_size, "block_size")
+    work = _work(q)
+    B, T, H, K = q.shape
+    S = _init_state(initial_state, q, v, work)
+    log_lam = (torch.zeros(H, dtype=work, device=q.device) if decay is None else decay.to(work).log())
+    qs, ks, vs = (x.to(work).transpose(1, 2) for x in (q, k, v))         # (B, H, T, D)
+    qs = qs * scale
+    out = []
+    for s in range(0, T, block_size):
+        qb, kb, vb = qs[:, :, s:s + block_size], ks[:, :, s:s + block_size], vs[:, :, s:s + block_size]
+        n = qb.shape[2]
+        steps = log_lam[:, None].expand(H, n)                       # (H, n): log lambda per step
+        gam = steps.cumsum(-1)                                      # log lambda^(i+1)
+        seg = segsum(steps)                                         # log lambda^(i-j), -inf above the diagonal
+        intra = ((qb @ kb.transpose(-1, -2)) * seg.exp()) @ vb
+        inter = (qb * gam.exp()[None, :, :, None]) @ S
+        out.append(intra + inter)
+        S = (S * gam[:, -1].exp()[None, :, None, None]
+             + (kb * seg[:, -1].exp()[None, :, :, None]).transpose(-1, -2) @ vb)
+    o = torch.cat(out, 2).transpose(1, 2).to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, scale: float | None = None, initial_state=None,
+                             output_final_state: bool = False, chunk_size: int = 64):
+    """:func:`gated_delta_rule_recurrent` chunk by chunk (the WY/UT form of Yang et al.), same arguments and
+    results.
+
+    Inside a chunk, with ``gamma_i`` the cumulative log decay from the chunk's start to token ``i``:
+
+    * ``A = strictly_lower(diag(beta) K K^T * exp(gamma_i - gamma_j))`` and ``T = (I + A)^{-1}`` (the UT
+      transform: one triangular solve replaces the token-by-token recursion);
+    * ``W = T diag(beta exp(gamma)) K`` and ``U = T diag(beta) V``; the chunk's corrected values are
+      ``V_new = U - W S`` given the state ``S`` carried in;
+    * ``O = diag(exp(gamma)) Q S + lower(Q K^T * exp(gamma_i - gamma_j)) V_new``;
+    * ``S <- exp(gamma_last) S + (K * exp(gamma_last - gamma))^T V_new``.
+
+    The factors ``exp(gamma_i - gamma_j)`` and ``exp(gamma_last - gamma)`` are computed from segment sums of
+    ``g`` (:func:`labsrc.decay.segsum`), never as differences of the cumulative sums: after one very negative
+    ``g`` those lose every later small ``g`` in float32 spacing. ``g = -inf`` is a decay of exactly zero: the
+    state is reset, as in the recurrent form. The last chunk may be shorter (any ``T >= 1``); nothing is
+    padded. A NaN in an input reaches every output
+    of its chunk (the chunk's products mix all its tokens, and 0 * NaN is NaN) and every later output of
+    its head, where the recurrent form only reaches the later ones.
+    """
+    check_delta_inputs(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size)
+    work = _work(q)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, T, H, K = q.shape
+    S = _init_state(initial_state, q, v, work)
+    qs, ks, vs = (x.to(work).transpose(1, 2) for x in (q, k, v))        # (B, H, T, D)
+    qs = qs * scale
+    gs, bs = (x.to(work).transpose(1, 2) for x in (g, beta))            # (B, H, T)
+    out = []
+    for s in range(0, T, chunk_size):
+        qc, kc, vc = qs[:, :, s:s + chunk_size], ks[:, :, s:s + chunk_size], vs[:, :, s:s + chunk_size]
+        bc = bs[:, :, s:s + chunk_size]
+        gc = gs[:, :, s:s + chunk_size]
+        gam = gc.cumsum(-1)                                            # (B, H, n)
+        n = qc.shape[2]
+        seg = segsum(gc)                                               # gamma_i - gamma_j, summed directly
+        decay = seg.exp()                                              # 0 above the diagonal
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        strict = torch.eye(n, dtype=torch.bool, device=q.device).logical_not() & lower
+        a = torch.where(strict, (bc[..., None] * kc) @ kc.transpose(-1, -2) * decay, torch.zeros_like(decay))
+        eye = torch.eye(n, dtype=work, device=q.device).expand_as(a)
+        tmat = torch.linalg.solve_triangular(eye + a, eye, upper=False, unitriangular=True)   # (I + A)^-1
+        w = tmat @ (kc * (bc * gam.exp())[..., None])
+        u = tmat @ (vc * bc[..., None])
+        v_new = u - w @ S
+        o = (qc * gam.exp()[..., None]) @ S + ((qc @ kc.transpose(-1, -2)) * decay) @ v_new
+        out.append(o)
+        S = S * gam[..., -1].exp()[..., None, None] + (kc * seg[..., -1, :].exp()[..., None]).transpose(-1, -2) @ v_new
+    o = torch.cat(out, 2).transpose(1, 2).to(v.dtype)
+    return o, (S if output_final_state else None)
+
+
+# The references the kernels are checked against: the chunked forms above.
 chunk_linear_attention_ref = lightning_attention
 chunk_gated_delta_rule_ref = gated_delta_rule_chunked
 

@@ -27,9 +27,103 @@ import torch
 
 from labsrc import runtime
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
-from labsrc.rope import apply_rope_ref, check_rope_inputs
 
 __all__ = ["apply_rope", "apply_rope_ref"]
+
+
+# -------------------------------------------------------------------- the reference, in plain PyTorch
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last dimension: the 90-degree turn of every pair ``(x_i, x_{i+D/2})``.
+
+    The last dimension must be even and positive (an odd one has no pairs to turn)."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"x must be a tensor with a last dimension of pairs, got {type(x).__name__}")
+    if x.shape[-1] < 2 or x.shape[-1] % 2:
+        raise ValueError(f"the last dimension of x must be even and >= 2, got {x.shape[-1]}")
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def check_rope_inputs(q, k, cos, sin, positions=None, check_positions: bool = True) -> None:
+    """The checks :func:`apply_rope_ref` and the kernel :func:`labsrc.kernels.rope.apply_rope` share.
+
+    Raises ``TypeError`` for a non-tensor or a wrong dtype and ``ValueError`` for wrong shapes, a head dim
+    ``D`` that is odd or 0, or positions outside the tables (that range check syncs with the device; it is
+    skipped when ``check_positions`` is False). Dtype limits of the kernel and devices are checked there.
+    """
+    for name, x in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if positions is not None and not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+    if not isinstance(check_positions, bool):
+        raise TypeError(f"check_positions must be a bool, got {type(check_positions).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (B, Hq, T, D), got shape {tuple(q.shape)}")
+    if k.dim() != 4:
+        raise ValueError(f"k must be 4-D (B, Hkv, T, D), got shape {tuple(k.shape)}")
+    B, _, T, D = q.shape
+    if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
+        raise ValueError(f"k {tuple(k.shape)} must share B, T and D with q {tuple(q.shape)} (heads may differ)")
+    if D % 2 or D == 0:
+        raise ValueError(f"the head dim D of q and k must be even and positive (pairs i and i + D/2 rotate "
+                         f"together), got {D}")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got {q.dtype}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k has dtype {k.dtype} but q has {q.dtype}; they must match")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 2 or table.shape[1] != D:
+            raise ValueError(f"{name} must be a table (max_pos, D={D}), got shape {tuple(table.shape)}")
+        if not table.is_floating_point():
+            raise TypeError(f"{name} must be float32, float16 or bfloat16, got {table.dtype}")
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin {tuple(sin.shape)} and cos {tuple(cos.shape)} must have the same shape")
+    if sin.dtype != cos.dtype:
+        raise TypeError(f"sin has dtype {sin.dtype} but cos has {cos.dtype}; they must match")
+    if positions is not None:
+        if positions.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"positions must be int32 or int64, got {positions.dtype}")
+        if positions.shape not in ((T,), (B, T)):
+            raise ValueError(f"positions must have shape (T,) = ({T},) or (B, T) = ({B}, {T}), "
+                             f"got {tuple(positions.shape)}")
+        if check_positions and positions.numel():
+            # A host sync, but an out-of-table index would read garbage memory (kernel) or wrap around
+            # to the end of the table (negative indices in PyTorch) silently.
+            low, high = int(positions.min()), int(positions.max())
+            if low < 0 or high >= cos.shape[0]:
+                raise ValueError(f"positions must lie in [0, {cos.shape[0]}) (the rows of the cos/sin tables), "
+                                 f"got values in [{low}, {high}]")
+    elif T > cos.shape[0]:
+        raise ValueError(f"the cos/sin tables have {cos.shape[0]} rows but the default positions arange(T) "
+                         f"need T = {T}")
+
+
+def apply_rope_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate queries ``(B, Hq, T, D)`` and keys ``(B, Hkv, T, D)`` in plain PyTorch (the kernel's reference).
+
+    ``cos``/``sin`` are tables ``(max_pos, D)`` (from :func:`rope_cos_sin`); row ``positions[b, t]`` (or
+    ``positions[t]``; default ``t``) rotates token ``t``, so decoding at an offset just passes the offset
+    positions. Computes ``x * cos + rotate_half(x) * sin`` in float32 (float64 for float64 inputs) and
+    returns new tensors in the input dtype. Refuses what the kernel refuses (:func:`check_rope_inputs`),
+    except that it also takes float64 and any device.
+    """
+    check_rope_inputs(q, k, cos, sin, positions)
+    if positions is None:
+        positions = torch.arange(q.shape[2], device=q.device)
+    # rows (T, D) or (B, T, D), broadcast over the head axis
+    cos_p, sin_p = cos[positions], sin[positions]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    cos_p = cos_p.to(compute).unsqueeze(-3)
+    sin_p = sin_p.to(compute).unsqueeze(-3)
+
+    def rotate(x):
+        xf = x.to(compute)
+        return (xf * cos_p + rotate_half(xf) * sin_p).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE_ELEMENTS = 2048  # BLOCK_H * BLOCK_D per half: two 8 KB fp32 tiles in registers per loop step

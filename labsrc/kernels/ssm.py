@@ -38,8 +38,10 @@ registers).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from labsrc import runtime, ssm
+from labsrc import runtime
+from labsrc.decay import segsum
 from labsrc.kernels._decay import chunk_segsum, last_row
 from labsrc.kernels._dots import exact_dot, split_dot
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
@@ -47,10 +49,277 @@ from labsrc.kernels._triton import HAS_TRITON, tl, triton
 __all__ = ["linear_scan", "selective_scan", "ssd", "linear_scan_ref", "selective_scan_ref", "ssd_ref",
            "MAX_STATE", "MIN_CHUNK", "MAX_CHUNK"]
 
-# The references the kernels are checked against (the from-scratch versions in labsrc.ssm).
-linear_scan_ref = ssm.linear_scan_ref
-selective_scan_ref = ssm.selective_scan_ref
-ssd_ref = ssm.ssd_chunked
+
+# ------------------------------------------- the references, in plain PyTorch (chapter 7 builds them)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _tensor(name: str, t, dims: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if dims is not None and t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(t.shape)}")
+    return t
+
+
+def _shape(name: str, t: torch.Tensor, expected: tuple, what: str) -> None:
+    if tuple(t.shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {what} = {tuple(expected)}, got {tuple(t.shape)}")
+
+
+def _same_device(**tensors) -> None:
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; "
+                             "put every tensor on one device")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def _compute_dtype(*tensors) -> torch.dtype:
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_selective_scan_args(u, delta, A, B, C, D=None, z=None, delta_bias=None) -> tuple[int, int, int, int]:
+    """Validate :func:`selective_scan_ref`'s arguments; return ``(b, d, l, n)``.
+
+    Raises ``TypeError`` for a non-tensor or a non-float dtype and ``ValueError`` for a shape or device
+    mismatch, naming the argument and the expected shape.
+    """
+    _tensor("u", u, 3)
+    bsz, d, l = u.shape
+    if l < 1 or d < 1 or bsz < 1:
+        raise ValueError(f"u must have non-empty (b, d, l) dimensions, got {tuple(u.shape)}")
+    _tensor("delta", delta, 3)
+    _shape("delta", delta, (bsz, d, l), "(b, d, l)")
+    _tensor("A", A, 2)
+    if A.shape[0] != d or A.shape[1] < 1:
+        raise ValueError(f"A must have shape (d, n) with d = {d}, got {tuple(A.shape)}")
+    n = A.shape[1]
+    _tensor("B", B, 3)
+    _shape("B", B, (bsz, n, l), "(b, n, l)")
+    _tensor("C", C, 3)
+    _shape("C", C, (bsz, n, l), "(b, n, l)")
+    if D is not None:
+        _tensor("D", D, 1)
+        _shape("D", D, (d,), "(d,)")
+    if z is not None:
+        _tensor("z", z, 3)
+        _shape("z", z, (bsz, d, l), "(b, d, l)")
+    if delta_bias is not None:
+        _tensor("delta_bias", delta_bias, 1)
+        _shape("delta_bias", delta_bias, (d,), "(d,)")
+    _same_device(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias)
+    return bsz, d, l, n
+
+
+def check_ssd_args(x, dt, A, B, C, D=None, initial_state=None, chunk_size=None) -> tuple[int, int, int, int, int, int]:
+    """Validate the SSD arguments (:func:`ssd_recurrent`, :func:`ssd_chunked`); return ``(b, l, h, p, g, n)``."""
+    _tensor("x", x, 4)
+    bsz, l, h, p = x.shape
+    if min(bsz, l, h, p) < 1:
+        raise ValueError(f"x must have non-empty (b, l, h, p) dimensions, got {tuple(x.shape)}")
+    _tensor("dt", dt, 3)
+    _shape("dt", dt, (bsz, l, h), "(b, l, h)")
+    _tensor("A", A, 1)
+    _shape("A", A, (h,), "(h,)")
+    _tensor("B", B, 4)
+    if B.shape[:2] != (bsz, l) or B.shape[2] < 1 or B.shape[3] < 1:
+        raise ValueError(f"B must have shape (b, l, g, n) with (b, l) = {(bsz, l)}, got {tuple(B.shape)}")
+    g, n = B.shape[2], B.shape[3]
+    if h % g:
+        raise ValueError(f"B's group count g = {g} must divide the number of heads h = {h}")
+    _tensor("C", C, 4)
+    _shape("C", C, (bsz, l, g, n), "(b, l, g, n)")
+    if D is not None:
+        _tensor("D", D, 1)
+        _shape("D", D, (h,), "(h,)")
+    if initial_state is not None:
+        _tensor("initial_state", initial_state, 4)
+        _shape("initial_state", initial_state, (bsz, h, p, n), "(b, h, p, n)")
+    if chunk_size is not None:
+        _positive_int("chunk_size", chunk_size)
+    _same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
+    return bsz, l, h, p, g, n
+
+
+def check_linear_scan_args(a, b, h0=None) -> int:
+    """Validate :func:`linear_scan_ref`'s arguments; return the length ``l``."""
+    _tensor("a", a)
+    _tensor("b", b)
+    if a.dim() < 1 or a.shape[-1] < 1:
+        raise ValueError(f"a must have at least one dimension with length l >= 1, got {tuple(a.shape)}")
+    if tuple(b.shape) != tuple(a.shape):
+        raise ValueError(f"b must have the shape of a, {tuple(a.shape)}, got {tuple(b.shape)}")
+    if h0 is not None:
+        _tensor("h0", h0)
+        if tuple(h0.shape) != tuple(a.shape[:-1]):
+            raise ValueError(f"h0 must have shape a.shape[:-1] = {tuple(a.shape[:-1])}, got {tuple(h0.shape)}")
+    _same_device(a=a, b=b, h0=h0)
+    return a.shape[-1]
+
+
+def _selective_prepare(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+    check_selective_scan_args(u, delta, A, B, C, D, z, delta_bias)
+    cd = _compute_dtype(u, delta, A, B, C, D, z, delta_bias)
+    delta = delta.to(cd)
+    if delta_bias is not None:
+        delta = delta + delta_bias.to(cd)[:, None]
+    if delta_softplus:
+        delta = F.softplus(delta)
+    return cd, delta
+
+
+def _selective_finish(y, u, D, z, cd):
+    if D is not None:
+        y = y + D.to(cd)[:, None] * u.to(cd)
+    if z is not None:
+        y = y * F.silu(z.to(cd))
+    return y.to(u.dtype)
+
+
+def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                       return_last_state=False):
+    """Mamba's selective scan (the layout and semantics of ``mamba_ssm``'s ``selective_scan_ref``).
+
+    For each batch ``b`` and channel ``d`` a state ``x (n,)`` runs over the sequence::
+
+        delta = softplus(delta + delta_bias)              (each part only when asked)
+        x_t   = exp(delta_t * A[d]) * x_{t-1} + delta_t * B_t * u_t
+        y_t   = <x_t, C_t> + D[d] * u_t, then y * silu(z) when z is given
+
+    Shapes: ``u, delta, z (b, d, l)``; ``A (d, n)``; ``B, C (b, n, l)``; ``D, delta_bias (d,)``. Returns ``y``
+    ``(b, d, l)`` in ``u``'s dtype, and with ``return_last_state`` also ``x_{l-1}`` ``(b, d, n)`` (compute dtype).
+
+    Here the recurrence is evaluated for all channels at once, one time step per iteration: the ``l``
+    sequential steps are what a scan kernel parallelises.
+    """
+    cd, delta = _selective_prepare(u, delta, A, B, C, D, z, delta_bias, delta_softplus)
+    bsz, d, l = u.shape
+    uc = u.to(cd)
+    dA = torch.exp(delta[..., None] * A.to(cd)[None, :, None, :])  # (b, d, l, n)
+    dBu = (delta * uc)[..., None] * B.to(cd).transpose(1, 2)[:, None]  # (b, d, l, n)
+    Ct = C.to(cd).transpose(1, 2)  # (b, l, n)
+    x = torch.zeros(bsz, d, A.shape[1], dtype=cd, device=u.device)
+    ys = []
+    for t in range(l):
+        x = dA[:, :, t] * x + dBu[:, :, t]
+        ys.append((x * Ct[:, None, t]).sum(-1))
+    y = _selective_finish(torch.stack(ys, -1), u, D, z, cd)
+    return (y, x) if return_last_state else y
+
+
+def scan_combine(left: tuple, right: tuple) -> tuple:
+    """Compose two steps of ``h -> a h + b``: first ``left = (a1, b1)``, then ``right = (a2, b2)``.
+
+    ``a2 (a1 h + b1) + b2 = (a1 a2) h + (a2 b1 + b2)``, so the pair of the two steps is
+    ``(a1 a2, a2 b1 + b2)``. The operator is associative (not commutative), which is all a parallel scan needs.
+    """
+    a1, b1 = left
+    a2, b2 = right
+    return a1 * a2, a2 * b1 + b2
+
+
+def linear_scan_ref(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None) -> torch.Tensor:
+    """``h_t = a_t h_{t-1} + b_t`` along the last dimension of ``(..., l)`` tensors, by the scan operator.
+
+    Implemented with Hillis-Steele doubling (``log2 l`` rounds of :func:`scan_combine` over the whole
+    sequence): the parallel algorithm, in PyTorch. ``h0`` (shape ``a.shape[:-1]``) enters as ``b_0 += a_0 h0``.
+    Returns ``h`` in ``b``'s dtype (computed in float32, float64 for float64 inputs).
+    """
+    l = check_linear_scan_args(a, b, h0)
+    cd = _compute_dtype(a, b, h0)
+    A, Bv = a.to(cd).clone(), b.to(cd).clone()
+    if h0 is not None:
+        Bv[..., 0] = Bv[..., 0] + A[..., 0] * h0.to(cd)
+    step = 1
+    while step < l:
+        # element t absorbs the prefix ending at t - step: (A, B)[t] = combine((A, B)[t-step], (A, B)[t])
+        A_new, B_new = scan_combine((A[..., :-step], Bv[..., :-step]), (A[..., step:], Bv[..., step:]))
+        A = torch.cat([A[..., :step], A_new], -1)
+        Bv = torch.cat([Bv[..., :step], B_new], -1)
+        step *= 2
+    return Bv.to(b.dtype)
+
+
+def _heads(t: torch.Tensor, h: int) -> torch.Tensor:
+    """``(b, l, g, n) -> (b, l, h, n)``: head ``i`` reads group ``i // (h // g)``."""
+    return t.repeat_interleave(h // t.shape[2], dim=2)
+
+
+def ssd_chunked(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
+    """Mamba-2's chunked SSD algorithm: the same result as :func:`ssd_recurrent`, computed chunk by chunk.
+
+    The sequence is cut into chunks of ``chunk_size`` (the last one padded with ``dt = 0`` and log-decay 0,
+    which neither decay nor write the state). With ``a_t = dt_t A`` and ``cs_t`` its cumulative sum inside a
+    chunk:
+
+    1. *intra-chunk* (the quadratic, attention-like form): ``y_t += sum_{s <= t} (C_t . B_s)
+       exp(a_{s+1} + ... + a_t) dt_s x_s`` -- a masked matrix product, on tensor cores in a real kernel;
+    2. *chunk states*: ``P_c = sum_s exp(a_{s+1} + ... + a_last) dt_s x_s B_s^T``, what chunk ``c`` adds to
+       the state;
+    3. *state passing* (a scan over chunks): ``S_{c+1} = exp(cs_last) S_c + P_c``, from ``initial_state``;
+    4. *inter-chunk output*: ``y_t += exp(cs_t) S_c C_t`` -- the state chunk ``c`` starts from, decayed to ``t``.
+
+    Then ``y += D x``. Arguments and returns as in :func:`ssd_recurrent` (plus ``chunk_size``, a positive int;
+    any ``l >= 1`` works). The decays between two positions (steps 1 and 2) are segment sums
+    (:func:`labsrc.decay.segsum`), never ``exp(cs_t - cs_s)``: that difference loses the small log-decays that
+    follow a very negative one, and turns a log-decay of ``-inf`` (``A = -inf``: a decay of exactly zero, which
+    resets the state as in the recurrence) into NaN. Work: ``O(l Q (n + p))`` for chunk size ``Q`` against the recurrence's
+    ``O(l n p)`` in ``l`` sequential steps; only ``l / Q`` steps (3) are sequential.
+    """
+    bsz, l, h, p, g, n = check_ssd_args(x, dt, A, B, C, D, initial_state, chunk_size)
+    cd = _compute_dtype(x, dt, A, B, C, D, initial_state)
+    Q = int(chunk_size)
+    nc = -(-l // Q)
+    pad = nc * Q - l
+    xc = F.pad(x.to(cd), (0, 0, 0, 0, 0, pad)).reshape(bsz, nc, Q, h, p)
+    dtc = F.pad(dt.to(cd), (0, 0, 0, pad)).reshape(bsz, nc, Q, h)
+    Bh = F.pad(_heads(B.to(cd), h), (0, 0, 0, 0, 0, pad)).reshape(bsz, nc, Q, h, n)
+    Ch = F.pad(_heads(C.to(cd), h), (0, 0, 0, 0, 0, pad)).reshape(bsz, nc, Q, h, n)
+    # log-decay of each step, (b, c, h, Q); padded steps get 0 (not 0 * A, which is NaN for A = -inf)
+    a = F.pad(dt.to(cd) * A.to(cd), (0, 0, 0, pad)).reshape(bsz, nc, Q, h).permute(0, 1, 3, 2)
+    cs = torch.cumsum(a, -1)  # (b, c, h, Q): from the chunk's start, a sum of terms of one sign
+    seg = segsum(a)  # (b, c, h, t, s): log-decay from s to t, summed directly
+    xdt = xc * dtc[..., None]  # dt_s x_s, (b, c, Q, h, p)
+
+    # 1. intra-chunk: a (Q x Q) lower-triangular "attention" per chunk and head
+    Lmask = torch.exp(seg)  # (b, c, h, t, s), 0 above the diagonal
+    scores = torch.einsum("bcthn,bcshn->bchts", Ch, Bh) * Lmask
+    y = torch.einsum("bchts,bcshp->bcthp", scores, xdt)
+
+    # 2. what each chunk writes into the state, decayed to the chunk's end
+    to_end = torch.exp(seg[..., -1, :])  # (b, c, h, Q): from each step to the chunk's end
+    P = torch.einsum("bchs,bcshp,bcshn->bchpn", to_end, xdt, Bh)
+
+    # 3. state passing between chunks (sequential over nc = ceil(l / Q) chunks)
+    S = torch.zeros(bsz, h, p, n, dtype=cd, device=x.device) if initial_state is None else initial_state.to(cd)
+    chunk_decay = torch.exp(cs[..., -1])  # (b, c, h)
+    starts = []
+    for c in range(nc):
+        starts.append(S)
+        S = chunk_decay[:, c, :, None, None] * S + P[:, c]
+    starts = torch.stack(starts, 1)  # (b, c, h, p, n)
+
+    # 4. the start state's contribution to each position of its chunk
+    y = y + torch.einsum("bcthn,bchpn,bcth->bcthp", Ch, starts, torch.exp(cs).permute(0, 1, 3, 2))
+
+    y = y.reshape(bsz, nc * Q, h, p)[:, :l]
+    if D is not None:
+        y = y + D.to(cd)[:, None] * x.to(cd)
+    return y.to(x.dtype), S
+
+
+# The reference SSD is the chunked form (chapter 7 builds it; labsrc.ssm has it from here).
+ssd_ref = ssd_chunked
 
 MAX_STATE = 256          # n: one (BLOCK_L, BLOCK_N) / (BLOCK_Q, BLOCK_N) tile per program
 MIN_CHUNK, MAX_CHUNK = 16, 256   # ssd's chunk: tl.dot needs >= 16; a (Q, Q) fp32 tile of 256^2 is the most
@@ -326,7 +595,7 @@ def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None
         ``h`` of ``b``'s shape and dtype (computed in float32). Same result as
         :func:`labsrc.ssm.linear_scan_ref`.
     """
-    l = ssm.check_linear_scan_args(a, b, h0)
+    l = check_linear_scan_args(a, b, h0)
     _check_dtypes(a=a, b=b, h0=h0)
     if a.dtype != b.dtype:
         raise TypeError(f"a and b must have one dtype, got {a.dtype} and {b.dtype}")
@@ -335,7 +604,7 @@ def linear_scan(a: torch.Tensor, b: torch.Tensor, h0: torch.Tensor | None = None
     rows = a.numel() // l
     _check_grid(rows)
     if not HAS_TRITON:
-        return ssm.linear_scan_ref(a, b, h0)
+        return linear_scan_ref(a, b, h0)
     a2 = _packed(a).reshape(rows, l)
     b2 = _packed(b).reshape(rows, l)
     h0f = (torch.zeros(rows, device=a.device, dtype=torch.float32) if h0 is None
@@ -387,7 +656,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         ``y (b, d, l)`` in ``u``'s dtype, and with ``return_last_state`` the state after the last step
         ``(b, d, n)`` float32.
     """
-    bsz, d, l, n = ssm.check_selective_scan_args(u, delta, A, B, C, D, z, delta_bias)
+    bsz, d, l, n = check_selective_scan_args(u, delta, A, B, C, D, z, delta_bias)
     _check_bool("delta_softplus", delta_softplus)
     _check_bool("return_last_state", return_last_state)
     _check_dtypes(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias)
@@ -398,7 +667,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
                          f"{MAX_STATE}")
     _check_grid(bsz * d)
     if not HAS_TRITON:
-        return ssm.selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
+        return selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state)
     f32 = torch.float32
     y = _alloc((bsz, d, l), u.device, u.dtype)
     last = _alloc((bsz, d, n), u.device, f32)
@@ -429,7 +698,7 @@ def ssd(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
     Returns:
         ``(y, final_state)``: ``y (b, l, h, p)`` in ``x``'s dtype, ``final_state (b, h, p, n)`` float32.
     """
-    bsz, l, h, p, g, n = ssm.check_ssd_args(x, dt, A, B, C, D, initial_state, chunk_size)
+    bsz, l, h, p, g, n = check_ssd_args(x, dt, A, B, C, D, initial_state, chunk_size)
     if chunk_size & (chunk_size - 1) or not MIN_CHUNK <= chunk_size <= MAX_CHUNK:
         raise ValueError(f"chunk_size must be a power of two from {MIN_CHUNK} to {MAX_CHUNK} for the kernel "
                          f"(tl.dot needs tiles of at least 16), got {chunk_size}")
@@ -440,7 +709,7 @@ def ssd(x, dt, A, B, C, D=None, initial_state=None, chunk_size: int = 64):
         raise ValueError(f"B has state size n = {n}; the kernel holds the state in one tile of at most {MAX_STATE}")
     _check_grid(bsz * h)
     if not HAS_TRITON:
-        return ssm.ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
+        return ssd_chunked(x, dt, A, B, C, D, initial_state, chunk_size)
     f32 = torch.float32
     y = _alloc((bsz, l, h, p), x.device, x.dtype)
     final = _alloc((bsz, h, p, n), x.device, f32)

@@ -88,9 +88,9 @@ Recipes for the chapter's experiments (``cfg = model.config``, ``stats = calibra
 
 The package holds one concept per file (every name above is importable from here):
 
-* :mod:`labsrc.kv_quant.codes`: The integer codes of a quantized cache: the supported widths, a scale and zero
+* :mod:`labsrc.kernels.kv_quant.codes`: The integer codes of a quantized cache: the supported widths, a scale and zero
   point per group, rounding to codes, and packing several codes into a byte or a 32-bit word and back.
-* :mod:`labsrc.kv_quant.tensor`: A quantized tensor: its groups (per token, per channel, per group of channels),
+* :mod:`labsrc.kernels.kv_quant.tensor`: A quantized tensor: its groups (per token, per channel, per group of channels),
   KVarN's per-channel normalising statistics, and quantizing and dequantizing whole tensors.
 * :mod:`labsrc.kv_quant.analysis`: What quantization costs, computed: the channel variances and their spread,
   the error of a grouping and the error the variance ratio predicts, and the bytes of a quantized cache.
@@ -103,11 +103,11 @@ The package holds one concept per file (every name above is importable from here
 """
 from __future__ import annotations
 
-from labsrc.kv_quant.codes import (FP16_MAX, GRANULARITIES, STORE_BYTES, SUPPORTED_BITS, _MIN_STD, _check_bits,
+from labsrc.kernels.kv_quant.codes import (FP16_MAX, GRANULARITIES, STORE_BYTES, SUPPORTED_BITS, _MIN_STD, _check_bits,
                                    _check_granularity, _check_group_size, _check_int, _check_x, _overflow_error,
                                    _scale_zero, pack_codes, pack_unit, packed_width, quantize_codes, scale_zero,
                                    unpack_codes)
-from labsrc.kv_quant.tensor import (ChannelStats, KVStats, QuantizedTensor, _expand, _groups, _resolve_stats,
+from labsrc.kernels.kv_quant.tensor import (ChannelStats, KVStats, QuantizedTensor, _expand, _groups, _resolve_stats,
                                     fake_quantize, quantize, quantize_per_channel, quantize_per_token)
 from labsrc.kv_quant.analysis import (channel_variance, group_range, kv_bytes, kvarn_bytes_source, mse,
                                       predicted_mse_ratio, quantization_mse, relative_mse, var_ratio)

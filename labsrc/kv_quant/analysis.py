@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from labsrc.kv_quant.codes import (STORE_BYTES, _check_bits, _check_granularity, _check_group_size, _check_int,
+from labsrc.kernels.kv_quant.codes import (STORE_BYTES, _check_bits, _check_granularity, _check_group_size, _check_int,
                                    _check_x)
-from labsrc.kv_quant.tensor import ChannelStats, fake_quantize
+from labsrc.kernels.kv_quant.tensor import ChannelStats, fake_quantize
 
 
 # ----------------------------------------------------------------------------------------------- measurements

@@ -8,8 +8,8 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from labsrc.kv_quant.codes import _check_bits, _check_granularity, _check_group_size
-from labsrc.kv_quant.tensor import ChannelStats, KVStats, QuantizedTensor, quantize
+from labsrc.kernels.kv_quant.codes import _check_bits, _check_granularity, _check_group_size
+from labsrc.kernels.kv_quant.tensor import ChannelStats, KVStats, QuantizedTensor, quantize
 
 
 # ----------------------------------------------------------------------------------------------- the cache

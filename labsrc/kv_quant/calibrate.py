@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from labsrc.kv_quant.codes import _check_int
-from labsrc.kv_quant.tensor import ChannelStats, KVStats
+from labsrc.kernels.kv_quant.codes import _check_int
+from labsrc.kernels.kv_quant.tensor import ChannelStats, KVStats
 
 
 # ----------------------------------------------------------------------------------------------- calibration

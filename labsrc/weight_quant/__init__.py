@@ -57,7 +57,7 @@ of the weight, the backward pass treats the round trip as the identity (:func:`f
 
 The package holds one concept per file (every name above is importable from here):
 
-* :mod:`labsrc.weight_quant.rtn`: Round-to-nearest: the packed INT4/INT8 weight format (``QuantizedWeight``:
+* :mod:`labsrc.kernels.weight_quant.rtn`: Round-to-nearest: the packed INT4/INT8 weight format (``QuantizedWeight``:
   codes, scales, zero points per group), quantizing and dequantizing it, and the output error a quantized layer
   makes.
 * :mod:`labsrc.weight_quant.outliers`: LLM.int8()'s outlier decomposition: the outlier input columns in 16 bits,
@@ -66,7 +66,7 @@ The package holds one concept per file (every name above is importable from here
   quantized with the inverse Hessian of the layer's inputs.
 * :mod:`labsrc.weight_quant.awq`: AWQ: search per-input-channel scales from the activations' magnitudes that
   protect the salient weights.
-* :mod:`labsrc.weight_quant.mxfp4`: MXFP4: E2M1 codes in blocks of 32 sharing a power-of-two scale, their
+* :mod:`labsrc.kernels.weight_quant.mxfp4`: MXFP4: E2M1 codes in blocks of 32 sharing a power-of-two scale, their
   packing, and the straight-through fake quantization that quantization-aware training uses.
 * :mod:`labsrc.weight_quant.model`: Quantizing a whole model: its linear layers, calibration inputs, the
   quantized layer modules (AWQ, INT8 with outliers, MXFP4 through torchao), QAT, and what a quantized model is
@@ -76,14 +76,14 @@ The package holds one concept per file (every name above is importable from here
 """
 from __future__ import annotations
 
-from labsrc.weight_quant.rtn import (FP16_MAX, QuantizedWeight, SUPPORTED_BITS, _assemble, _check_acts,
+from labsrc.kernels.weight_quant.rtn import (FP16_MAX, QuantizedWeight, SUPPORTED_BITS, _assemble, _check_acts,
                                      _check_bits, _check_group_size, _check_int, _check_weight, _codes, _expand,
                                      _fp16_up, _params, dequantize, layer_output_error, pack_int4, quantize_rtn,
                                      unpack_int4)
 from labsrc.weight_quant.outliers import absmax_int8, int8_matmul_outlier, outlier_columns
 from labsrc.weight_quant.gptq import gptq_quantize, hessian
 from labsrc.weight_quant.awq import apply_awq, awq_search_scales
-from labsrc.weight_quant.mxfp4 import (E2M1_VALUES, MX_BLOCK, _E2M1_EMAX, _F32_MIN_NORMAL, _STE, _pack_even_low,
+from labsrc.kernels.weight_quant.mxfp4 import (E2M1_VALUES, MX_BLOCK, _E2M1_EMAX, _F32_MIN_NORMAL, _STE, _pack_even_low,
                                        _unpack_even_low, e2m1_encode, fake_quant_mxfp4, mxfp4_dequantize,
                                        mxfp4_quantize)
 from labsrc.weight_quant.model import (AWQLinear, Int8OutlierLinear, LINEAR_NAMES, _set_module,

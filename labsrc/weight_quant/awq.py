@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from labsrc.weight_quant.rtn import (QuantizedWeight, _check_acts, _check_bits, _check_int, _check_weight,
+from labsrc.kernels.weight_quant.rtn import (QuantizedWeight, _check_acts, _check_bits, _check_int, _check_weight,
                                      dequantize, quantize_rtn)
 
 

@@ -13,7 +13,7 @@ from labsrc.weight_quant.awq import apply_awq, awq_search_scales
 from labsrc.weight_quant.gptq import gptq_quantize, hessian
 from labsrc.weight_quant.model import (activation_outliers, calibration_ids, collect_linear_inputs, int8_model,
                                        linear_layers, model_weight_bytes, qat_mxfp4, quantize_model, window_nll)
-from labsrc.weight_quant.rtn import dequantize, layer_output_error, quantize_rtn
+from labsrc.kernels.weight_quant.rtn import dequantize, layer_output_error, quantize_rtn
 
 
 PROBES = ("needle", "variable_tracking")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from labsrc.weight_quant.rtn import (QuantizedWeight, _assemble, _check_bits, _check_group_size, _check_int,
+from labsrc.kernels.weight_quant.rtn import (QuantizedWeight, _assemble, _check_bits, _check_group_size, _check_int,
                                      _check_weight, _params)
 
 

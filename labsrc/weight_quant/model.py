@@ -9,9 +9,9 @@ import torch
 
 from labsrc.weight_quant.awq import apply_awq, awq_search_scales
 from labsrc.weight_quant.gptq import gptq_quantize, hessian
-from labsrc.weight_quant.mxfp4 import fake_quant_mxfp4, mxfp4_dequantize, mxfp4_quantize
+from labsrc.kernels.weight_quant.mxfp4 import fake_quant_mxfp4, mxfp4_dequantize, mxfp4_quantize
 from labsrc.weight_quant.outliers import int8_matmul_outlier
-from labsrc.weight_quant.rtn import dequantize, quantize_rtn
+from labsrc.kernels.weight_quant.rtn import dequantize, quantize_rtn
 
 
 # ----------------------------------------------------------------------------------------------- a model

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from labsrc.weight_quant.rtn import _check_acts, _check_weight
+from labsrc.kernels.weight_quant.rtn import _check_acts, _check_weight
 
 
 # ----------------------------------------------------------------------------------------------- outliers

@@ -22,12 +22,12 @@ DEV = runtime.DEVICE
 
 @pytest.fixture(autouse=True)
 def poisoned_outputs(monkeypatch):
-    real = kw.torch.empty
+    real = torch.empty
 
     def nan_empty(*shape, dtype=None, device=None):
         return real(*shape, dtype=dtype, device=device).fill_(float("nan"))
 
-    monkeypatch.setattr(kw, "_new_output", lambda m, n, dtype, device: nan_empty(m, n, dtype=dtype, device=device))
+    monkeypatch.setattr(kw.matmul, "_new_output", lambda m, n, dtype, device: nan_empty(m, n, dtype=dtype, device=device))
 
 
 def gen(*key):
@@ -209,7 +209,7 @@ def test_reference_takes_float64_the_kernel_does_not():
 
 
 def test_too_many_weight_rows_are_refused_up_front(monkeypatch):
-    monkeypatch.setattr(kw, "MAX_GRID_1", 1)
+    monkeypatch.setattr(kw.matmul, "MAX_GRID_1", 1)
     qw = wq.quantize_rtn(torch.randn(200, 32, generator=gen("grid")), 4, 8)
     with pytest.raises(ValueError, match="grid axis 1"):
         kw.int4_matmul(torch.randn(1, 32, device=DEV), *int4_args(qw))

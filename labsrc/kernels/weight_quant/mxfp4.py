@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from labsrc.weight_quant.rtn import _check_int
+from labsrc.kernels.weight_quant.rtn import _check_int
 
 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])

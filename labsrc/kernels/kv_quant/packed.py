@@ -48,8 +48,8 @@ import numbers
 
 from labsrc import runtime
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
-from labsrc.kv_quant import (SUPPORTED_BITS, ChannelStats, QuantizedTensor, _check_bits, _check_group_size,
-                            quantize)
+from labsrc.kernels.kv_quant.codes import SUPPORTED_BITS, _check_bits, _check_group_size
+from labsrc.kernels.kv_quant.tensor import ChannelStats, QuantizedTensor, quantize
 
 import torch
 

@@ -43,7 +43,8 @@ import torch
 
 from labsrc import runtime
 from labsrc.kernels._triton import HAS_TRITON, tl, triton
-from labsrc.weight_quant import MX_BLOCK, QuantizedWeight, dequantize, mxfp4_dequantize
+from labsrc.kernels.weight_quant.mxfp4 import MX_BLOCK, mxfp4_dequantize
+from labsrc.kernels.weight_quant.rtn import QuantizedWeight, dequantize
 
 __all__ = ["int4_matmul", "int4_matmul_ref", "mxfp4_matmul", "mxfp4_matmul_ref"]
 
@@ -353,7 +354,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
 def mxfp4_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """``x @ W_hat.T`` for an MXFP4 weight (``codes`` uint8 ``(N, K/2)``, even element in the low nibble;
-    ``scales`` E8M0 ``(N, K/32)`` as uint8 or float8_e8m0fnu, from :func:`labsrc.weight_quant.mxfp4_quantize`
+    ``scales`` E8M0 ``(N, K/32)`` as uint8 or float8_e8m0fnu, from :func:`labsrc.kernels.weight_quant.mxfp4_quantize`
     or torchao), dequantized inside the kernel; equal to :func:`mxfp4_matmul_ref`.
 
     ``x``: ``(..., K)`` float32/float16/bfloat16, not requiring grad. Returns ``(..., N)`` in ``x``'s dtype.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labsrc.kv_quant.codes import (FP16_MAX, GRANULARITIES, STORE_BYTES, SUPPORTED_BITS, _MIN_STD, _check_bits,
+from labsrc.kernels.kv_quant.codes import (FP16_MAX, GRANULARITIES, STORE_BYTES, SUPPORTED_BITS, _MIN_STD, _check_bits,
                                    _check_granularity, _check_group_size, _check_int, _check_x, _overflow_error,
                                    _scale_zero, pack_codes, pack_unit, packed_width, quantize_codes, unpack_codes)
 

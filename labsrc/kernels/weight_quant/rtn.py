@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labsrc.kv_quant import pack_codes, unpack_codes
+from labsrc.kernels.kv_quant.codes import pack_codes, unpack_codes
 
 
 FP16_MAX = 65504.0
