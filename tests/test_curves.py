@@ -191,7 +191,7 @@ def test_paged_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
     # Chapter 9's command on 2 pass keys, 2 block policies, one share kept: header, baseline and every point,
     # and re-scoring a slice reproduces the stored per-sample results.
     from labsrc.sweeps import serving as sweep_serving
-    stored, model, tok = small_sweep(paged_evict, ["--n", "2", "--probes", "passkey", "--kept", "0.3",
+    stored, model, tok = small_sweep(sweep_serving, ["--n", "2", "--probes", "passkey", "--kept", "0.3",
                                                    "--policies", "value", "recency"], tmp_path)
     assert stored["command"].startswith("python -m labsrc.sweeps.serving --n 2 --probes passkey --kept 0.3")
     assert {(r["method"], r["x"]) for r in stored["rows"]} == {("baseline", None), ("value", 0.3),
@@ -211,7 +211,7 @@ def test_the_stored_paged_evict_curve_is_what_the_shipped_code_probes_and_model_
     # Chapter 9 plots labsrc/data/results/paged_evict_curve.json and sets it beside chapter 6's token-level
     # curve on the same samples: its header must describe the shipped scoring code, samples and checkpoint.
     from labsrc.sweeps import kv_eviction as sweep_evict, serving as sweep_serving
-    stored, model, tok = stored_curve(paged_evict, "paged eviction")
+    stored, model, tok = stored_curve(sweep_serving, "paged eviction")
     scorer = sweep_serving.Scorer(model, tok, n=stored["n"], block_size=stored["block_size"])
     assert stored["context_len"] == scorer.context_len
     for probe in stored["probes"]:

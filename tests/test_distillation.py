@@ -300,7 +300,7 @@ def test_distill_run_trains_every_recipe_for_a_few_steps(method):
 
     teacher, tok = load("lab-target")
     student, log, info = distillation.distill_run(method, 2, teacher=teacher, tokenizer=tok, on_policy_frac=1.0,
-                                             gen_prompt=16, gen_new=8)
+                                                  gen_prompt=16, gen_new=8)
     assert len(log) == 2 and all(math.isfinite(r["loss"]) for r in log)
     assert info["method"] == method and info["steps"] == 2 and info["tokens"] == log[-1]["tokens"]
     assert student.config.hidden_size == 128 and student.config.num_hidden_layers == 4

@@ -118,7 +118,7 @@ def test_a_run_starts_from_the_shipped_lab_draft_and_leaves_it_unchanged(models)
     shipped, _ = load("lab-draft")
     before = {k: v.clone() for k, v in draft.state_dict().items()}
     zero, log, info = distillation.finetune_run("kd", distillation.FinetuneConfig(steps=0), 0, teacher=target, draft=draft,
-                                           tokenizer=tok)
+                                                tokenizer=tok)
     assert log == [] and info["steps"] == 0 and info["start"] == "lab-draft"
     for k, v in shipped.state_dict().items():
         assert torch.equal(zero.state_dict()[k], v), k

@@ -115,8 +115,8 @@ CASES = KERNEL_CASES + [
 ]
 
 
-def test_checks_refuse_a_call_to_the_kvmath_function_they_ask_for(lenient, monkeypatch):
-    """Each answer below is right (it returns the library's value) but asks kvmath for it: all fail, in strict
+def test_checks_refuse_a_call_to_the_kv_cache_function_they_ask_for(lenient, monkeypatch):
+    """Each answer below is right (it returns the library's value) but asks kv_cache for it: all fail, in strict
     mode they raise."""
     from labsrc import kv_cache
 
@@ -175,7 +175,7 @@ def test_paged_prediction_is_compared_with_a_measurement_within_the_stated_toler
         measured.append(original(lengths, block_size))
         return measured[-1]
 
-    monkeypatch.setattr(kvmath, "paged_utilisation", spy)
+    monkeypatch.setattr(kv_cache, "paged_utilisation", spy)
     assert ex.check_paged_utilisation(right_paged).passed and len(measured) == 8
     assert ex.check_paged_utilisation(lambda m, b: 1.0).status == "failed"
     off = ex.PAGED_TOLERANCE * 1.5

@@ -182,7 +182,7 @@ def test_generation_flops_match_flop_counter(use_cache):
                              pad_token_id=0)
     assert out.shape[1] == 12
     expected = kv_cache.generation_flops(layer_params, 3, 64, 7, 5, use_cache, lm_head_params=model.lm_head.weight.numel(),
-                                       full_square=True)
+                                         full_square=True)
     assert counter.get_total_flops() == expected
 
 
@@ -214,7 +214,7 @@ def test_dynamic_cache_bytes_equal_formula(n_kv_heads, dtype, batch):
     assert cache.get_seq_length() == 12
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     assert held == kv_cache.kv_cache_bytes(cfg.num_hidden_layers, n_kv_heads, head_dim, 12, batch,
-                                         torch.finfo(dtype).bits // 8)
+                                           torch.finfo(dtype).bits // 8)
 
 
 # --- fragmentation -------------------------------------------------------------------------------------------
@@ -317,7 +317,7 @@ def test_calculator_and_byte_formula_accept_the_same_group_sizes(preset, group_s
 
     def formula():
         return kv_cache.quantized_kv_cache_bytes(p.n_layers, p.n_kv_heads, p.head_dim, 1000, 2, bits=bits,
-                                               group_size=group_size)
+                                                 group_size=group_size)
 
     def calc():
         return kv_cache.calculator(preset, 1000, 2, dtype=dtype, group_size=group_size)["kv_bytes"]
@@ -366,7 +366,7 @@ def test_property_quantized_bytes_are_data_plus_metadata(n_layers, n_kv_heads, g
     head_dim = group_size * groups_per_head
     elements = kv_cache.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, dtype_bytes=1)
     q = kv_cache.quantized_kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, bits=bits, group_size=group_size,
-                                        zero_point=zero_point)
+                                          zero_point=zero_point)
     assert q == elements * bits / 8 + elements // group_size * 2 * (2 if zero_point else 1)
     assert q < elements * 2                      # always smaller than the fp16 cache
 

@@ -26,6 +26,6 @@ def test_an_autotuned_kernel_unwraps_to_its_function_and_can_be_cut():
 def test_a_decorated_method_shows_its_own_file_not_the_decorators():
     from labsrc import speculative as spec
     src, where = source_of(spec._SharedBody.score)     # wrapped by @torch.no_grad()
-    assert where.startswith("labsrc/speculative.py, line ") and "def score(self, feed)" in src
+    assert where.startswith("labsrc/speculative/self_spec.py, line ") and "def score(self, feed)" in src
     line = int(where.rsplit(" ", 1)[1])
-    assert open(spec.__file__).read().splitlines()[line - 1].strip() == src.splitlines()[0].strip()
+    assert open(spec.self_spec.__file__).read().splitlines()[line - 1].strip() == src.splitlines()[0].strip()

@@ -124,7 +124,7 @@ def _paged_inputs(gen: torch.Generator) -> tuple:
     sizes = [b for b in (8, 16, 32, 64, 128, 256) if median / 20 <= b <= median / 3]
     block_size = sizes[randint(gen, 0, len(sizes) - 1)]
     lengths = kv_cache.sample_request_lengths(PAGED_REQUESTS, 1 << 20, seed=randint(gen, 0, 10**6), median=median,
-                                            sigma=sigma)
+                                              sigma=sigma)
     return lengths, block_size
 
 
