@@ -34,7 +34,7 @@ def source_of(obj, *, start: str | None = None, end: str | None = None) -> tuple
 
     ``start``/``end`` cut the source to the lines from the first one containing ``start`` to the first later
     one containing ``end`` (both kept), to show one part of a long kernel. ``where`` reads
-    ``labsrc/kernels/flash_attention.py, line 337``. Raises ``ValueError`` when a marker is not found.
+    ``labsrc/kernels/flash_attention/forward.py, line 60``. Raises ``ValueError`` when a marker is not found.
     """
     obj = _unwrap(obj)
     try:

@@ -1,4 +1,4 @@
-"""Speculative decoding (labsrc/speculative.py): the rejection rule against chi-square tests at fixed seeds,
+"""Speculative decoding (labsrc/speculative/): the rejection rule against chi-square tests at fixed seeds,
 the theory against brute force, and generation against transformers' greedy and assisted generation."""
 import math
 
