@@ -250,6 +250,13 @@ def test_step_log_is_bounded(lab):
     assert [r["decode_seqs"] for r in eng.step_log] == [1, 1, 1]
     with pytest.raises(ValueError, match="step_log_size"):
         Engine(model, num_blocks=8, block_size=4, tokenizer=tok, kernels="torch", step_log_size=0)
+    # a replay keeps its own trace's rows, all of them, whatever the engine's log keeps
+    from labsrc.serving import experiments as X
+
+    trace = [dict(arrival=0, prompt=[5, 6, 7, 8], max_tokens=4), dict(arrival=2, prompt=[9, 10], max_tokens=3)]
+    run = X.replay(eng, trace)
+    assert len(run["log"]) > len(eng.step_log) == 3
+    assert run["prefill_tokens"] == 6 and sum(r["decode_seqs"] for r in run["log"]) == 4 + 3 - 2
 
 
 def test_bad_prompts_and_params_lists_are_named(lab):
