@@ -31,11 +31,12 @@ class CompletionRequest(BaseModel):
 
     ``prompt`` is a string, a list of token ids, or a list of either (a batch: choice ``i * n + j`` is the
     ``j``-th completion of prompt ``i``). ``n`` completions per prompt; with a ``seed``, completion ``j``
-    samples with ``seed + j``. ``stop``: up to 4 strings; the text is cut before the first one generated, and
-    ``finish_reason`` is ``"stop"``. ``echo``: the prompt's text comes first in each choice's text (and its
-    tokens in ``logprobs``, the first with ``null``). ``logprobs=k``: each token's log-probability and the
-    ``k`` most likely alternatives (OpenAI's object: ``tokens``, ``token_logprobs``, ``top_logprobs``,
-    ``text_offset``).
+    samples with ``seed + j`` (wrapping past 2**63 - 1, :meth:`choice_seed`). ``stop``: up to 4 strings; the
+    text is cut before the first one generated, and ``finish_reason`` is ``"stop"``. ``echo``: the prompt's
+    text comes first in each choice's text (and its tokens in ``logprobs``, the first with ``null``).
+    ``logprobs=k``: each token's log-probability and the ``k`` most likely alternatives with the chosen token
+    (OpenAI's object: ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``;
+    :mod:`labsrc.serving.logprobs`).
 
     The no-op fields (see the module docstring) are kept only to be checked: nothing reads them.
     """
