@@ -113,9 +113,19 @@ bench-smoke: setup
 gpu-check: setup
 	$(PY) -m labsrc.gpucheck --all
 
-# Every kernel compiled for sm_80 and sm_90 without a GPU; the table the "Kernel bench" page renders.
+# Every kernel compiled for sm_80 and sm_90 without a GPU; the table the "Kernel bench" page renders. The
+# registers and spills are the Triton version's: CI installs the newest Triton, while a CUDA torch pins its own
+# (Triton 3.8 when this was written). `make compile-check TRITON=3.8.0` runs the same check with that
+# version, installed on its own into _build/triton-<version>/ and put ahead of this venv's on PYTHONPATH,
+# into kernels/results/compile-triton-<version>.json; the page lists every version checked. Commit the file.
+TRITON      ?=
 compile-check: setup
+ifeq ($(TRITON),)
 	$(PY) -m labsrc.gpucheck --compile-only --out kernels/results/compile.json
+else
+	test -d _build/triton-$(TRITON)/triton || $(PY) -m pip install -q --no-deps --target _build/triton-$(TRITON) "triton==$(TRITON)"
+	PYTHONPATH=$(CURDIR)/_build/triton-$(TRITON) $(PY) -m labsrc.gpucheck --compile-only --out kernels/results/compile-triton-$(TRITON).json
+endif
 
 # --- the book ----------------------------------------------------------------------------------------------
 book: $(EXECUTED)

@@ -10,7 +10,9 @@ works on every platform) under which a read-modify-write of a shared file happen
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
+import threading
 from pathlib import Path
 
 __all__ = ["file_lock", "write_atomic"]
@@ -25,13 +27,41 @@ def file_lock(path: Path | str):
     return FileLock(str(path.with_name(path.name + ".lock")))
 
 
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux says it (``/proc/self/status``); elsewhere set
+    and restored at once, under a lock."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
 def write_atomic(path: Path | str, text: str) -> None:
     """Replace ``path`` by ``text`` in one step: readers see the old file or the new one, never a mix, and two
     writers never share a temporary file. The temporary file (``.<name>.<random>.tmp``) is removed if the
-    write fails."""
+    write fails. The file keeps its permissions (a new one gets what ``open`` would give it, 0666 less the
+    umask): the temporary file is created 0600, and renaming it over a file used to make that file private."""
     path = Path(path)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, mode)
+        else:  # Windows: only the read-only bit means anything
+            os.chmod(tmp, mode)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

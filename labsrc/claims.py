@@ -48,8 +48,10 @@ and metric can give a plain *reproduced* or *not reproduced*; :func:`record` ref
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import numbers
 import operator
 import os
 import re
@@ -110,6 +112,13 @@ def _count(name: str, value) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
 
 
+def _number(name: str, value) -> float:
+    """A real number as a Python float (numpy scalars too, not bools): what the ledger stores."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
 def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     """The Wilson score interval for ``k`` successes in ``n`` trials (95% by default).
 
@@ -155,20 +164,28 @@ class Estimate:
     method: str
 
     def __post_init__(self):
+        # numpy scalars are numbers too (a count from .sum() is a numpy integer): stored as Python's own
         for name in ("value", "lo", "hi"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v):
+            v = _number(f"Estimate.{name}", getattr(self, name))
+            if math.isnan(v):
                 raise ValueError(f"Estimate.{name} must be a number (not NaN), got {v!r}")
+            object.__setattr__(self, name, v)
         if not self.lo <= self.value <= self.hi:
             raise ValueError(f"Estimate needs lo <= value <= hi, got {self.lo} <= {self.value} <= {self.hi}")
-        if self.n is not None and (isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1):
-            raise ValueError(f"Estimate.n must be a positive int or None, got {self.n!r}")
+        if self.n is not None:
+            try:
+                object.__setattr__(self, "n", _count("Estimate.n", self.n))
+            except TypeError:
+                raise ValueError(f"Estimate.n must be a positive int or None, got {self.n!r}") from None
+            if self.n < 1:
+                raise ValueError(f"Estimate.n must be a positive int or None, got {self.n!r}")
 
     @classmethod
     def accuracy(cls, k: int, n: int) -> "Estimate":
         """``k`` right out of ``n``: the fraction with its Wilson interval."""
         lo, hi = wilson(k, n)
-        return cls(_count("k", k) / n, lo, hi, n, "Wilson")
+        k, n = _count("k", k), _count("n", n)
+        return cls(k / n, lo, hi, n, "Wilson")
 
     @classmethod
     def mean(cls, samples) -> "Estimate":
@@ -292,8 +309,11 @@ class HypothesisTest:
         _text("HypothesisTest.name", self.name)
         for field in ("statistic", "p_value"):
             v = getattr(self, field)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                 raise ValueError(f"HypothesisTest.{field} must be a finite number, got {v!r}")
+            object.__setattr__(self, field, float(v))
+        if isinstance(self.dof, numbers.Integral) and not isinstance(self.dof, bool):
+            object.__setattr__(self, "dof", int(self.dof))
         if not 0.0 <= self.p_value <= 1.0:
             raise ValueError(f"HypothesisTest.p_value must lie in [0, 1], got {self.p_value!r}")
         if self.dof is not None and (isinstance(self.dof, bool) or not isinstance(self.dof, int)
@@ -326,6 +346,10 @@ class RuleChange:
     def __post_init__(self):
         if not isinstance(self.date, str) or not re.fullmatch(r"\d{4}-\d\d-\d\d", self.date):
             raise ValueError(f"RuleChange.date must be an ISO date like '2026-12-01', got {self.date!r}")
+        try:  # the pattern alone took 2026-02-30 and 2026-13-01
+            datetime.date.fromisoformat(self.date)
+        except ValueError:
+            raise ValueError(f"RuleChange.date must be a date that exists, got {self.date!r}") from None
         _text("RuleChange.old_rule", self.old_rule)
         _text("RuleChange.why", self.why)
 
@@ -437,7 +461,7 @@ def _validate(row: dict, where: str) -> dict:
     missing = [f for f in _REQUIRED if f not in row]
     if missing:
         raise ValueError(f"{where}: claim row is missing fields {missing}")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", str(row["id"])):
+    if not isinstance(row["id"], str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", row["id"]):
         raise ValueError(f"{where}: id must be a lowercase slug like 'kv-70b-320gib', got {row['id']!r}")
     if row["verdict"] not in VERDICTS:
         raise ValueError(f"{where}: verdict must be one of {VERDICTS}, got {row['verdict']!r}")
@@ -454,10 +478,15 @@ def _validate(row: dict, where: str) -> dict:
     if row.get("test") is not None:
         test = row["test"]
         try:
+            if not isinstance(test, dict):
+                raise TypeError(f"not an object: {test!r}")
             HypothesisTest(**test)
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: test must be a HypothesisTest's fields (name, statistic, p_value, "
                              f"dof): {e}") from None
+        if row["basis"] != "measured":
+            raise ValueError(f"{where}: a hypothesis test decides a measured row only; an {row['basis']} row "
+                             "has no sampling error to test")
     if row["basis"] == "measured":
         n, interval = row.get("n"), row.get("interval")
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -476,6 +505,8 @@ def _validate(row: dict, where: str) -> dict:
                              f"got {changes!r}")
         for change in changes:
             try:
+                if not isinstance(change, dict):
+                    raise TypeError(f"not an object: {change!r}")
                 RuleChange(**change)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{where}: rule_changes holds a bad entry ({e})") from None
@@ -561,6 +592,8 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
     """
     from labsrc import runtime
 
+    if n is not None and isinstance(n, numbers.Integral) and not isinstance(n, bool):
+        n = int(n)  # a numpy count is a count
     if estimate is not None:
         if not isinstance(estimate, Estimate):
             raise TypeError(f"estimate must be a labsrc.claims.Estimate, got {type(estimate).__name__}")
@@ -592,7 +625,8 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
     row = Row(id=claim_id, claim=claim, section=section, measured=measured,
               verdict=str(verdict) if isinstance(verdict, str) else verdict, notebook=notebook,
               rule=rule, basis=basis, profile=runtime.PROFILE, n=n,
-              interval=[float(interval[0]), float(interval[1])] if interval is not None else None,
+              interval=[_number("interval[0]", interval[0]), _number("interval[1]", interval[1])]
+              if interval is not None else None,
               cite=list(cite) if cite else None, anchor=anchor,
               **(scope.fields() if scope is not None else dict.fromkeys(_SCOPE_FIELDS)), reason=reason,
               test=test.fields() if test is not None else None, rule_changes=rule_changes or None)
@@ -610,11 +644,20 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
 def _section_key(section: str):
     """Sort key of a section: numbers in numeric order (``10.2`` before ``10.10``), then any other text.
 
-    Each part is a pair ``(0, number)`` or ``(1, text)``, so a section that is not purely numeric
+    Each part is a triple ``(0, digits, number)`` or ``(1, 0, text)``, so a section that is not purely numeric
     (``"10.1.3a"``, ``"Table 10.5"``) sorts after the numbers at its place instead of comparing an int with a
-    str (which raised ``TypeError`` in :func:`load`).
+    str (which raised ``TypeError`` in :func:`load`). A number is compared by its ASCII digits, never
+    through ``int()``: ``str.isdigit`` is true of "²" and "١", which ``int()`` refuses or reads differently,
+    and ``int()`` refuses more than 4300 digits; those too made :func:`load` raise.
     """
-    return [(0, int(x), "") if x.isdigit() else (1, 0, x) for x in re.split(r"[.\s]+", section.strip())]
+    key = []
+    for part in re.split(r"[.\s]+", section.strip()):
+        if part.isascii() and part.isdigit():
+            digits = part.lstrip("0") or "0"
+            key.append((0, len(digits), digits))  # a longer number is larger; equal lengths compare as text
+        else:
+            key.append((1, 0, part))
+    return key
 
 
 def load(folder: Path | None = None) -> list[dict]:

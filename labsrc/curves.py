@@ -18,7 +18,10 @@ scored, :func:`samples_digest`), ``models`` (digests of the checkpoints' weights
 the probes and the shipped checkpoint, so a stored curve cannot outlive what made it unnoticed.
 
 :func:`sweep` writes the file after every point and, given the same header, resumes where an interrupted run
-stopped.
+stopped. It never discards a stored curve silently: a file that holds another run (a header field, the methods,
+the axis or the probes differ) is refused with the fields named, unless the caller says ``overwrite``; the
+``command`` alone does not decide, since options that cannot change a result (``--threads``, ``--out``) are in
+it. A file that is not a curve at all gets an error naming it.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from labsrc import claims
+from labsrc.atomic import write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "data" / "results"
 
@@ -71,13 +75,38 @@ def _score_row(score, method, x, probe, echo) -> dict:
     return row
 
 
+def _read(path: Path) -> dict:
+    """A curve file's JSON, or a ``ValueError`` naming the file when it is not one (truncated, not JSON, not an
+    object with a list of rows)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not a stored curve ({type(err).__name__}: {err}); remove it, or rerun "
+                         "with overwrite (--overwrite)") from None
+    if not isinstance(data, dict) or not isinstance(data.get("rows", []), list) \
+            or not all(isinstance(r, dict) and {"method", "x", "probe"} <= r.keys() for r in data.get("rows", [])):
+        raise ValueError(f"{path} is not a stored curve (no list of rows with method, x and probe); remove it, "
+                         "or rerun with overwrite (--overwrite)")
+    return data
+
+
+def run_key(header: dict, methods, xs, probes) -> dict:
+    """What decides a sweep's results, to compare with a stored file's: the header without ``command`` (it also
+    holds options that change nothing, such as ``--threads``), the methods, the axis and the probes; in JSON's
+    form, as the file stores them."""
+    key = {k: v for k, v in header.items() if k != "command"}
+    return json.loads(json.dumps({**key, "methods": list(methods), "xs": list(xs), "probes": list(probes)}))
+
+
 def sweep(score: Callable[[str, object, str], Sequence[bool]], methods: Sequence[str], xs: Sequence,
-          probes: Sequence[str], header: dict, out: Path | None = None, baseline=None, echo=print) -> dict:
+          probes: Sequence[str], header: dict, out: Path | None = None, baseline=None, echo=print,
+          overwrite: bool = False) -> dict:
     """Score every ``(method, x, probe)``: ``score(method, x, probe)`` returns one bool per probe sample (right
     or wrong), the same samples for every method and ``x``. One row per point, with its per-sample results and
     seconds; ``baseline(probe)``, if given, scores the reference once per probe (a row with method
     :data:`BASELINE` and ``x`` None). The file ``out`` (if given) is rewritten after each point; if it already
-    holds a run with the same ``header``, its points are kept and only the missing ones are scored."""
+    holds a run with the same :func:`run_key`, its points are kept and only the missing ones are scored; if it
+    holds another run, ``FileExistsError`` names what differs before anything is scored, unless ``overwrite``."""
     for name, seq in (("methods", methods), ("xs", xs), ("probes", probes)):
         if not seq:
             raise ValueError(f"{name} must not be empty")
@@ -86,12 +115,17 @@ def sweep(score: Callable[[str, object, str], Sequence[bool]], methods: Sequence
     result = {**header, "methods": list(methods), "xs": list(xs), "probes": list(probes), "rows": [],
               "complete": False}
     done = {}
-    if out is not None and Path(out).exists():
-        old = json.loads(Path(out).read_text())
-        if {k: old.get(k) for k in header} == header:
-            done = {_key(r): r for r in old.get("rows", [])}
-            if done:
-                echo(f"resuming {out}: {len(done)} points already scored")
+    if out is not None and Path(out).exists() and not overwrite:
+        old = _read(out)
+        key = run_key(header, methods, xs, probes)
+        differ = [k for k in key if old.get(k) != key[k]]
+        if differ:
+            raise FileExistsError(
+                f"{out} holds a curve from another run ({', '.join(differ)} differ): it would be lost. Write this "
+                "run beside it (--out another file), or replace it (overwrite, --overwrite)")
+        done = {_key(r): r for r in old.get("rows", [])}
+        if done:
+            echo(f"resuming {out}: {len(done)} points already scored")
     for probe in probes:
         todo = [(BASELINE, None)] if baseline is not None else []
         todo += [(method, x) for x in xs for method in methods]
@@ -111,18 +145,17 @@ def sweep(score: Callable[[str, object, str], Sequence[bool]], methods: Sequence
 
 
 def write(path: Path, result: dict) -> None:
-    """Write a curve's JSON atomically (a temporary file, then a rename)."""
+    """Write a curve's JSON atomically (:func:`labsrc.atomic.write_atomic`: a temporary file of its own, then a
+    rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(result, indent=1) + "\n")
 
 
 def load(path, partial: bool = False) -> dict:
     """A stored curve; raises if the run did not finish, unless ``partial`` (then the points scored so far,
     with :func:`missing` naming the rest: a chapter drawn from a run still under way says so)."""
-    result = json.loads(Path(path).read_text())
+    result = _read(path)
     if not result.get("complete") and not partial:
         raise ValueError(f"{path} holds an unfinished sweep: rerun its command ({result.get('command')})")
     return result

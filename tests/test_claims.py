@@ -698,3 +698,85 @@ def test_no_chapter_stores_a_point_as_an_interval():
               if isinstance(_kw(call, "interval"), ast.Tuple) and len(_kw(call, "interval").elts) == 2
               and ast.unparse(_kw(call, "interval").elts[0]) == ast.unparse(_kw(call, "interval").elts[1])]
     assert not points, f"rows storing a point as an interval: {points}"
+
+
+# --- third hardening round: numpy counts, basis-only fields, impossible dates, any section text ------------
+@settings(max_examples=100, deadline=None)
+@given(n=st.integers(1, 10_000), data=st.data(),
+       dtype=st.sampled_from([np.int8, np.int16, np.int32, np.int64, np.uint16, np.uint32, np.uint64]))
+def test_numpy_counts_are_counts(n, data, dtype):
+    """A count from ``(answers == truth).sum()`` is a numpy integer: Estimate.accuracy raised on it."""
+    k = data.draw(st.integers(0, n))
+    if np.iinfo(dtype).max < n:
+        return
+    got = Estimate.accuracy(dtype(k), dtype(n))
+    assert got == Estimate.accuracy(k, n) and type(got.n) is int and type(got.value) is float
+
+
+def test_numpy_numbers_are_stored_as_python_numbers(ledger):
+    e = Estimate(np.float32(0.5), np.float64(0.25), np.float32(0.75), np.int64(40), "Wilson")
+    assert (type(e.value), type(e.n)) == (float, int)
+    t = claims.HypothesisTest("chi-square", np.float32(9.3), np.float64(0.86), np.int64(15))
+    assert t.fields() == {"name": "chi-square", "statistic": pytest.approx(9.3), "p_value": 0.86, "dof": 15}
+    row = claims.record("npn", claim="c", section="1", measured="m", notebook="10_speculative", scope=TEXT,
+                        verdict=claims.judge(True, scope=TEXT), basis="measured", rule="r", n=np.int64(10),
+                        interval=(np.float32(0.1), np.float64(0.9)))
+    assert type(row["n"]) is int and json.loads(json.dumps(row))["n"] == 10
+
+
+@pytest.mark.parametrize("basis, verdict", [("arithmetic", "consistent"), ("simulated", "consistent"),
+                                            ("reading", "consistent")])
+def test_only_a_measured_row_carries_a_hypothesis_test(ledger, basis, verdict):
+    kwargs = dict(cite="vaswani2017attention") if basis == "reading" else {}
+    with pytest.raises(ValueError, match="a hypothesis test decides a measured row only"):
+        claims.record("t", claim="c", section="1", measured="m", notebook="10_speculative", verdict=verdict,
+                      basis=basis, rule="r", test=claims.HypothesisTest("chi-square", 9.3, 0.86, 15), **kwargs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dates(), st.integers(1, 12), st.integers(1, 31))
+def test_a_rule_change_date_must_exist(day, month, dom):
+    import datetime
+    text = f"{day.year:04d}-{month:02d}-{dom:02d}"
+    try:
+        datetime.date(day.year, month, dom)
+        exists = True
+    except ValueError:
+        exists = False
+    if exists:
+        assert claims.RuleChange(text, "old", "why").date == text
+    else:
+        with pytest.raises(ValueError, match="a date that exists"):
+            claims.RuleChange(text, "old", "why")
+
+
+@settings(max_examples=60, deadline=None)
+@given(sections=st.lists(st.one_of(
+    st.text(min_size=1, max_size=12).filter(lambda s: s.strip()),
+    st.sampled_from(["²", "1.²", "١٢", "10.١", "9" * 5000, "0" * 10 + "7", "10.2", "10.10", " 3 .4", ".5"])),
+    min_size=1, max_size=6))
+def test_load_survives_any_section_text(tmp_path_factory, sections):
+    """Any section a row may hold loads: "²" and "١" pass str.isdigit but not int(), and int() refuses more than
+    4300 digits; both made load() raise. ASCII numbers still sort by value."""
+    import os
+
+    folder = tmp_path_factory.mktemp("claims")
+    os.environ["LAB_CLAIMS_DIR"] = str(folder)
+    try:
+        for i, sec in enumerate(sections):
+            claims.record(f"s{i}", claim="c", section=sec, measured="m", verdict="consistent", notebook="01_kv",
+                          **EXACT)
+        got = [r["section"] for r in claims.load()]
+    finally:
+        del os.environ["LAB_CLAIMS_DIR"]
+    assert sorted(got) == sorted(sections)
+    nums = [s for s in got if s.isascii() and s.isdigit()]
+    assert nums == sorted(nums, key=lambda s: (len(s.lstrip("0")), s.lstrip("0")))  # by value, no int()
+
+
+def test_a_row_id_that_is_not_a_string_is_refused(ledger):
+    (ledger / "n.json").write_text(json.dumps(dict(
+        id=5, claim="c", section="1", measured="m", verdict="consistent", notebook="10_speculative",
+        rule="r", basis="arithmetic", profile="cpu")))
+    with pytest.raises(ValueError, match=r"n\.json: id must be"):
+        claims.load()

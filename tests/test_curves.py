@@ -51,15 +51,74 @@ def interrupted_sweep(out):
         curves.load(out)
 
 
-def test_an_interrupted_sweep_resumes_and_a_changed_header_starts_over(tmp_path):
+def test_an_interrupted_sweep_resumes_and_another_run_never_silently_replaces_it(tmp_path):
     out = tmp_path / "c.json"
     interrupted_sweep(out)
     score2, calls = fake_score(TABLE)
-    curves.sweep(score2, ["a", "b"], [1, 2], ["p"], {"command": "x"}, out=out, echo=lambda *_: None)
+    # the command alone (it holds --threads and --out, which change no result) does not decide resumption
+    curves.sweep(score2, ["a", "b"], [1, 2], ["p"], {"command": "x --threads 2"}, out=out, echo=lambda *_: None)
     assert calls == [("b", 2, "p")]
+    stored = out.read_bytes()
     score3, calls = fake_score(TABLE)
-    curves.sweep(score3, ["a", "b"], [1, 2], ["p"], {"command": "y"}, out=out, echo=lambda *_: None)
-    assert len(calls) == 4
+    for header, methods, xs in (({"command": "x", "n": 5}, ["a", "b"], [1, 2]), ({"command": "x"}, ["a"], [1, 2]),
+                                ({"command": "x"}, ["a", "b"], [2])):
+        with pytest.raises(FileExistsError, match="holds a curve from another run .* --overwrite"):
+            curves.sweep(score3, methods, xs, ["p"], header, out=out, echo=lambda *_: None)
+    assert calls == [] and out.read_bytes() == stored  # refused before scoring or writing anything
+    curves.sweep(score3, ["a", "b"], [1, 2], ["p"], {"command": "x", "n": 5}, out=out, echo=lambda *_: None,
+                 overwrite=True)
+    assert len(calls) == 4 and curves.load(out)["n"] == 5
+
+
+@pytest.mark.parametrize("content", ["", "{", "[1, 2]", '{"rows": [1]}', '{"rows": "x"}', "\udcff"])
+def test_a_file_that_is_not_a_curve_is_named(tmp_path, content):
+    out = tmp_path / "broken.json"
+    out.write_text(content, errors="surrogateescape")
+    score, calls = fake_score(TABLE)
+    with pytest.raises(ValueError, match="broken.json is not a stored curve"):
+        curves.sweep(score, ["a"], [1], ["p"], {"command": "x"}, out=out, echo=lambda *_: None)
+    with pytest.raises(ValueError, match="broken.json is not a stored curve"):
+        curves.load(out)
+    assert calls == []
+    curves.sweep(score, ["a"], [1], ["p"], {"command": "x"}, out=out, echo=lambda *_: None, overwrite=True)
+    assert curves.load(out)["complete"]
+
+
+def test_a_stored_curve_is_never_lost_without_overwrite(tmp_path_factory):
+    """Property: whatever a second run asks (header, methods, axis, probes, an interruption), the stored file
+    afterwards still holds every row it held, unless the run was told to overwrite."""
+    from hypothesis import given, settings, strategies as st
+
+    run = st.fixed_dictionaries(dict(
+        header=st.fixed_dictionaries({"command": st.sampled_from(["x", "x --threads 2"]),
+                                      "n": st.sampled_from([50, 51])}),
+        methods=st.sampled_from([["a"], ["b"], ["a", "b"]]), xs=st.sampled_from([[1], [2], [1, 2]]),
+        die_after=st.integers(0, 4), overwrite=st.booleans()))
+
+    @settings(max_examples=60, deadline=None)
+    @given(run, run)
+    def check(first, second):
+        out = tmp_path_factory.mktemp("curve") / "c.json"
+        for r in (first, second):
+            score, calls = fake_score(TABLE)
+
+            def dying(method, x, probe, r=r, calls=calls, score=score):
+                if len(calls) >= r["die_after"] + 1:
+                    raise KeyboardInterrupt
+                return score(method, x, probe)
+            before = {json.dumps(row, sort_keys=True) for row in json.loads(out.read_text())["rows"]} \
+                if out.exists() else set()
+            try:
+                curves.sweep(dying, r["methods"], r["xs"], ["p"], r["header"], out=out, echo=lambda *_: None,
+                             overwrite=r["overwrite"])
+            except (KeyboardInterrupt, FileExistsError):
+                pass
+            after = {json.dumps(row, sort_keys=True) for row in json.loads(out.read_text())["rows"]} \
+                if out.exists() else set()
+            if not r["overwrite"]:
+                assert before <= after, (first, second)
+
+    check()
 
 
 def test_bad_sweeps_are_named():
@@ -160,7 +219,7 @@ def small_sweep(module, argv, tmp_path):
     return stored, model, tok
 
 
-def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
+def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path, monkeypatch):
     # Chapter 6's command on 2 pass keys, 2 policies, one budget: the file has its header, the baseline and
     # every point, and re-scoring a slice reproduces the stored per-sample results.
     from labsrc.sweeps import kv_eviction as sweep_evict
@@ -174,6 +233,19 @@ def test_evict_sweep_end_to_end_on_a_few_samples(tmp_path):
     assert got == fresh
     with pytest.raises(ValueError, match="kept"):
         scorer("fifo", 1.0, "passkey")
+    # The same command with --threads 2 resumes the file (nothing is scored again); another budget is refused
+    # before it scores or writes anything, and --overwrite replaces the file.
+    out = tmp_path / "curve.json"
+    argv = ["--n", "2", "--probes", "passkey", "--kept", "0.3", "--policies", "fifo", "h2o", "--out", str(out)]
+    monkeypatch.setattr(sweep_evict.Scorer, "__call__", lambda *a, **k: pytest.fail("a stored point was rescored"))
+    monkeypatch.setattr(sweep_evict.Scorer, "baseline", lambda *a, **k: pytest.fail("the baseline was rescored"))
+    again = sweep_evict.main([*argv, "--threads", "2"])
+    assert again["rows"] == stored["rows"] and again["machine"]["threads"] == 2
+    before = out.read_bytes()
+    with pytest.raises(FileExistsError, match="curve.json holds a curve from another run .xs differ"):
+        sweep_evict.main(["--n", "2", "--probes", "passkey", "--kept", "0.5", "--policies", "fifo", "h2o",
+                          "--out", str(out)])
+    assert out.read_bytes() == before
 
 
 def test_the_stored_evict_curve_is_what_the_shipped_code_probes_and_model_make():

@@ -115,6 +115,42 @@ def test_every_kernel_compiles_for_ampere_and_hopper(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_the_committed_compile_results_cover_both_tritons_and_pass():
+    """kernels/results/ holds the compile check of the newest Triton (compile.json, what CI installs) and of the
+    Triton a CUDA torch pins (compile-triton-<version>.json, `make compile-check TRITON=<version>`): each names
+    its version, covers every launchable kernel on both architectures, and has no row with a problem."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "kernels" / "results"
+    files = [results / "compile.json", *sorted(results.glob("compile-triton-*.json"))]
+    assert len(files) >= 2, "the compile check of the Triton a CUDA torch pins is not committed"
+    kernels = {k.qualname for k in launchable_kernels()}
+    versions = []
+    for path in files:
+        data = json.loads(path.read_text())
+        versions.append(data["triton"])
+        if path.name != "compile.json":
+            assert path.name == f"compile-triton-{data['triton']}.json"
+        assert {(r["kernel"], r["arch"]) for r in data["kernels"]} == {(k, a) for k in kernels for a in gc.ARCHS}
+        assert [gc.describe(r) for r in data["kernels"] if r["problems"]] == [], path.name
+    assert len(set(versions)) == len(versions)
+
+
+def test_the_kernel_bench_page_lists_every_triton_checked(tmp_path):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tools"))
+    import stage_book
+
+    row = dict(kernel="labsrc.kernels.m.k", arch=80, compiled=True, registers=40, spills=0, shared_bytes=1024,
+               mma=False, problems=[], config={}, dtype="bf16", error=None)
+    (tmp_path / "compile.json").write_text(json.dumps(dict(triton="3.9.0", kernels=[row])))
+    (tmp_path / "compile-triton-3.8.0.json").write_text(json.dumps(dict(triton="3.8.0", kernels=[
+        row, dict(row, spills=12, problems=["12 bytes of register spills"])])))
+    text = stage_book.compile_markdown(tmp_path / "compile.json")
+    assert "The tables are Triton 3.9.0's" in text
+    assert "Triton 3.9.0: 1 configurations, none with a problem" in text
+    assert "Triton 3.8.0: 2 configurations, 1 with a problem (k)" in text
+
+
 def test_all_refuses_to_run_without_a_gpu(monkeypatch):
     monkeypatch.setattr(runtime, "HAS_CUDA", False)
     with pytest.raises(SystemExit, match="--all needs a CUDA device"):

@@ -223,12 +223,40 @@ def test_eviction_refuses_protected_blocks(lab):
         eng.blocks.drop_blocks(rid, [2])
 
 
-def test_kernels_default_follows_the_machine(lab):
+def test_kernels_default_follows_the_models_device(lab, monkeypatch):
+    """The default follows where the model's tensors are, not what the machine has: a CPU model on a CUDA
+    machine gets the PyTorch steps (it used to get Triton, whose compiled kernels cannot read CPU tensors)."""
     from labsrc import runtime
 
     model, tok = lab
+    assert next(model.parameters()).device.type == "cpu"
     eng = Engine(model, num_blocks=8, block_size=4, tokenizer=tok)
-    assert eng.kernels == ("triton" if runtime.HAS_CUDA else "torch")
+    assert eng.kernels == "torch"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a CUDA machine...
+    monkeypatch.setattr(runtime, "HAS_CUDA", True)
+    eng = Engine(model, num_blocks=8, block_size=4, tokenizer=tok)
+    assert eng.kernels == "torch"  # ...and still the model's device decides
+    monkeypatch.setattr(runtime, "INTERPRETED", False)  # compiled Triton, CPU tensors: refused by name
+    with pytest.raises(ValueError, match="kernels='triton' needs the model on a CUDA device"):
+        Engine(model, num_blocks=8, block_size=4, tokenizer=tok, kernels="triton")
+
+
+def test_step_log_is_bounded(lab):
+    """A served engine steps for days: its step log keeps the latest ``step_log_size`` rows and counts all."""
+    model, tok = lab
+    eng = Engine(model, num_blocks=32, block_size=4, tokenizer=tok, kernels="torch", step_log_size=3)
+    eng.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert eng.num_steps == 8 and len(eng.step_log) == 3
+    assert [r["decode_seqs"] for r in eng.step_log] == [1, 1, 1]
+    with pytest.raises(ValueError, match="step_log_size"):
+        Engine(model, num_blocks=8, block_size=4, tokenizer=tok, kernels="torch", step_log_size=0)
+    # a replay keeps its own trace's rows, all of them, whatever the engine's log keeps
+    from labsrc.serving import experiments as X
+
+    trace = [dict(arrival=0, prompt=[5, 6, 7, 8], max_tokens=4), dict(arrival=2, prompt=[9, 10], max_tokens=3)]
+    run = X.replay(eng, trace)
+    assert len(run["log"]) > len(eng.step_log) == 3
+    assert run["prefill_tokens"] == 6 and sum(r["decode_seqs"] for r in run["log"]) == 4 + 3 - 2
 
 
 def test_bad_prompts_and_params_lists_are_named(lab):

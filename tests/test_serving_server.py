@@ -173,6 +173,13 @@ def test_openai_client_streaming_and_not(server, client, lab):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model="lab-target", prompt="hi", max_tokens=2, best_of=2)
+    # the client's own fields with values that ask for nothing: the same completion
+    same = client.completions.create(model="lab-target", prompt=prompt, max_tokens=10, temperature=0,
+                                     presence_penalty=0, frequency_penalty=0, best_of=1, logit_bias={},
+                                     user="student-7", suffix=None, extra_body={"ignore_eos": True})
+    assert same.choices[0].text == text
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="lab-target", prompt="hi", max_tokens=2, logit_bias={"17": -100})
 
 
 def test_stop_n_echo_and_logprobs_as_openai_defines_them(server, client, lab):
@@ -214,8 +221,9 @@ def test_stop_n_echo_and_logprobs_as_openai_defines_them(server, client, lab):
     assert len(lp.tokens) == len(full) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for p in range(1, len(full)):
         assert lp.token_logprobs[p] == pytest.approx(float(want[p - 1, full[p]]), abs=1e-3)
-        assert len(lp.top_logprobs[p]) <= 2 and max(lp.top_logprobs[p].values()) == \
-            pytest.approx(float(want[p - 1].max()), abs=1e-3)
+        # the 2 most likely and the prompt's own token when it is not among them (OpenAI: up to logprobs + 1)
+        assert 2 <= len(lp.top_logprobs[p]) <= 3 and lp.tokens[p] in lp.top_logprobs[p]
+        assert max(lp.top_logprobs[p].values()) == pytest.approx(float(want[p - 1].max()), abs=1e-3)
     assert lp.text_offset[len(prompt)] == len(ids_text(tok, prompt))
     chunks = list(client.completions.create(model="lab-target", prompt=prompt, max_tokens=5, temperature=0,
                                             logprobs=1, stream=True, extra_body={"ignore_eos": True}))
@@ -253,6 +261,19 @@ def test_fields_are_checked_at_the_door(server):
         assert r.status_code == 400, (raw, r.text)
     r = post(server, model="lab-target", prompt=[[5, 6]] * 33, n=2, max_tokens=1)
     assert r.status_code == 400 and "at most 64" in r.text
+    # OpenAI's fields with a value that asks for nothing are accepted (they were all 400); null is the default
+    for noop in (dict(presence_penalty=0), dict(frequency_penalty=0.0), dict(best_of=1), dict(logit_bias={}),
+                 dict(logit_bias={"17": 0}), dict(user="student-7"), dict(suffix=None), dict(suffix=""),
+                 dict(stream_options=None), dict(max_tokens=None, temperature=None, top_p=None, n=None, echo=None,
+                                                 stream=None, logprobs=None, seed=None, stop=None)):
+        r = post(server, **{**base, **noop})
+        assert r.status_code == 200, (noop, r.text)
+    for extra, field in ((dict(presence_penalty=-0.1), "presence_penalty"), (dict(best_of=1, n=2), "best_of"),
+                         (dict(logit_bias={"17": 5}), "logit_bias"), (dict(user=3), "user"),
+                         (dict(stream_options={"include_usage": True}), "stream_options"),
+                         (dict(suffix="!"), "suffix")):
+        r = post(server, **{**base, **extra})
+        assert r.status_code == 400 and field in r.text, (extra, r.text)
 
 
 def test_size_limits_and_huge_prompts(server):
@@ -408,29 +429,260 @@ def test_a_failing_sequence_gets_500_and_the_others_their_tokens(inprocess, lab)
     engine.blocks.check_invariants()
 
 
+def _events(url, body):
+    with httpx.stream("POST", f"{url}/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(line[6:])["choices"][0] for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_stream_equals_completion_for_every_stop_string(inprocess, lab):
+    """The server's stream against its own non-streamed completion, on forced non-ASCII tokens and stop
+    strings of every kind the detokenizer fuzz draws (a multi-byte last character, U+FFFD, cut from the text):
+    the same text, the same finish reason, the same tokens and log-probabilities."""
+    from hypothesis import HealthCheck, given, settings
+
+    url, forced, _ = inprocess
+    tok = lab[1]
+    seeds = iter(range(1000, 100000))
+
+    @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(_text_ids_and_stops())
+    def check(case):
+        text, stop, _ = case
+        ids = list(tok(text)["input_ids"])
+        stop = [x for x in stop if x][:4]
+        if not ids or any(len(x) > 256 for x in stop):
+            return
+        body = dict(model="lab-target", prompt=[5, 6], max_tokens=len(ids), temperature=1.0, ignore_eos=True,
+                    logprobs=1, stop=stop or None)
+        a, b = next(seeds), next(seeds)
+        forced[a], forced[b] = list(ids), list(ids)
+        whole = post(url, **body, seed=a).json()["choices"][0]
+        events = _events(url, dict(body, seed=b))
+        assert "".join(e["text"] for e in events) == whole["text"], (text, stop, events)
+        assert events[-1]["finish_reason"] == whole["finish_reason"]
+        streamed = [e["logprobs"] for e in events if e["logprobs"]]
+        assert [t for lp in streamed for t in lp["tokens"]] == whole["logprobs"]["tokens"]
+        offsets = [o for lp in streamed for o in lp["text_offset"]]
+        assert offsets == sorted(offsets) and all(o <= len(whole["text"]) for o in offsets)
+        forced.pop(a, None), forced.pop(b, None)
+
+    check()
+
+
+def test_echo_logprobs_offsets_top_entries_and_seeds(inprocess, lab, monkeypatch):
+    """echo + logprobs on a non-ASCII prompt with a special token in it and a non-ASCII generation: one
+    offset rule for prompt and generated tokens (each offset is where its token's text starts in the returned
+    text, non-decreasing; they used to overshoot on the prompt and then run backwards); top_logprobs keeps
+    every alternative (byte tokens collided on U+FFFD) and holds the chosen token, up to logprobs + 1 entries;
+    n choices of a seed near 2**63 sample with n different seeds."""
+    from labsrc.serving import engine as engine_module
+    from labsrc.serving.logprobs import TokenStrings
+
+    url, forced, _ = inprocess
+    tok = lab[1]
+    strings = TokenStrings(tok)
+    prompt = tok("Café “中文” ok")["input_ids"]
+    prompt = prompt[:3] + [0] + prompt[3:]  # <|endoftext|> in the middle: a token with no text
+    gen = tok(" naïve… 😀")["input_ids"]
+    for k in (0, 2):
+        forced[21 + k] = list(gen)
+        body = dict(model="lab-target", prompt=prompt, max_tokens=len(gen), temperature=1.0, seed=21 + k,
+                    ignore_eos=True, echo=True, logprobs=k)
+        c = post(url, **body).json()["choices"][0]
+        text, lp = c["text"], c["logprobs"]
+        assert text == tok.decode(prompt, skip_special_tokens=True) + tok.decode(gen)
+        ids = prompt + gen
+        assert lp["tokens"] == [strings[t] for t in ids]
+        offsets = lp["text_offset"]
+        assert offsets == sorted(offsets) and offsets[-1] < len(text)
+        for t, o, piece in zip(ids, offsets, lp["tokens"]):
+            if t == 0:
+                assert o == len(tok.decode(prompt[:3]).rstrip("\ufffd"))  # where the next character starts
+            elif not piece.startswith("bytes:"):
+                assert text[o:o + len(piece)] == piece, (piece, o, text)
+        for i, (piece, top) in enumerate(zip(lp["tokens"], lp["top_logprobs"])):
+            if i == 0:
+                assert top is None
+                continue
+            assert piece in top and k <= len(top) <= k + 1, (i, piece, top)
+    seen = []
+    sample = engine_module._sample
+    monkeypatch.setattr(engine_module, "_sample", lambda lg, p, g: (seen.append(p.seed), sample(lg, p, g))[1])
+    r = post(url, model="lab-target", prompt=[5, 6], max_tokens=1, temperature=1.0, n=3, seed=2 ** 63 - 1)
+    assert r.status_code == 200 and sorted(seen) == [0, 1, 2 ** 63 - 1]
+
+
+MULTIBYTE = "”“’。、…中é😀"  # characters of two to four bytes, several byte-level tokens each
+
+
+def _text_ids_and_stops():
+    """A text with multi-byte characters, its tokens (sometimes with a random token spliced in: a stray byte
+    of a character, a special token), and up to three stop strings: random, cut from the text, ending in a
+    multi-byte character, or holding U+FFFD."""
+    from hypothesis import strategies as st
+
+    chars = st.one_of(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), st.sampled_from(MULTIBYTE))
+
+    @st.composite
+    def draw(draw):
+        text = draw(st.text(alphabet=chars, max_size=24))
+        stops = []
+        for _ in range(draw(st.integers(0, 3))):
+            kind = draw(st.sampled_from(["random", "cut", "multibyte-end", "replacement"]))
+            if kind == "cut" and text:
+                i = draw(st.integers(0, len(text) - 1))
+                stops.append(text[i:draw(st.integers(i + 1, min(len(text), i + 4)))])
+            elif kind == "multibyte-end":
+                stops.append(draw(st.text(alphabet=chars, max_size=2)) + draw(st.sampled_from(MULTIBYTE)))
+            elif kind == "replacement":
+                stops.append(draw(st.sampled_from(["\ufffd", "\ufffd\ufffd", "a\ufffd", "\ufffd "])))
+            else:
+                stops.append(draw(st.text(min_size=1, max_size=3)))
+        splice = draw(st.none() | st.tuples(st.integers(0, 64), st.integers(0, 4095)))
+        return text, stops, splice
+
+    return draw()
+
+
+def _stop_reference(tok, ids, stops):
+    """What the completion must be, computed the slow way: decode every prefix from scratch; the first prefix
+    whose settled text (every prefix but the whole sequence is searched without its trailing U+FFFD) holds a
+    stop string ends it, cut before the earliest stop string found. Returns (text, stopped, tokens kept)."""
+    from labsrc.serving.detokenizer import settled
+
+    for i in range(1, len(ids) + 1):
+        text = tok.decode(ids[:i], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        searched = text if i == len(ids) else settled(text)
+        hits = [searched.find(s) for s in stops if s in searched]
+        if hits:
+            return text[:min(hits)], True, i
+    return tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), False, len(ids)
+
+
 def test_incremental_detokenizer_on_real_tokens(lab):
-    from hypothesis import given, settings, strategies as st
+    """The fuzz of the stream against the whole completion, with stop strings of every kind that broke it: one
+    whose last character is multi-byte (the held-back window counted the unfinished character's U+FFFD, and
+    the stream leaked the stop string's first character) and one holding U+FFFD (it fired inside every
+    unfinished character). The pieces join to the detokenizer's final text (what the non-streamed completion
+    returns), and that text is the slow reference's."""
+    from hypothesis import given, settings
 
     from labsrc.serving.detokenizer import IncrementalDetokenizer
 
     tok = lab[1]
 
-    @settings(max_examples=60, deadline=None, derandomize=True)
-    @given(st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=24),
-           st.lists(st.text(min_size=1, max_size=3), max_size=2))
-    def check(text, stop):
-        ids = tok(text)["input_ids"]
+    @settings(max_examples=300, deadline=None, derandomize=True)
+    @given(_text_ids_and_stops())
+    def check(case):
+        text, stop, splice = case
+        ids = list(tok(text)["input_ids"])
+        if splice is not None:
+            ids.insert(min(splice[0], len(ids)), splice[1])
+        if not ids:
+            return
         whole = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         d = IncrementalDetokenizer(tok, stop)
         pieces = [d.add(t) for t in ids] + [d.flush()]
-        cuts = [whole.find(s) for s in stop if s in whole]
-        want = whole[:min(cuts)] if cuts else whole
-        assert "".join(pieces) == want
-        if "\ufffd" not in whole:
+        want, stopped, kept = _stop_reference(tok, ids, [s for s in stop if s])
+        assert "".join(pieces) == d.text == want, (text, stop, pieces)
+        assert d.stopped == stopped and d.num_tokens_kept == kept
+        if "\ufffd" not in whole:  # valid text: no placeholder is ever sent, and no U+FFFD stop fires
             assert not any("\ufffd" in p for p in pieces)
-        assert d.stopped == bool(cuts)
+            assert not (stopped and all("\ufffd" in s for s in stop))
 
     check()
+
+
+def test_leaks_the_fuzz_found_stay_fixed(lab):
+    from labsrc.serving.detokenizer import IncrementalDetokenizer
+
+    tok = lab[1]
+    ids = tok("he said “ab” and 中文。ok")["input_ids"]
+    for stop, want in (("ab”", "he said “"), ("b”", "he said “a"), ("文。", "he said “ab” and 中"),
+                       ("\ufffd", "he said “ab” and 中文。ok")):
+        d = IncrementalDetokenizer(tok, [stop])
+        assert "".join([d.add(t) for t in ids] + [d.flush()]) == want, stop
+        assert d.stopped == (stop != "\ufffd")
+
+
+def test_logprob_token_strings_are_distinct_and_offsets_locate_tokens(lab):
+    """Byte-level tokens that are parts of characters all decode to U+FFFD: as keys of top_logprobs they
+    collided. Every token now has its own string, and each offset (prompt or generated: one rule) points at the
+    character holding the token's first byte, never decreasing, never past the text; a special token sits
+    where the next text begins."""
+    from hypothesis import given, settings, strategies as st
+
+    from labsrc.serving.logprobs import TokenStrings, text_offsets, token_bytes, top_entries
+
+    tok = lab[1]
+    strings = TokenStrings(tok)
+    table = strings.table()
+    assert len(set(table)) == len(table) == len(tok)
+    specials = set(tok.all_special_ids)
+    for t in range(len(tok)):
+        piece = tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        assert table[t] == piece or ("\ufffd" in piece and table[t].startswith(("bytes:", "token_id:")))
+    e4 = tok.convert_tokens_to_ids("ä")  # the first byte of 中, alone
+    assert strings[e4] == "bytes:\\xe4" and token_bytes(tok, e4) == b"\xe4"
+    top = {e4: -1.0, tok.convert_tokens_to_ids("æ"): -1.5}  # two lead bytes, both U+FFFD when decoded
+    assert len(top_entries(strings, e4, -1.0, top)) == 2 and len(top_entries(strings, 73, -3.0, top)) == 3
+
+    @settings(max_examples=150, deadline=None, derandomize=True)
+    @given(st.text(alphabet=st.one_of(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")),
+                                      st.sampled_from(MULTIBYTE)), max_size=20),
+           st.lists(st.tuples(st.integers(0, 40), st.sampled_from(sorted(specials))), max_size=3),
+           st.integers(0, 40))
+    def check(text, inserted, split):
+        ids = list(tok(text)["input_ids"])
+        for at, special in inserted:
+            ids.insert(min(at, len(ids)), special)
+        whole = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        # the echoed prompt and the generation are decoded apart and joined: split the tokens in two
+        split = min(split, len(ids))
+        head = tok.decode(ids[:split], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        tail = tok.decode(ids[split:], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        returned = head + tail
+        offsets = text_offsets(tok, ids[:split]) + text_offsets(tok, ids[split:], base=len(head))
+        assert offsets == sorted(offsets) and all(0 <= o <= len(returned) for o in offsets)
+        if split in (0, len(ids)):
+            assert returned == whole
+        consumed = [b"", b""]  # bytes before each token, in its part
+        for i, (t, o) in enumerate(zip(ids, offsets)):
+            part = 0 if i < split else 1
+            text_part, o = (head, o) if part == 0 else (tail, o - len(head))
+            if "\ufffd" not in text_part:  # valid text: the offset is exact
+                # the character at the offset holds the token's first byte (a special token, which has no
+                # byte, sits at the boundary where the next byte goes, or on the character it splits)
+                start, end = len(text_part[:o].encode()), len(text_part[:o + 1].encode())
+                b = len(consumed[part])
+                assert start <= b and (b < end or b == start), (text, ids, i)
+            if t not in specials:
+                consumed[part] += token_bytes(tok, t)
+
+    check()
+
+
+def test_choice_seeds_are_distinct_for_every_seed():
+    """``n`` completions of one seed sample with ``n`` different seeds, up to the largest (clamping at 2**63 - 1
+    gave every choice of a seed near it the same one)."""
+    from hypothesis import given, settings, strategies as st
+
+    from labsrc.serving.protocol import MAX_N, CompletionRequest
+    from labsrc.serving.scheduler import MAX_SEED, SamplingParams
+
+    @settings(max_examples=200, deadline=None, derandomize=True)
+    @given(st.one_of(st.integers(0, MAX_SEED), st.integers(MAX_SEED - 20, MAX_SEED)), st.integers(1, MAX_N))
+    def check(seed, n):
+        req = CompletionRequest(model="m", prompt="x", seed=seed, n=n)
+        seeds = [req.choice_seed(j) for j in range(n)]
+        assert len(set(seeds)) == n and seeds[0] == seed
+        for s in seeds:
+            SamplingParams(seed=s)  # every one is a seed the engine takes
+
+    check()
+    assert CompletionRequest(model="m", prompt="x").choice_seed(3) is None
 
 
 # ------------------------------------------------------------------------------------------------ the fuzz
@@ -442,8 +694,10 @@ def _fuzz_strategies():
     optional = dict(
         temperature=st.one_of(st.just(0.0), st.floats(0, 2), st.just(5e-324)),
         top_p=st.one_of(st.floats(5e-324, 1.0), st.just(1.0)), n=st.integers(1, 2),
-        stop=st.one_of(st.none(), st.text(alphabet="ab cé", min_size=1, max_size=3),
-                       st.lists(st.text(alphabet="ab cé", min_size=1, max_size=3), max_size=4)),
+        stop=st.one_of(st.none(), st.text(alphabet="ab cé”。…\ufffd", min_size=1, max_size=3),
+                       st.lists(st.text(alphabet="ab cé”。…\ufffd", min_size=1, max_size=3), max_size=4)),
+        presence_penalty=st.just(0), frequency_penalty=st.just(0.0), logit_bias=st.just({}),
+        user=st.text(max_size=8), suffix=st.sampled_from([None, ""]),
         echo=st.booleans(), logprobs=st.one_of(st.none(), st.integers(0, 5)), seed=st.integers(0, 2 ** 63 - 1),
         ignore_eos=st.booleans())
     prompt = st.one_of(ids, text, st.lists(st.one_of(ids), min_size=1, max_size=2),
@@ -455,7 +709,8 @@ def _fuzz_strategies():
         ("temperature", -0.5), ("temperature", 3.0), ("top_p", 0.0), ("top_p", 1.5), ("n", 17), ("n", 0),
         ("logprobs", 9), ("seed", -1), ("seed", 2 ** 64), ("stop", ["x"] * 5), ("prompt", []), ("prompt", [4096]),
         ("prompt", [-3]), ("prompt", [1.5]), ("prompt", 7), ("prompt", [5] * 600), ("echo", "yes"),
-        ("model", "other"), ("stream", 1)])
+        ("model", "other"), ("stream", 1), ("logit_bias", {"5": 1.0}), ("suffix", "x"),
+        ("frequency_penalty", 0.3), ("user", 5)])
     invalid = st.tuples(valid, breakers).map(lambda vb: {**vb[0], vb[1][0]: vb[1][1]})
     action = st.one_of(
         st.tuples(st.just("valid"), valid, st.none()),

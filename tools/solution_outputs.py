@@ -12,6 +12,11 @@ release view clears their outputs from the notebook a reader downloads as well.
 Which cells depend on a solution is decided from the code alone (:func:`dependent_cells`): a solution cell's
 top-level names are tainted; a cell that reads a tainted name is dependent, and the names bound by the
 statement that read it become tainted; a statement that binds a name without reading a tainted one clears it.
+A value also travels by mutation: ``results.append(solve(x))`` binds nothing but puts the solution's value in
+``results``, and a solution cell may work by filling a table (``table[k] = ...``, ``cache.update(...)``). So the
+objects such a statement may change are tainted as well (:func:`mutated_names`: the names at the root of an
+attribute or item it assigns or deletes, of a method it calls, and the names it passes to a call), and a
+mutation never clears a taint.
 Test cells (nbgrader ``grade``) are dependent by construction and lose their outputs anyway, so they need no
 tag. ``--check`` changes nothing and exits 1 naming each cell that lacks its tag; the same rule is a test
 (``tests/test_chapters.py``) and, on the rendered page, a browser check (``tools/browser_check.py``).
@@ -60,9 +65,57 @@ def bound_names(tree: ast.Module) -> set[str]:
     return names
 
 
+def _root(node) -> str | None:
+    """The name at the root of ``a.b[c].d``, if the expression starts with one."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def mutated_names(tree: ast.Module, modules: set[str] = frozenset()) -> set[str]:
+    """Names whose objects a cell may change in place at top level: the root of every attribute or item it
+    assigns, augments or deletes (``a[k] = v``, ``a.x += v``, ``del a[k]``), of every method it calls
+    (``a.append(v)``, ``a.b.update(v)``), and every name it passes to a call (``fill(a, v)`` may fill ``a``).
+    ``modules`` (names bound by imports) are left out: ``np.append(a, v)`` changes neither ``np`` nor ``a``'s
+    module."""
+    names: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            return  # a definition changes nothing until it is called
+        targets = []
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor)):
+            targets = [node.target]
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            targets = [node.optional_vars]
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, (ast.Attribute, ast.Subscript)) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                    names.add(_root(sub))
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Attribute):
+                names.add(_root(node.func.value))
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                names.add(_root(arg))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {n for n in names if n is not None} - set(modules) - set(dir(builtins))
+
+
+def _imported(tree: ast.Module) -> set[str]:
+    return {(a.asname or a.name).split(".")[0] for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) for a in node.names}
+
+
 def read_names(tree: ast.Module) -> set[str]:
-    """Every name a cell reads, function bodies included (they run when the cell calls them)."""
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    """Every name a cell reads, function bodies included (they run when the cell calls them); ``a += b`` reads
+    ``a`` too (its target is a store in the syntax tree)."""
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return names | {_root(n.target) for n in ast.walk(tree) if isinstance(n, ast.AugAssign)} - {None}
 
 
 def dependent_cells(cells: list[tuple[str, bool]]) -> dict[int, set[str]]:
@@ -70,11 +123,13 @@ def dependent_cells(cells: list[tuple[str, bool]]) -> dict[int, set[str]]:
     reads a name whose value comes from a solution, with the names it reads. A solution cell is not itself
     listed (its region is stubbed in the release version); the names it binds are where the taint starts."""
     tainted: set[str] = set()
+    modules: set[str] = set()
     found: dict[int, set[str]] = {}
     for i, (source, is_solution) in enumerate(cells):
         tree = _code(source)
+        modules |= _imported(tree)
         if is_solution:
-            tainted |= bound_names(tree)
+            tainted |= bound_names(tree) | mutated_names(tree, modules)
             continue
         # Statement by statement, so that `x = fresh(); print(x)` after a tainted x reads the fresh value.
         for statement in tree.body:
@@ -83,9 +138,9 @@ def dependent_cells(cells: list[tuple[str, bool]]) -> dict[int, set[str]]:
             uses = (read_names(part) & tainted) - set(dir(builtins))
             if uses:
                 found.setdefault(i, set()).update(uses)
-                tainted |= bound
+                tainted |= bound | mutated_names(part, modules)
             else:
-                tainted -= bound
+                tainted -= bound - mutated_names(part, modules)
     return found
 
 

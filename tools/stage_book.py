@@ -8,7 +8,8 @@ those executed copies into ``_build/src/`` and writes the fragments that two pag
 * ``book/_generated/bench_tables.md``: the latest GPU results under ``kernels/results/``, or a sentence saying
   that none were recorded;
 * ``book/_generated/compile_table.md``: every kernel's registers, spills and shared memory on sm_80 and sm_90,
-  from ``kernels/results/compile.json`` (``python -m labsrc.gpucheck --compile-only``);
+  from ``kernels/results/compile.json`` (``python -m labsrc.gpucheck --compile-only``), and which Triton
+  versions were checked (``compile-triton-<version>.json`` beside it, ``make compile-check TRITON=<version>``);
 
 and copies a local MathJax next to the pages, so the book needs no network to show its math.
 
@@ -57,11 +58,25 @@ def bench_markdown(results_dir: Path) -> str:
 
 
 def compile_markdown(path: Path) -> str:
-    """The compile table (kernels x architectures) from ``kernels/results/compile.json``."""
+    """The compile table (kernels x architectures) from ``kernels/results/compile.json``, then one line per
+    Triton version checked (that file and each ``compile-triton-<version>.json`` beside it, written by
+    ``make compile-check TRITON=<version>``): how many configurations compiled clean, and which did not."""
     if not path.is_file():
         return "**No compile table has been recorded yet.** Run `python -m labsrc.gpucheck --compile-only --out " \
                "kernels/results/compile.json`.\n"
-    return markdown_table(json.loads(path.read_text())["kernels"])
+    data = json.loads(path.read_text())
+    table = markdown_table(data["kernels"])
+    checked = []
+    for other in [path, *sorted(path.parent.glob("compile-triton-*.json"))]:
+        rows = json.loads(other.read_text())
+        bad = [r for r in rows["kernels"] if r.get("problems")]
+        version = rows.get("triton", "of unrecorded version")
+        what = (f"Triton {version}: {len(rows['kernels'])} configurations, "
+                + (f"{len(bad)} with a problem ({', '.join(sorted({r['kernel'].split('.')[-1] for r in bad}))})"
+                   if bad else "none with a problem") + f" (`kernels/results/{other.name}`)")
+        checked.append(what)
+    return (table + "\nThe tables are Triton " + str(data.get("triton", "?")) + "'s. Checked with "
+            + "; ".join(checked) + ".\n")
 
 
 def release_view(notebook: dict) -> dict:

@@ -35,13 +35,17 @@ def _compile_only(args) -> int:
         env = dict(os.environ, TRITON_INTERPRET="0")
         env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
         return subprocess.run([sys.executable, "-m", "labsrc.gpucheck", *sys.argv[1:]], env=env).returncode
+    import triton
+
     from labsrc.gpucheck.compile import compile_all
     rows = compile_all(only=args.only, jobs=args.jobs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(kernels=rows), indent=1) + "\n")
+    # the Triton that compiled them: its compiler and ptxas decide registers and spills
+    args.out.write_text(json.dumps(dict(triton=triton.__version__, kernels=rows), indent=1) + "\n")
     failed = [r for r in rows if r["problems"]]
     kernels = len({r["kernel"] for r in rows})
-    print(f"\n{len(rows)} rows, {kernels} kernels, {len(failed)} with problems; written to {args.out}")
+    print(f"\n{len(rows)} rows, {kernels} kernels, {len(failed)} with problems (Triton {triton.__version__}); "
+          f"written to {args.out}")
     return 1 if failed else 0
 
 

@@ -11,12 +11,27 @@ has it).
 Stop strings are found here too (the OpenAI ``stop`` field): the text is cut before the first occurrence of any
 of them, and while streaming the last ``len(longest stop) - 1`` characters are held back, since they might be
 the start of a stop string that the next token completes.
+
+One rule makes the stream equal the whole completion: only the *settled* text is searched and released, i.e.
+the decode without its trailing U+FFFD (:func:`settled`). Those placeholders stand for a character still
+arriving (the next token may turn them into "”" or "。"), so they are neither counted in the held-back window
+(counting one would release the first character of a stop string whose last character is multi-byte) nor
+searched (a stop string containing U+FFFD would fire inside every unfinished character). Everything before them
+never changes as tokens arrive: a byte-level decode replaces invalid bytes by U+FFFD as it meets them, so only
+the unfinished end can still change. When the sequence ends, :meth:`~IncrementalDetokenizer.flush` searches the
+final text, placeholders and all, as the non-streamed completion does.
 """
 from __future__ import annotations
 
-__all__ = ["IncrementalDetokenizer"]
+__all__ = ["IncrementalDetokenizer", "settled"]
 
 _REPLACEMENT = "\ufffd"
+
+
+def settled(text: str) -> str:
+    """``text`` without its trailing U+FFFD: the part of a decode that more tokens cannot change. (A genuine
+    U+FFFD at the very end is held back too, until a later character or the end of the sequence settles it.)"""
+    return text.rstrip(_REPLACEMENT)
 
 
 class IncrementalDetokenizer:
@@ -53,20 +68,31 @@ class IncrementalDetokenizer:
         self.ids.append(int(token_id))
         self.num_tokens_kept = len(self.ids)
         self.text = self._decode()
-        if self.stop:
-            start = max(0, self.sent - self.hold)  # a stop string may begin in the held-back tail
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-            if hits:
-                self.text = self.text[:min(hits)]
-                self.stopped = True
-                return self._release(len(self.text))
-        safe = len(self.text.rstrip(_REPLACEMENT))  # an incomplete character decodes to a trailing U+FFFD
-        return self._release(min(safe, len(self.text) - self.hold))
+        ready = len(settled(self.text))  # characters that can no longer change
+        if self._cut(ready):
+            return self._release(len(self.text))
+        return self._release(ready - self.hold)
 
     def flush(self) -> str:
-        """The sequence ended: release everything not yet sent (an incomplete final character stays U+FFFD,
-        exactly as the whole completion decodes)."""
+        """The sequence ended: its text is final (an incomplete final character stays U+FFFD, exactly as the
+        whole completion decodes), so the rest of it is searched for a stop string and released."""
+        if not self.stopped:
+            self._cut(len(self.text))
         return self._release(len(self.text))
+
+    def _cut(self, upto: int) -> bool:
+        """Search ``text[:upto]`` for a stop string; if one is found, cut the text before it and stop. Only the
+        last ``hold`` characters already released, and what came after them, can hold a stop string not yet
+        found (an earlier one would have lain wholly in text searched before)."""
+        if not self.stop:
+            return False
+        start = max(0, self.sent - self.hold)
+        hits = [i for i in (self.text.find(s, start, upto) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[:min(hits)]
+        self.stopped = True
+        return True
 
     def _release(self, upto: int) -> str:
         if upto <= self.sent:

@@ -25,6 +25,7 @@ has returned); a failure in one sequence's sampling finishes that sequence alone
 """
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -228,28 +229,36 @@ class Engine:
         policy: ``"continuous"`` (iteration-level batching) or ``"static"`` (a new batch only when the last
             one is done).
         kernels: ``"triton"`` (the lab's kernels; interpreted on a CPU, hundreds of times slower) or ``"torch"``
-            (PyTorch, with batched decode attention). Default: ``"triton"`` on a GPU, ``"torch"`` on a CPU.
+            (PyTorch, with batched decode attention). Default: ``"triton"`` for a model on a GPU, ``"torch"``
+            for a model on the CPU, whatever else the machine has (the kernels run where the model's tensors are).
+        step_log_size: how many of the latest steps :attr:`step_log` keeps (one small dict each, for the timeline
+            plot); ``num_steps`` counts them all. A served engine runs for days: the log must not grow with it.
     """
 
     def __init__(self, model_name_or_model, num_blocks: int, block_size: int, max_num_batched_tokens: int = 256,
                  max_num_seqs: int = 16, tokenizer=None, enable_prefix_caching: bool = True,
-                 policy: str = "continuous", kernels: str | None = None):
+                 policy: str = "continuous", kernels: str | None = None, step_log_size: int = 10_000):
         if isinstance(model_name_or_model, str):
             from labsrc.models import load
             model, tok = load(model_name_or_model)
             tokenizer = tokenizer or tok
         else:
             model = model_name_or_model
+        self.device = next(model.parameters()).device
         if kernels is None:
-            kernels = "triton" if runtime.HAS_CUDA else "torch"
+            kernels = "triton" if self.device.type == "cuda" else "torch"
         if kernels not in ("triton", "torch"):
             raise ValueError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
+        if kernels == "triton" and self.device.type != "cuda" and not runtime.INTERPRETED:
+            raise ValueError(f"kernels='triton' needs the model on a CUDA device (it is on {self.device}) or "
+                             "Triton's interpreter (TRITON_INTERPRET=1); use kernels='torch'")
+        if isinstance(step_log_size, bool) or not isinstance(step_log_size, int) or step_log_size < 1:
+            raise ValueError(f"step_log_size must be a positive int, got {step_log_size!r}")
         cfg = model.config
         self.model, self.tokenizer, self.kernels = model, tokenizer, kernels
         self.block_size = block_size
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_batched_tokens, max_num_seqs, policy)
-        self.device = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         hkv = cfg.num_key_value_heads
         shape = (num_blocks, block_size, hkv, config_head_dim(cfg))
@@ -264,7 +273,9 @@ class Engine:
         self.record_queries = 0  # > 0: keep each prefill chunk's last queries per layer (eviction scores)
         self.recorded: dict = {}
         self.seqs: dict[int, Sequence] = {}
-        self.step_log: list[dict] = []  # one row per step: the batch composition, for the timeline plot
+        # one row per step, the latest step_log_size of them: the batch composition, for the timeline plot
+        self.step_log: collections.deque[dict] = collections.deque(maxlen=step_log_size)
+        self.num_steps = 0
 
     @property
     def kv_bytes(self) -> int:
@@ -481,6 +492,7 @@ class Engine:
             slots_held=self.block_size * len({b for q in self.scheduler.running
                                              for b in self.blocks.block_table(q.seq_id)}),
             seconds=now - t0))
+        self.num_steps += 1
         return results
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -51,7 +51,7 @@ def replay(engine, trace: list[dict]) -> dict:
     joined_time: dict[int, float] = {}
     first_step: dict[int, int] = {}
     step, nxt = 0, 0
-    log_start = len(engine.step_log)
+    log = []  # this trace's steps (engine.step_log keeps only the latest ones, and not only this trace's)
     t0 = time.perf_counter()
     while nxt < len(order) or engine.has_unfinished():
         while nxt < len(order) and trace[order[nxt]]["arrival"] <= step:
@@ -60,13 +60,15 @@ def replay(engine, trace: list[dict]) -> dict:
             ids[i] = engine.add_request(trace[i]["prompt"], params)
             joined_step[i], joined_time[i] = step, time.perf_counter()
             nxt += 1
+        before = engine.num_steps
         for rid, _, _ in engine.step():
             i = next(k for k, v in ids.items() if v == rid)
             first_step.setdefault(i, step + 1 - joined_step[i])
+        if engine.num_steps > before:  # a step with nothing scheduled logs nothing
+            log.append(engine.step_log[-1])
         step += 1
     seconds = time.perf_counter() - t0
     outs = [engine.seqs[ids[i]].output for i in range(len(trace))]
-    log = engine.step_log[log_start:]
     return dict(
         outputs=[list(o) for o in outs], steps=step, seconds=seconds, output_tokens=sum(len(o) for o in outs),
         ttft_steps=[first_step[i] for i in range(len(trace))],

@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from labsrc.serving.detokenizer import IncrementalDetokenizer
+from labsrc.serving.logprobs import TokenStrings, text_offsets, top_entries
 from labsrc.serving.protocol import MAX_CHOICES, CompletionRequest
 from labsrc.serving.scheduler import SamplingParams
 
@@ -236,8 +237,9 @@ class _Choice:
     """One choice of a completion: its tokens, its text (released as :class:`IncrementalDetokenizer` allows)
     and OpenAI's ``logprobs`` object."""
 
-    def __init__(self, index: int, handle: _Handle, tokenizer, stop: list[str], echo: bool, logprobs: int | None):
-        self.index, self.handle, self.tok = index, handle, tokenizer
+    def __init__(self, index: int, handle: _Handle, tokenizer, stop: list[str], echo: bool, logprobs: int | None,
+                 strings: TokenStrings):
+        self.index, self.handle, self.tok, self.strings = index, handle, tokenizer, strings
         self.detok = IncrementalDetokenizer(tokenizer, stop)
         self.echo, self.want_logprobs = echo, logprobs is not None
         self.prefix = tokenizer.decode(handle.ids, skip_special_tokens=True,
@@ -247,38 +249,34 @@ class _Choice:
         self.finish_reason: str | None = None
         self.prompt_logprobs = None
 
-    def _piece(self, token: int) -> str:
-        return self.tok.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def logprobs_object(self, prompt_too: bool, first: int = 0, last: int | None = None) -> dict | None:
+    def logprobs_object(self, prompt_too: bool, first: int = 0, last: int | None = None,
+                        released: int | None = None) -> dict | None:
         """OpenAI's logprobs object for generated tokens ``first .. last - 1`` (with the prompt's before them
-        when ``prompt_too`` and the choice echoes); ``text_offset`` counts characters from the start of the
-        choice's text."""
+        when ``prompt_too`` and the choice echoes), by the rules of :mod:`labsrc.serving.logprobs`;
+        ``text_offset`` counts characters from the start of the choice's text and stops at its end, or at
+        ``released`` characters of it (what a stream has sent so far)."""
         if not self.want_logprobs:
             return None
         obj = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = 0
+        strings, ids = self.strings, self.handle.ids
+        end = len(self.text) if released is None else released
         if prompt_too and self.echo:
-            prompt_lp = self.prompt_logprobs or [None] * len(self.handle.ids)
-            for p, t in enumerate(self.handle.ids):
+            prompt_lp = self.prompt_logprobs or [None] * len(ids)
+            for p, (t, offset) in enumerate(zip(ids, text_offsets(self.tok, ids, limit=end))):
                 entry = prompt_lp[p]
-                piece = self._piece(t)
-                obj["tokens"].append(piece)
+                obj["tokens"].append(strings[t])
                 obj["token_logprobs"].append(None if entry is None else entry[0])
-                obj["top_logprobs"].append(None if entry is None else
-                                           {self._piece(k): v for k, v in entry[1].items()})
+                obj["top_logprobs"].append(None if entry is None else top_entries(strings, t, *entry))
                 obj["text_offset"].append(offset)
-                offset += len(piece)
-        base = len(self.prefix)
         kept = self.entries[:self.detok.num_tokens_kept]
         last = len(kept) if last is None else min(last, len(kept))
-        for i in range(first, last):
+        offsets = text_offsets(self.tok, self.token_ids, first, last, base=len(self.prefix), limit=end)
+        for i, offset in zip(range(first, last), offsets):
             t, lp, top = kept[i]
-            obj["tokens"].append(self._piece(t))
+            obj["tokens"].append(strings[t])
             obj["token_logprobs"].append(lp)
-            obj["top_logprobs"].append({self._piece(k): v for k, v in top.items()})
-            obj["text_offset"].append(base + len(self.tok.decode(self.token_ids[:i], skip_special_tokens=True,
-                                                                 clean_up_tokenization_spaces=False)))
+            obj["top_logprobs"].append(top_entries(strings, t, lp, top))
+            obj["text_offset"].append(offset)
         return obj
 
     def take(self, item) -> str:
@@ -300,9 +298,10 @@ class _Choice:
                 self.finish_reason = "stop"
             return text
         reason = item[1]  # "done"
+        text = self.detok.flush()  # the final text may still hold a stop string (one with a U+FFFD in it)
         if self.finish_reason is None:
-            self.finish_reason = _FINISH.get(reason, reason)
-        return self.detok.flush()
+            self.finish_reason = "stop" if self.detok.stopped else _FINISH.get(reason, reason)
+        return text
 
     @property
     def finished(self) -> bool:
@@ -318,6 +317,7 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
     runner = EngineLoop(engine)
     created = int(time.time())
     tok = engine.tokenizer
+    strings = TokenStrings(tok)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -375,6 +375,8 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
             except (ValueError, TypeError) as err:
                 raise _RequestFailed(400, str(err), "prompt") from None
             out.append(ids)
+        if req.logprobs is not None:
+            strings.table()  # the first request with logprobs builds the token table here, off the event loop
         return out
 
     @app.post("/v1/completions")
@@ -391,11 +393,11 @@ def create_app(engine, model_name: str, max_request_bytes: int = MAX_REQUEST_BYT
         for ids in prompt_ids:
             for j in range(req.n):
                 params = SamplingParams(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                        seed=None if req.seed is None else min(req.seed + j, 2 ** 63 - 1),
+                                        seed=req.choice_seed(j),
                                         ignore_eos=req.ignore_eos, logprobs=req.logprobs,
                                         prompt_logprobs=req.echo and req.logprobs is not None)
                 choices.append(_Choice(len(choices), _Handle(ids, params, loop), tok, req.stops(), req.echo,
-                                       req.logprobs))
+                                       req.logprobs, strings))
         for c in choices:
             runner.submit(c.handle)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -466,12 +468,16 @@ async def _stream(choices, next_item, cancel_all, cid, created, model_name, echo
 
     async def pump(c):
         try:
-            sent_tokens, first = 0, True
+            sent_tokens, sent_chars, first = 0, 0, True
             while not c.finished:
                 text = await next_item(c)
                 kept = c.detok.num_tokens_kept
                 if text or c.finished or (echo and first):  # the echoed prompt goes with the first token
-                    await events.put((c, text, (sent_tokens, kept, echo and first, c.finish_reason)))
+                    sent_chars += len(text) + (len(c.prefix) if echo and first else 0)
+                    # the logprobs object now: the choice's text may grow before the event is sent
+                    lp = c.logprobs_object(prompt_too=echo and first, first=sent_tokens, last=kept,
+                                           released=sent_chars) if c.want_logprobs else None
+                    await events.put((c, text, (lp, echo and first, c.finish_reason)))
                     sent_tokens, first = kept, False
         except _RequestFailed as err:
             await events.put((c, err, None))
@@ -489,8 +495,7 @@ async def _stream(choices, next_item, cancel_all, cid, created, model_name, echo
                 yield "data: " + json.dumps({"error": {"message": str(text), "type": kind, "param": None,
                                                        "code": None}}) + "\n\n"
             else:
-                first, last, with_prompt, reason = span
-                lp = c.logprobs_object(prompt_too=with_prompt, first=first, last=last) if c.want_logprobs else None
+                lp, with_prompt, reason = span
                 yield chunk(c, (c.prefix if with_prompt else "") + text, lp, reason)
         yield "data: [DONE]\n\n"
     finally:  # normal end, client gone (cancelled), or an error: abort what still runs

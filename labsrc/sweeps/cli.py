@@ -12,14 +12,17 @@ from labsrc import curves, tasks
 
 
 def parser(description: str, *, n: int, probes, out: Path) -> argparse.ArgumentParser:
-    """An argument parser with ``--n``, ``--probes``, ``--model``, ``--threads`` and ``--out``; the sweep adds
-    the options of its axis and its methods."""
+    """An argument parser with ``--n``, ``--probes``, ``--model``, ``--threads``, ``--out`` and ``--overwrite``;
+    the sweep adds the options of its axis and its methods."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--n", type=int, default=n, help="probe samples per point")
     p.add_argument("--probes", nargs="+", default=list(probes), choices=tasks.TASKS)
     p.add_argument("--model", default="lab-target")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=out)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even when it holds a curve from another run (without it such a run is "
+                        "refused: write it elsewhere with --out)")
     return p
 
 

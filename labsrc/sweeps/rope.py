@@ -144,10 +144,12 @@ def main(argv=None) -> dict:
     head = header(scorer, args.model, args.probes, lengths, args.windows, command)
     # The perplexity beside the curve is resumed like the points (same header, same keys); read it before the
     # sweep rewrites the file.
-    old = curves.load(args.out, partial=True) if args.out.exists() else {}
-    ppl = old.get("perplexity", {}) if {k: old.get(k) for k in head} == head else {}
+    old = curves.load(args.out, partial=True) if args.out.exists() and not args.overwrite else {}
+    key = curves.run_key(head, args.methods, lengths, args.probes)
+    ppl = old.get("perplexity", {}) if all(old.get(k) == v for k, v in key.items()) else {}
     t0 = time.perf_counter()
-    result = curves.sweep(scorer, args.methods, lengths, args.probes, head, out=args.out)
+    result = curves.sweep(scorer, args.methods, lengths, args.probes, head, out=args.out,
+                          overwrite=args.overwrite)
     result["complete"] = False      # not until the perplexity is in too
     for x in lengths if args.windows else []:
         for method in args.methods:

@@ -107,7 +107,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     result = curves.sweep(scorer, args.policies, args.kept, args.probes,
                           header(scorer, args.model, args.probes, command), out=args.out,
-                          baseline=scorer.baseline)
+                          overwrite=args.overwrite, baseline=scorer.baseline)
     return cli.finish(result, args.out, args.threads, t0)
 
 
