@@ -153,6 +153,7 @@ def needle(tokenizer, context_len: int, depth: float, rng: random.Random, split:
     return _layout(tokenizer, "needle", split, rng, context_len, _head(tokenizer, rng, fam, p_head), inserts,
                    depths, [(question, False), (_enc(tokenizer, " " + answer), True)],
                    {"key": keys[0], "value": answer, "depth": depth, "absent": absent, "family": fam.name,
+                    "stated": dict(stated),
                     "question_family": qfam.name, "n_distractors": n_distractors}, fill)
 
 
@@ -226,7 +227,8 @@ def variable_tracking(tokenizer, context_len: int, rng: random.Random, split: st
     return _layout(tokenizer, "variable_tracking", split, rng, context_len, _head(tokenizer, rng, fam, 0.5),
                    inserts, depths, [(question, False), (_enc(tokenizer, " " + values[asked]), True)],
                    {"variable": target, "value": values[asked], "n_hops": n_hops, "n_chains": n_chains,
-                    "asked_last": asked_last or n_chains == 1, "family": fam.name,
+                    "asked_last": asked_last or n_chains == 1, "asked_chain": asked,
+                    "chain_last_depths": [p[-1] for p in positions], "family": fam.name,
                     "question_family": qfam.name}, fill)
 
 
