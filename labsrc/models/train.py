@@ -854,6 +854,10 @@ def _write_card(out: Path, card: dict):
     t0 = time.time()
     model, tokenizer = load(str(out))
     card = {**card, **evaluate(model, tokenizer)}
+    if getattr(model.config, "model_type", "") == "llama":  # the v3 card: held-out formats beside trained ones
+        from labsrc.models.card import general_card
+
+        card["general"] = general_card(model, tokenizer)
     card["eval_minutes"] = round((time.time() - t0) / 60, 2)
     (out / "eval_card.json").write_text(json.dumps(card, indent=1))
     print(json.dumps({k: v for k, v in card.items() if k not in ("train_config", "perplexity_by_position")},
