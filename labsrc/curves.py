@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -181,28 +182,71 @@ def point(curve: dict, method: str, x, probe: str) -> claims.Estimate:
     raise KeyError(f"no point ({method!r}, {x!r}, {probe!r}) in this curve")
 
 
+ALPHA = 0.05  # a pair separates when the exact McNemar test's two-sided p is below this
+
+
+def mcnemar(a: Sequence[int], b: Sequence[int]) -> dict:
+    """The exact McNemar test of two methods scored right (1) or wrong (0) on the same samples, in order.
+
+    Only the samples they disagree on carry information: ``a_only`` (right under ``a`` alone) and ``b_only``.
+    Under "no difference" each disagreement goes either way with probability 1/2, so ``p`` is the two-sided
+    binomial tail of the smaller count (exact: no large-sample approximation, which fails on the few
+    disagreements a 100-sample probe has). ``difference`` is accuracy(a) - accuracy(b) with the Agresti-Min
+    95% interval for paired proportions (half a sample added to each disagreement cell)."""
+    if len(a) != len(b) or not len(a):
+        raise ValueError(f"a and b must score the same samples: got {len(a)} and {len(b)} results")
+    n = len(a)
+    a_only = sum(1 for x, y in zip(a, b) if x and not y)
+    b_only = sum(1 for x, y in zip(a, b) if y and not x)
+    m, k = a_only + b_only, min(a_only, b_only)
+    p = 1.0 if m == 0 else min(1.0, 2 * sum(math.comb(m, i) for i in range(k + 1)) / 2 ** m)
+    n2, ba, bb = n + 2, a_only + 0.5, b_only + 0.5
+    d = (ba - bb) / n2
+    se = math.sqrt(max(0.0, (ba + bb) - (ba - bb) ** 2 / n2)) / n2
+    return {"n": n, "a_only": a_only, "b_only": b_only, "p": p, "difference": (a_only - b_only) / n,
+            "ci95": (max(-1.0, d - claims.Z95 * se), min(1.0, d + claims.Z95 * se))}
+
+
+def _row(curve: dict, method: str, x, probe: str) -> dict:
+    for row in curve["rows"]:
+        if _key(row) == (method, x, probe):
+            return row
+    raise KeyError(f"no point ({method!r}, {x!r}, {probe!r}) in this curve")
+
+
 def separations(curve: dict, probe: str, methods: Iterable[str] | None = None) -> dict:
-    """For each ``x``: the pairs ``(a, b)`` where ``a``'s whole 95% interval lies above ``b``'s
-    (:func:`labsrc.claims.compare`), and the pairs the intervals cannot order. An ``x`` where some method has
-    no point yet (a partial curve, :func:`missing`) is left out: comparing a subset would mislead."""
+    """For each ``x``: the pairs ``(a, b)`` where ``a`` scores above ``b``, and the pairs that do not separate.
+
+    The methods of a curve are scored on the same samples, so each pair is judged by the exact McNemar test on
+    their per-sample results (:func:`mcnemar`, ``p < ALPHA``), which sees what two overlapping intervals hide:
+    a method right on every sample the other gets right, and on a few more. ``tests[(a, b)]`` keeps each
+    test, with the difference and its interval. Rows without per-sample results (or of different samples)
+    fall back to the interval rule (:func:`labsrc.claims.compare`). An ``x`` where some method has no point
+    yet (a partial curve, :func:`missing`) is left out: comparing a subset would mislead."""
     methods = list(methods or curve["methods"])
     have = {_key(r) for r in curve["rows"]}
     out = {}
     for x in curve["xs"]:
         if any((m, x, probe) not in have for m in methods):
             continue
-        est = {m: point(curve, m, x, probe) for m in methods}
-        above, tied = [], []
+        rows = {m: _row(curve, m, x, probe) for m in methods}
+        est = {m: estimate(rows[m]) for m in methods}
+        above, tied, tests = [], [], {}
         for i, a in enumerate(methods):
             for b in methods[i + 1:]:
-                c = claims.compare(est[a], est[b])
+                pa, pb = rows[a].get("per_sample"), rows[b].get("per_sample")
+                if pa is not None and pb is not None and len(pa) == len(pb):
+                    t = tests[(a, b)] = mcnemar(pa, pb)
+                    c = 0 if t["p"] >= ALPHA else (1 if t["difference"] > 0 else -1)
+                else:
+                    c = claims.compare(est[a], est[b])
                 if c > 0:
                     above.append((a, b))
                 elif c < 0:
                     above.append((b, a))
                 else:
                     tied.append((a, b))
-        out[x] = {"above": above, "tied": tied, "estimates": est}
+        out[x] = {"above": above, "tied": tied, "estimates": est, "tests": tests}
     return out
 
 
@@ -225,7 +269,7 @@ def describe(curve: dict, probe: str, x_label: Callable[[object], str] = str,
             verdict = "; ".join(f"{a} above {', '.join(bs)}" for a, bs in
                                 sorted(wins.items(), key=lambda kv: -est[kv[0]].value))
             if s["tied"]:
-                verdict += f" (the other {len(s['tied'])} pair(s) overlap)"
+                verdict += f" (the other {len(s['tied'])} pair(s) do not separate)"
         n = {e.n for e in est.values()}
         lines.append(f"At {x_label(x)} (n = {'/'.join(map(str, sorted(n)))} each): {scores}. {verdict}.")
     return "\n".join(lines)

@@ -100,6 +100,10 @@ class TrainConfig:
     max_pairs: int = 12
     max_hops: int = 2
     max_passage: int = 0  # tokens of a quoted passage to repeat ("passage" task)
+    # "v2": the first probes' generators (labsrc.tasks), one wording each; "v3": the general tasks
+    # (labsrc.tasks.skills), many phrasings over large key and value pools with held-out parts, and copying
+    # with no instruction (random tokens and prose that recur).
+    recipe: str = "v2"
     seed: int = 0
     time_budget_s: float = 58 * 60
     eval_every: int = 500
@@ -122,6 +126,16 @@ _COPY = {"passage": 0.6, "copy": 0.2, "passkey": 0.2}
 _LOOKUP = {"passage": 0.25, "copy": 0.05, "passkey": 0.1, "mqar": 0.3, "needle": 0.3}
 _HOPS = {"passage": 0.2, "copy": 0.05, "passkey": 0.1, "mqar": 0.2, "needle": 0.2, "variable_tracking": 0.25}
 _STEADY = {"passkey": 0.1, "needle": 0.2, "mqar": 0.2, "variable_tracking": 0.2, "passage": 0.2, "copy": 0.1}
+# The v3 recipe (labsrc.tasks.skills): copying with no instruction (random tokens, prose that recurs) forms
+# first, in 128-token rows, then keyed look-up, then hops; every task is drawn in many phrasings over large
+# key and value pools, and the held-out families and pools never appear.
+_V3_COPY = {"induction": 0.35, "recurrence": 0.2, "passage": 0.15, "word_list": 0.1, "passkey": 0.2}
+_V3_LOOKUP = {"induction": 0.15, "recurrence": 0.1, "passage": 0.1, "passkey": 0.15, "needle": 0.2, "mqar": 0.2,
+              "variable_tracking": 0.1}
+_V3_HOPS = {"induction": 0.1, "recurrence": 0.1, "passage": 0.05, "passkey": 0.1, "needle": 0.2, "mqar": 0.15,
+            "variable_tracking": 0.3}
+_V3_STEADY = {"induction": 0.1, "recurrence": 0.1, "passage": 0.08, "word_list": 0.02, "passkey": 0.12,
+              "needle": 0.2, "mqar": 0.15, "variable_tracking": 0.23}
 CONFIGS = {
     # lab-target: one skill family at a time, each formed in short rows before the next dilutes it. Copying
     # first (128-token rows of quoted passages and word lists to repeat, with attention guidance), then keyed
@@ -154,6 +168,25 @@ CONFIGS = {
                              expand=2, n_groups=1, chunk_size=64, tie_word_embeddings=True, max_steps=600,
                              lr=2e-3, warmup_steps=40, short_steps=250, grow_steps=200, eval_every=200,
                              time_budget_s=25 * 60, threads=1),
+    # The lab bench v3 (issue 41): lab-target's architecture, trained on the general tasks for 10,000 steps
+    # (41M tokens). These take the names lab-target and lab-draft when their checkpoints ship; until then the
+    # shipped models and every stored run are the v2 ones above.
+    "lab-target-v3": TrainConfig(
+        recipe="v3", seq_len=1024, batch_size=4, max_steps=10000, lr=2e-3, warmup_steps=200,
+        curriculum=((1200, 128, 0.0, _V3_COPY), (1200, 256, 0.1, _V3_LOOKUP), (1200, 512, 0.15, _V3_HOPS)),
+        short_len=512, short_steps=0, grow_steps=800, p_corpus=0.3, task_mix=dict(_V3_STEADY), max_hops=4,
+        guide_steps=2000, guide_heads=1, checkpoint_every=100, time_budget_s=240 * 60),
+    "lab-draft-v3": TrainConfig(
+        recipe="v3", hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, seq_len=1024, batch_size=4, max_steps=4000, lr=3e-3,
+        warmup_steps=100, curriculum=((600, 128, 0.0, _V3_COPY), (600, 256, 0.1, _V3_LOOKUP),
+                                      (600, 512, 0.15, _V3_HOPS)),
+        short_len=512, short_steps=0, grow_steps=400, p_corpus=0.3, task_mix=dict(_V3_STEADY), max_hops=4,
+        guide_steps=1000, guide_heads=1, checkpoint_every=100, time_budget_s=60 * 60),
+    "tiny-v3": TrainConfig(recipe="v3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, seq_len=256,
+                           batch_size=2, max_steps=6, lr=3e-3, warmup_steps=2, short_steps=0, grow_steps=0,
+                           task_mix=dict(_V3_STEADY), eval_every=0, time_budget_s=120, threads=1),
     "tiny-mamba": TrainConfig(arch="mamba2", hidden_size=64, num_hidden_layers=2, state_size=16, head_dim=16,
                               expand=2, n_groups=1, chunk_size=32, tie_word_embeddings=True, seq_len=128,
                               batch_size=4, max_steps=20, lr=3e-3, warmup_steps=2, short_steps=0, grow_steps=0,
@@ -228,7 +261,9 @@ def row_length(cfg: TrainConfig, step: int | None) -> int:
 
 def make_batch(cfg: TrainConfig, tokenizer, rng: random.Random, step: int | None = None):
     """One batch: ``(ids, answers)``, both ``(rows, length)``; ``answers[b, t]`` is True where token ``t`` is an
-    answer of a synthetic sample (its loss is averaged separately, see :func:`training_loss`).
+    answer of a synthetic sample (its loss is averaged separately, see :func:`training_loss`). Under the
+    ``"v3"`` recipe ``answers`` holds float weights instead (:func:`_answer_weights`): each answer span weighs
+    one unit in all, a long copy two, and a negative weight leaves a token out of the loss.
 
     Every step has ``batch_size * seq_len`` tokens; rows are :func:`row_length` long, so short rows come more
     numerous. A row is, with probability ``p_corpus``, a window of the training prose; otherwise it packs
@@ -247,8 +282,9 @@ def make_batch(cfg: TrainConfig, tokenizer, rng: random.Random, step: int | None
         p_corpus, mix = (cfg.short_p_corpus, cfg.short_task_mix) if short else (cfg.p_corpus, cfg.task_mix)
     names, probs = zip(*mix.items())
     rows, weights = [], []
+    v3 = cfg.recipe == "v3"
     for _ in range(cfg.batch_size * cfg.seq_len // length):
-        w = [False] * length
+        w = [0.0 if v3 else False] * length
         if rng.random() < p_corpus:
             start = rng.randrange(0, len(train_ids) - length)
             ids = [bos] + train_ids[start:start + length - 1].tolist()
@@ -258,9 +294,13 @@ def make_batch(cfg: TrainConfig, tokenizer, rng: random.Random, step: int | None
                 sample = _synthetic(cfg, tokenizer, rng, names, probs, room)
                 if ids:
                     sample.ids = [eos] + sample.ids[1:]  # end-of-text separates packed samples
-                for a, e in sample.spans:
-                    for t in range(a, e):
-                        w[len(ids) + t] = True
+                if v3:
+                    for t, x in _answer_weights(sample).items():
+                        w[len(ids) + t] = x
+                else:
+                    for a, e in sample.spans:
+                        for t in range(a, e):
+                            w[len(ids) + t] = True
                 ids += sample.ids
                 room = length - len(ids)
                 if rng.random() < 0.3:
@@ -274,13 +314,34 @@ def make_batch(cfg: TrainConfig, tokenizer, rng: random.Random, step: int | None
     return torch.tensor(rows), torch.tensor(weights)
 
 
+def _answer_weights(sample) -> dict[int, float]:
+    """Loss weights of a v3 sample's tokens (positions in ``sample.ids``): each answer span one unit spread
+    over its tokens, a long copy (``meta["copy"]``) two units over all of them, the ``meta["ignore"]`` spans
+    -1 (left out of the loss: random tokens no one could predict)."""
+    out = {}
+    for a, e in sample.meta.get("ignore", ()):
+        for t in range(a, e):
+            out[t] = -1.0
+    n = sum(e - a for a, e in sample.spans)
+    for a, e in sample.spans:
+        for t in range(a, e):
+            out[t] = 2.0 / n if sample.meta.get("copy") else 1.0 / (e - a)
+    return out
+
+
 def _synthetic(cfg: TrainConfig, tokenizer, rng: random.Random, names, probs, room: int):
     """One synthetic sample of at most ``room`` tokens, task and shape drawn from the mixture.
 
     Every sample is drawn with ``split="train"``: training prose, :data:`labsrc.tasks.TRAIN_KEYS` and the
-    training class of values, so that no probe's key, value or passage is ever seen in training.
+    training class of values, so that no probe's key, value or passage is ever seen in training. Under the
+    ``"v3"`` recipe the sample comes from :func:`labsrc.tasks.skills.training_sample` (training pools and
+    phrasing families; none held out).
     """
     task = rng.choices(names, probs)[0]
+    if cfg.recipe == "v3":
+        from labsrc.tasks import skills
+
+        return skills.training_sample(task, tokenizer, room, rng, cfg.min_task_len, cfg.max_hops)
     length = rng.randint(cfg.min_task_len, room)
     kw, need = {}, 80  # need: a little more than the sample's fixed (non-filler) tokens
     if task == "passkey":
@@ -336,10 +397,18 @@ def training_loss(logits: torch.Tensor, ids: torch.Tensor, answers: torch.Tensor
     gradient too weak for the retrieval circuit to form in the steps a CPU affords.
     """
     nll = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")
-    answer = answers[:, 1:]
-    loss = nll[~answer].mean()
+    if answers.dtype == torch.bool:
+        answer = answers[:, 1:]
+        loss = nll[~answer].mean()
+        if answer.any():
+            loss = loss + answer_weight * nll[answer].mean()
+        return loss, nll, answer
+    # v3's float weights: > 0 an answer token and its weight, 0 prose, < 0 left out
+    w = answers[:, 1:].float()
+    answer = w > 0
+    loss = nll[w == 0].mean()
     if answer.any():
-        loss = loss + answer_weight * nll[answer].mean()
+        loss = loss + answer_weight * (nll[answer] * w[answer]).sum() / w[answer].sum()
     return loss, nll, answer
 
 
@@ -422,7 +491,7 @@ class AttentionGuide:
         b, h, t, _ = lp.shape
         prev = torch.arange(t, device=lp.device).view(1, 1, t, 1).expand(b, h, t, 1)
         loss = -lp.gather(-1, prev).mean()
-        pairs = copy_alignments(ids, answers)
+        pairs = copy_alignments(ids, answers > 0)
         if pairs:
             rows, queries, sources = (torch.tensor(x) for x in zip(*pairs))
             loss = loss - self._log_attention(1)[rows, :, queries, sources].mean()
@@ -442,7 +511,15 @@ def _guide_weight(cfg: TrainConfig, step: int) -> float:
     return cfg.guide_weight * min(1.0, (cfg.guide_steps - step) / half)
 
 
-PROGRESS_FIELDS = ("passkey_512", "passage_512", "mqar_512", "needle_512", "vt_512")
+PROGRESS_FIELDS = ("passkey_512", "passage_512", "mqar_512", "needle_512", "vt_512",
+                   # v3's, on held-out phrasings, pools and prose (labsrc.models.card.progress_probes)
+                   "induction_512", "recurrence_512", "passkey_ho_512", "needle_ho_512", "absent_ho_512",
+                   "mqar_ho_512", "vt_ho_512")
+
+
+def _prose(answers: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """The prose tokens of a batch (aligned with ``ids[:, 1:]``): not answers, and not left out (v3)."""
+    return ~answer if answers.dtype == torch.bool else answers[:, 1:] == 0
 
 
 def _progress_probes(model, tokenizer, length: int) -> dict:
@@ -538,13 +615,17 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         tokens += ids.numel()
-        row = {"step": step + 1, "loss": float(loss.detach()), "text_loss": float(nll[~answer].mean().detach()),
+        row = {"step": step + 1, "loss": float(loss.detach()), "text_loss": float(nll[_prose(w, answer)].mean().detach()),
                "answer_loss": float(nll[answer].mean().detach()) if answer.any() else float("nan"),
                "lr": _lr(cfg, step), "tokens": tokens, "elapsed_s": round(time.time() - t0, 2),
                "guide_loss": float(guide_loss.detach()) if guide_loss is not None else None}
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             model.eval()
-            row.update(_progress_probes(model, tokenizer, min(512, cfg.seq_len)))
+            if cfg.recipe == "v3":
+                from labsrc.models.card import progress_probes
+                row.update(progress_probes(model, tokenizer, min(512, cfg.seq_len)))
+            else:
+                row.update(_progress_probes(model, tokenizer, min(512, cfg.seq_len)))
             model.train()
         log.append(row)
         if writer:
@@ -552,7 +633,7 @@ def train(cfg: TrainConfig, tokenizer=None, log_path: Path | None = None, verbos
             fh.flush()
         bar.update(1)
         bar.set_postfix(loss=f"{row['loss']:.3f}", seq=ids.shape[1], refresh=False)
-        if verbose and "passkey_512" in row:
+        if verbose and any(k in row for k in PROGRESS_FIELDS):
             bar.write(f"step {step + 1}, loss {row['loss']:.3f}, at {min(512, cfg.seq_len)} tokens: " +
                       ", ".join(f"{k[:-4]} {row[k]:.2f}" for k in PROGRESS_FIELDS if k in row))
         if resume is not None and cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0:
@@ -773,6 +854,10 @@ def _write_card(out: Path, card: dict):
     t0 = time.time()
     model, tokenizer = load(str(out))
     card = {**card, **evaluate(model, tokenizer)}
+    if getattr(model.config, "model_type", "") == "llama":  # the v3 card: held-out formats beside trained ones
+        from labsrc.models.card import general_card
+
+        card["general"] = general_card(model, tokenizer)
     card["eval_minutes"] = round((time.time() - t0) / 60, 2)
     (out / "eval_card.json").write_text(json.dumps(card, indent=1))
     print(json.dumps({k: v for k, v in card.items() if k not in ("train_config", "perplexity_by_position")},
