@@ -47,7 +47,11 @@ from labsrc.data import TOKENIZER_PATH, load_tokenizer, train_tokenizer
 from labsrc.models import config_head_dim
 
 CHECKPOINTS = Path(__file__).resolve().parent / "checkpoints"
-TRAINED_CONTEXT = 512  # the default; lab-target's config sets its own (1,024)
+# The eval card lives in labsrc.models.card; its names stay importable from here (the chapters, sweeps and tests
+# read them as labsrc.models.train.X).
+from labsrc.models.card import (PASSKEY_BEYOND, PASSKEY_DECOYS, PASSKEY_DEPTHS, PASSKEY_FRACTIONS,  # noqa: E402,F401
+                                PROBE_FRACTION, PROBE_N, PROBE_SETTINGS, TRAINED_CONTEXT, _interval, evaluate,
+                                probe, probe_set, trained_context)
 # The steady mixture of synthetic tasks after the short rows (a row is one of these with probability 1 - p_corpus).
 STEADY_MIX = {"passkey": 0.45, "needle": 0.15, "mqar": 0.15, "variable_tracking": 0.15, "copy": 0.1}
 
@@ -654,121 +658,6 @@ def _save_resume(path: Path, cfg, model, opt, rng, log, tokens, step, elapsed):
                 "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "log": log, "tokens": tokens,
                 "step": step, "elapsed_s": elapsed}, tmp)
     tmp.replace(path)
-
-
-# The eval card. Its headline probes run at PROBE_FRACTION of the trained context (room for the question at
-# the end of a context the model was trained at), PROBE_N samples each, with 95% intervals. The grids below
-# are fractions of the trained context, so a 512-token model (lab-mamba) and a 1,024-token one are measured
-# alike.
-PROBE_FRACTION = 0.9
-PROBE_N = 100
-PROBE_SETTINGS = {"needle": {"n_distractors": 3}, "mqar": {"n_pairs": 8}, "variable_tracking": {"n_hops": 2},
-                  "passage": {"n_tokens": 100}}
-PASSKEY_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
-PASSKEY_BEYOND = (1.5, 2.0)
-PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-PASSKEY_DECOYS = 3  # the eval card's second grid: the same pass keys with three other numbers in the prose
-
-
-def trained_context(model) -> int:
-    """The context a lab model was trained at (``config.lab_trained_context``; 512 for a config without it)."""
-    return int(getattr(model.config, "lab_trained_context", None) or TRAINED_CONTEXT)
-
-
-def _interval(per_sample: list[float]) -> dict:
-    """Accuracy over samples with its 95% interval: Wilson's when each sample is one right-or-wrong answer;
-    for fractions (MQAR's queries, a passage's tokens, which are not independent within a sample) the normal
-    interval of the mean over samples, clipped to [0, 1]."""
-    from labsrc.claims import Z95, wilson
-
-    n = len(per_sample)
-    mean = sum(per_sample) / n
-    if all(x in (0.0, 1.0) for x in per_sample):
-        lo, hi = wilson(round(sum(per_sample)), n)
-        how = "wilson"
-    else:
-        sd = math.sqrt(sum((x - mean) ** 2 for x in per_sample) / max(n - 1, 1))
-        lo, hi = max(0.0, mean - Z95 * sd / math.sqrt(n)), min(1.0, mean + Z95 * sd / math.sqrt(n))
-        how = "normal over samples"
-    return {"n": n, "accuracy": mean, "ci95": [lo, hi], "interval": how}
-
-
-def probe_set(tokenizer, task: str, context_len: int, n: int = PROBE_N, seed: int = 0) -> list:
-    """The samples of one headline probe, with the eval card's settings (a prefix of the ``n`` is the probe of
-    fewer samples)."""
-    return tasks.probe_samples(task, tokenizer, context_len, n, seed, **PROBE_SETTINGS.get(task, {}))
-
-
-def probe(model, tokenizer, task: str, context_len: int, n: int = PROBE_N, seed: int = 0) -> dict:
-    """One headline probe of the eval card: accuracy with its 95% interval over ``n`` samples, and by depth
-    (five bins) for the probes whose answer sits at a depth. ``task`` is ``"passkey"`` or a
-    :func:`labsrc.tasks.probe_samples` task, with the eval card's settings (:data:`PROBE_SETTINGS`)."""
-    samples = probe_set(tokenizer, task, context_len, n, seed)
-    per = [sum(r) / len(r) for r in tasks.score(model, samples)]
-    out = {"context_len": context_len, **PROBE_SETTINGS.get(task, {}), **_interval(per),
-           "per_sample": [round(x, 4) for x in per]}  # the slow test recomputes a prefix of these exactly
-    if "depth" in samples[0].meta:
-        bins = {}
-        for s, x in zip(samples, per):
-            bins.setdefault(min(int(s.meta["depth"] * 5), 4), []).append(x)
-        out["by_depth"] = {f"{b / 5:.1f}-{(b + 1) / 5:.1f}": sum(v) / len(v) for b, v in sorted(bins.items())}
-    return out
-
-
-def evaluate(model, tokenizer, context_len: int | None = None, n: int = PROBE_N, grid_n: int = 20,
-             seed: int = 0, progress: bool = True) -> dict:
-    """The eval card's figures for ``model``: validation perplexity, the headline probes at
-    :data:`PROBE_FRACTION` of the trained context (``context_len``, by default the model's own) with ``n``
-    samples each, and pass-key grids over length and depth (``grid_n`` a cell). ``progress`` shows a bar over
-    the card's stages (it takes minutes on a CPU)."""
-    torch.set_num_threads(1)
-    ctx = context_len or trained_context(model)
-    at = int(PROBE_FRACTION * ctx)
-    bar = tqdm(total=7 + len(PROBE_SETTINGS) + (ctx != 512), desc="eval card", unit="stage", disable=not progress)
-
-    def done(stage, value):
-        bar.set_postfix_str(stage)
-        bar.update()
-        return value
-
-    ppl = done("perplexity", tasks.perplexity_by_position(model, tokenizer, ctx, bucket=64))
-    lengths = [int(f * ctx) for f in PASSKEY_FRACTIONS]
-    beyond_lengths = [int(f * ctx) for f in PASSKEY_BEYOND]
-    grid = done("pass-key grid", tasks.passkey_grid(model, tokenizer, lengths, PASSKEY_DEPTHS, n=grid_n, seed=seed))
-    beyond = done("beyond the context", tasks.passkey_grid(model, tokenizer, beyond_lengths, PASSKEY_DEPTHS,
-                                                            n=max(4, grid_n // 2), seed=seed, batch_size=4))
-    decoys = done("decoys", tasks.passkey_grid(model, tokenizer, lengths, PASSKEY_DEPTHS, n=grid_n, seed=seed,
-                                               n_decoys=PASSKEY_DECOYS))
-    probes = {t: done(t, probe(model, tokenizer, t, at, n, seed)) for t in ("passkey", *PROBE_SETTINGS)}
-    card = {
-        "validation_perplexity": ppl["overall"],
-        "validation_windows": ppl["n_windows"],
-        "perplexity_by_position": {"positions": ppl["positions"], "perplexity": ppl["perplexity"]},
-        "probes": probes,
-        "passkey": {"context_lens": lengths, "depths": list(PASSKEY_DEPTHS), "n": grid_n,
-                    "accuracy": grid.tolist(),
-                    "accuracy_by_depth": dict(zip(map(str, PASSKEY_DEPTHS), grid.min(1).values.tolist())),
-                    "min_inside_trained_context": float(grid.min())},
-        "passkey_beyond_trained_context": {"context_lens": beyond_lengths, "depths": list(PASSKEY_DEPTHS),
-                                           "n": max(4, grid_n // 2), "accuracy": beyond.tolist()},
-        "passkey_with_decoys": {"context_lens": lengths, "depths": list(PASSKEY_DEPTHS), "n": grid_n,
-                                "n_decoys": PASSKEY_DECOYS, "accuracy": decoys.tolist(),
-                                "min_inside_trained_context": float(decoys.min())},
-        # The headline figures under the names the chapters read.
-        "needle_accuracy": probes["needle"]["accuracy"],
-        "mqar_accuracy": probes["mqar"]["accuracy"],
-        "passage_copy_accuracy": probes["passage"]["accuracy"],
-        "variable_tracking_accuracy": {
-            str(h): (probes["variable_tracking"]["accuracy"] if h == 2 else
-                     done(f"{h}-hop tracking",
-                          tasks.variable_tracking_accuracy(model, tokenizer, at, n=n, n_hops=h, seed=seed)))
-            for h in (0, 1, 2)},
-    }
-    if ctx != 512:  # the first lab-target's context: prose perplexity compared at equal length
-        card["validation_perplexity_512"] = done("perplexity at 512", tasks.perplexity_by_position(
-            model, tokenizer, 512, bucket=64))["overall"]
-    bar.close()
-    return card
 
 
 def main(argv=None):
