@@ -145,9 +145,10 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_fit_acceptance": (3, 25, "prediction", "forward or reverse KL: predict which draft is accepted more"),
     "check_kd_row_kernel": (4, 35, "kernel", "the whole KD loss of a token in one Triton kernel"),
     # 15 the architecture frontier
-    "check_distractor_weights": (3, 20, "prediction", "predict a distractor's weight under differential attention"),
+    "check_distractor_sign_change": (3, 20, "derivation",
+                                     "where the subtraction stops turning a distractor negative"),
     "check_mod_block_fraction": (2, 20, "derivation", "derive the FLOPs a Mixture-of-Depths block does"),
-    "check_yoco_kv_bytes": (2, 15, "derivation", "derive the KV bytes of a YOCO-style model"),
+    "check_yoco_length": (2, 15, "derivation", "the context at which YOCO keeps a given share of the cache"),
     "check_diff_norm_kernel": (4, 40, "kernel",
                                "differential attention with its per-head norm, in one Triton kernel"),
 }
