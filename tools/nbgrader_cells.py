@@ -128,7 +128,7 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_cheapest_config": (2, 20, "experiment", "the cheapest RTN format that meets an error bound"),
     "check_int4_gemv_kernel": (4, 40, "kernel", "an INT4 GEMV from codes packed eight to an int32 (Triton kernel)"),
     # 10 speculative decoding
-    "check_spec_acceptance": (2, 20, "prediction", "predict, then measure: the acceptance of three drafts"),
+    "check_spec_acceptance": (2, 20, "derivation", "the acceptance of three drafts, in closed form"),
     "check_spec_tokens_by_position": (2, 15, "derivation",
                                       "tokens per call when acceptance depends on the position"),
     "check_spec_tree_mask": (2, 20, "transcription", "a tree mask from a parents array"),
