@@ -123,8 +123,8 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     # 12 weight quantization
     "check_rtn_outlier_ratio": (2, 15, "prediction",
                                 "predict what one outlier costs a per-tensor step, then measure it"),
-    "check_mxfp4_worst_error": (2, 15, "derivation", "the worst error of an MXFP4 block's largest element"),
-    "check_gptq_fix": (3, 25, "debugging", "find the bug in a GPTQ pass"),
+    "check_mxfp4_worst_error": (2, 20, "derivation", "the worst error of an MX block's largest element"),
+    "check_gptq_fix": (3, 25, "debugging", "find the bug in a blocked GPTQ pass"),
     "check_cheapest_config": (2, 20, "experiment", "the cheapest RTN format that meets an error bound"),
     "check_int4_gemv_kernel": (4, 40, "kernel", "an INT4 GEMV from codes packed eight to an int32 (Triton kernel)"),
     # 10 speculative decoding
