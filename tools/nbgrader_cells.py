@@ -99,9 +99,9 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_ever_kept": (2, 15, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
     # 09 serving
     "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table (warm-up)"),
-    "check_fork_blocks": (3, 20, "prediction", "predict the blocks and copies of parallel samples"),
+    "check_fork_blocks": (3, 20, "derivation", "derive the blocks and copies of parallel samples"),
     "check_admission": (2, 15, "debugging", "find the bug in an admission test that over-admits"),
-    "check_prefix_hash": (2, 15, "debugging", "find the bug in a colliding prefix hash"),
+    "check_cached_prefix": (2, 15, "debugging", "find the bug in a prefix-cache lookup"),
     "check_packed_gather_kernel": (4, 35, "kernel",
                                    "gather many sequences into one packed tensor (Triton)"),
     # 14 memory and retrieval
