@@ -1,7 +1,8 @@
 """The frontier chapter's exercise checks keep the contract (right passes, wrong fails with a hint, the stub is
 "not solved yet", hidden cases raise), refuse answers that call the labsrc function they ask for, name the
 failing case and the invariant broken there (where the measured weight changes sign, a fraction no length
-reaches, the rounding of the routed count, a norm over the padded lanes), and the kernel exercise says it is skipped without Triton."""
+reaches, the rounding of the routed count, a norm over the padded lanes), and the kernel exercise says it is
+skipped without Triton."""
 import labsrc  # noqa: F401
 
 import math
