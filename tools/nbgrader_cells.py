@@ -113,7 +113,7 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_association_costs": (1, 10, "derivation", "the cost of the two association orders"),
     "check_read_after_two_writes": (2, 20, "derivation", "derive what the delta rule reads after two writes"),
     "check_chunked_attention": (3, 25, "debugging", "find the bug in chunked attention with decay"),
-    "check_features_needed": (2, 20, "experiment", "how many random features meet an error bound"),
+    "check_features_needed": (2, 25, "experiment", "how many random features meet an error bound"),
     "check_recurrent_kernel": (3, 30, "kernel", "recurrent linear attention with decay (Triton kernel)"),
     # 07 state-space models and scans
     "check_zoh_diagonal": (1, 10, "transcription", "zero-order hold for a diagonal A (warm-up)"),

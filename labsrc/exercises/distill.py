@@ -29,18 +29,10 @@ import torch.nn.functional as F
 
 from labsrc import distill
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   _with_hint, as_number, check_function, exercise, hidden, randint,
-                                   refuse_library)
+from labsrc.exercises.core import (NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number, check_function,
+                                   exercise, hidden, randint, refuse_library)
 
-try:  # issue 44's core: the hidden cases' seed is the one written in the instructor notebook's hidden section
-    from labsrc.exercises.core import seed_for, trials_for
-except ImportError:  # the core before it: a fixed offset from the visible seed
-    def seed_for(visible: int) -> int:
-        return visible + HIDDEN_SEED_OFFSET if hidden() else visible
-
-    def trials_for(visible: int) -> int:
-        return visible * HIDDEN_TRIALS if hidden() else visible
+from labsrc.exercises._shims import failed, seed_for, trials_for
 
 
 __all__ = ["jsd_buggy", "check_jsd_fix", "check_reverse_kl_gradient", "GRID", "bimodal_teacher",
@@ -206,9 +198,9 @@ def check_reverse_kl_gradient(fn) -> Result:
         return refused
     used = autograd_use(fn, _grad_inputs(torch.Generator().manual_seed(132)))
     if used:
-        return _report(Result(name, FAILED, _with_hint(
+        return failed(name, _with_hint(
             f"the answer uses autograd ({'; '.join(used)}); this exercise asks for the gradient in closed form.",
-            hint)))
+            hint))
 
     def no_autograd(s, t, T):
         with torch.no_grad():
@@ -296,15 +288,15 @@ def check_fit_acceptance(fn) -> Result:
             got = got.tolist()
         if not (isinstance(got, (tuple, list)) and len(got) == 2
                 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in got)):
-            return _report(Result(name, FAILED, _with_hint(f"{where}: return two numbers, (forward, reverse).",
-                                                           hint)))
+            return failed(name, _with_hint(f"{where}: return two numbers, (forward, reverse).",
+                                                           hint))
         truth = _measured_acceptance(*case)
         wrong = [f"the {said} student's" for said, mine, real in zip(("forward-KL", "reverse-KL"), got, truth)
                  if not abs(mine - real) <= ACCEPT_ATOL]
         if wrong:
-            return _report(Result(name, FAILED, _with_hint(
+            return failed(name, _with_hint(
                 f"{where}: the prediction of {' and '.join(wrong)} acceptance is not within the tolerance of "
-                f"the fit the check measures.", hint)))
+                f"the fit the check measures.", hint))
     return _report(Result(name, PASSED, f"both predictions within {ACCEPT_ATOL} of the fits on {trials} teachers."))
 
 
@@ -401,7 +393,7 @@ def check_kd_row_kernel(kernel) -> Result:
                 if trial % 3 == 2:
                     problem += " This is a trial with large logits at a low temperature."
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={R}, V={V}, T={T}, alpha={alpha}): "
-                                                f"{problem} Hint: {hint}"))
+            return failed(name, f"trial {trial + 1} (R={R}, V={V}, T={T}, alpha={alpha}): "
+                                f"{problem} Hint: {hint}")
     return _report(Result(name, PASSED, f"equal to the loss of each token on {len(sizes)} launches with odd "
                                         f"vocabularies."))

@@ -25,18 +25,11 @@ import torch
 
 from labsrc import frontier, kvmath
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   as_number, check_function, exercise, hidden, randint, refuse_library, tolerance)
+from labsrc.exercises.core import (NOT_SOLVED, PASSED, Result, _report, as_number, check_function, exercise, hidden,
+                                   randint, refuse_library, tolerance)
 from labsrc.kernels import frontier as kfr
 
-try:  # issue 44's core: the hidden cases' seed is the one written in the instructor notebook's hidden section
-    from labsrc.exercises.core import seed_for, trials_for
-except ImportError:  # the core before it: a fixed offset from the visible seed
-    def seed_for(visible: int) -> int:
-        return visible + HIDDEN_SEED_OFFSET if hidden() else visible
-
-    def trials_for(visible: int) -> int:
-        return visible * HIDDEN_TRIALS if hidden() else visible
+from labsrc.exercises._shims import failed, seed_for, trials_for
 
 
 __all__ = ["check_distractor_sign_change", "check_mod_block_fraction", "check_yoco_length",
@@ -110,10 +103,10 @@ def check_distractor_sign_change(fn) -> Result:
             return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
         got = got.item() if isinstance(got, torch.Tensor) and got.numel() == 1 else got
         if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
-            return _report(Result(name, FAILED, f"{where}: return one finite number, a length. Hint: {hint}"))
+            return failed(name, f"{where}: return one finite number, a length. Hint: {hint}")
         if not math.isclose(got, _sign_change_truth(*case), rel_tol=1e-6):
-            return _report(Result(name, FAILED, f"{where}: the measured differential weight does not change sign "
-                                                f"at the returned length. Hint: {hint}"))
+            return failed(name, f"{where}: the measured differential weight does not change sign "
+                                f"at the returned length. Hint: {hint}")
     return _report(Result(name, PASSED, f"right on {trials} cases, measured on both sides of each change."))
 
 
@@ -223,7 +216,7 @@ def check_yoco_length(fn) -> Result:
         else:
             problem = None
         if problem:
-            return _report(Result(name, FAILED, f"{where}: {problem} Hint: {hint}"))
+            return failed(name, f"{where}: {problem} Hint: {hint}")
     return _report(Result(name, PASSED, f"right on {trials} shapes, measured at your lengths."))
 
 
@@ -311,5 +304,5 @@ def check_diff_norm_kernel(kernel) -> Result:
                 problem = (f"{int(bad.sum())} of {bad.numel()} elements differ (first in row "
                            f"{int(bad.nonzero()[0, 0])}).{_norm_slip(out, q1, k1, q2, k2, v, lam, lam_init, block_d)}")
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, D={D}): {problem} Hint: {hint}"))
+            return failed(name, f"trial {trial + 1} (T={T}, D={D}): {problem} Hint: {hint}")
     return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))

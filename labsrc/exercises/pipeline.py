@@ -29,19 +29,11 @@ import torch
 
 from labsrc import runtime
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   exercise, hidden, randint, refuse_library)
+from labsrc.exercises.core import NOT_SOLVED, PASSED, Result, _report, exercise, hidden, randint, refuse_library
 from labsrc.kernels import verify as kverify
 from labsrc.pipeline import simulate as sim
 
-try:  # issue 44's core: the hidden cases' seed is the one written in the instructor notebook's hidden section
-    from labsrc.exercises.core import seed_for, trials_for
-except ImportError:  # the core before it: a fixed offset from the visible seed
-    def seed_for(visible: int) -> int:
-        return visible + HIDDEN_SEED_OFFSET if hidden() else visible
-
-    def trials_for(visible: int) -> int:
-        return visible * HIDDEN_TRIALS if hidden() else visible
+from labsrc.exercises._shims import failed, seed_for, trials_for
 
 
 __all__ = ["check_pipeline_bubble", "check_pipeline_predicted_bubble", "check_pipeline_split", "split_case",
@@ -128,9 +120,9 @@ def check_pipeline_bubble(fn) -> Result:
         if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isclose(got, want, rel_tol=1e-9,
                                                                                           abs_tol=1e-12):
             kinds = sorted({e[0] for tl in timelines for e in tl})
-            return _report(Result(name, FAILED, f"trial {trial + 1} ({len(timelines)} ranks, events {kinds}): "
-                                                f"returned {got!r}, which is wrong.{_bubble_slip(got, timelines, wall)}"
-                                                f" Hint: {hint}"))
+            return failed(name, f"trial {trial + 1} ({len(timelines)} ranks, events {kinds}): "
+                                f"returned {got!r}, which is wrong.{_bubble_slip(got, timelines, wall)}"
+                                f" Hint: {hint}")
     return _report(Result(name, PASSED, f"right on {trials} random timelines."))
 
 
@@ -185,11 +177,11 @@ def check_pipeline_predicted_bubble(fn) -> Result:
                  f" ms, draft {draft_time * 1e3:g} ms a token, k = {k}, hops {comm_time * 1e3:g} ms, "
                  f"{sequences} sequence{'s' if sequences > 1 else ''})")
         if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
-            return _report(Result(name, FAILED, f"{where}: expected a number, got {got!r}. Hint: {hint}"))
+            return failed(name, f"{where}: expected a number, got {got!r}. Hint: {hint}")
         measured = _bubble_simulated(*args)
         if not abs(got - measured) <= BUBBLE_TOLERANCE:
-            return _report(Result(name, FAILED, f"{where}: the prediction is not within {BUBBLE_TOLERANCE} of the "
-                                                f"simulator's bubble on this configuration. Hint: {hint}"))
+            return failed(name, f"{where}: the prediction is not within {BUBBLE_TOLERANCE} of the "
+                                f"simulator's bubble on this configuration. Hint: {hint}")
     return _report(Result(name, PASSED, f"within {BUBBLE_TOLERANCE} of the simulated bubble on {len(cases)} "
                                         f"configurations."))
 
@@ -291,13 +283,13 @@ def _check_pipeline_split(fn) -> Result:
         try:
             counts = [int(c) for c in got]
         except (TypeError, ValueError):
-            return _report(Result(name, FAILED, f"{where}: return a list of {stages} ints. Hint: {hint}"))
+            return failed(name, f"{where}: return a list of {stages} ints. Hint: {hint}")
         if len(counts) != stages or any(c < 1 for c in counts) or sum(counts) != layers:
-            return _report(Result(name, FAILED, f"{where}: the split is not {stages} positive counts summing to "
-                                                f"{layers} layers. Hint: {hint}"))
+            return failed(name, f"{where}: the split is not {stages} positive counts summing to "
+                                f"{layers} layers. Hint: {hint}")
         if not _split_time(case, counts) <= _best_split_time(case) * (1 + SPLIT_TOLERANCE):
-            return _report(Result(name, FAILED, f"{where}: the split {counts} does not simulate within "
-                                                f"{SPLIT_TOLERANCE:.0%} of the best contiguous split. Hint: {hint}"))
+            return failed(name, f"{where}: the split {counts} does not simulate within "
+                                f"{SPLIT_TOLERANCE:.0%} of the best contiguous split. Hint: {hint}")
     return _report(Result(name, PASSED, f"within {SPLIT_TOLERANCE:.0%} of the best split's simulated time per "
                                         f"token on {len(cases)} configurations."))
 
@@ -402,5 +394,5 @@ def check_pipeline_lenient_kernel(kernel) -> Result:
             if not (torch.equal(accepted, want_a) and torch.equal(next_token, want_n)):
                 problem = _explain_lenient(accepted, next_token, logits, drafts, delta)
         if problem:
-            return _report(Result(name, FAILED, f"{where}: {problem} Hint: {hint}"))
+            return failed(name, f"{where}: {problem} Hint: {hint}")
     return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches, ties included."))

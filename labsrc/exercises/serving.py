@@ -26,18 +26,10 @@ import torch
 
 from labsrc import runtime
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, PASSED, Result, _call, _report,
-                                   exercise, hidden, randint, refuse_library)
+from labsrc.exercises.core import PASSED, Result, _call, _report, exercise, hidden, randint, refuse_library
 from labsrc.serving import blocks as _blocks
 
-try:  # issue 44's core: the hidden cases' seed is the one written in the instructor notebook's hidden section
-    from labsrc.exercises.core import seed_for, trials_for
-except ImportError:  # the core before it: a fixed offset from the visible seed
-    def seed_for(visible: int) -> int:
-        return visible + HIDDEN_SEED_OFFSET if hidden() else visible
-
-    def trials_for(visible: int) -> int:
-        return visible * HIDDEN_TRIALS if hidden() else visible
+from labsrc.exercises._shims import failed, seed_for, trials_for
 
 
 __all__ = ["check_slot_mapping", "check_fork_blocks", "check_admission", "cached_tokens_buggy",
@@ -94,8 +86,8 @@ def check_slot_mapping(fn) -> Result:
         got = [int(x) for x in got] if isinstance(got, (list, tuple, torch.Tensor)) else got
         want = _blocks.slot_mapping(*args)
         if got != want:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (block_size={args[3]}, tokens {args[1]}.."
-                                                f"{args[2] - 1}): {_slot_problem(got, want, *args)} Hint: {hint}"))
+            return failed(name, f"trial {trial + 1} (block_size={args[3]}, tokens {args[1]}.."
+                                f"{args[2] - 1}): {_slot_problem(got, want, *args)} Hint: {hint}")
     return _report(Result(name, PASSED, f"agrees with the block manager on {trials} random tables."))
 
 
@@ -155,13 +147,13 @@ def check_fork_blocks(fn) -> Result:
                 f"{bs}; the prompt's last block is {'full' if prompt % bs == 0 else 'partly filled'})")
         if not (isinstance(got, (tuple, list)) and len(got) == 2
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in got)):
-            return _report(Result(name, FAILED, f"{case}: return a pair of whole numbers (blocks_held, copies), "
-                                                f"got {got!r}. Hint: {hint}"))
+            return failed(name, f"{case}: return a pair of whole numbers (blocks_held, copies), "
+                                f"got {got!r}. Hint: {hint}")
         want = fork_measurement(*args, gen=torch.Generator().manual_seed(trial))
         wrong = [what for what, g, w in zip(("the blocks held", "the copies"), got, want) if g != w]
         if wrong:
-            return _report(Result(name, FAILED, f"{case}: {' and '.join(wrong)} differ from what the block "
-                                                f"manager does. Hint: {hint}"))
+            return failed(name, f"{case}: {' and '.join(wrong)} differ from what the block "
+                                f"manager does. Hint: {hint}")
     return _report(Result(name, PASSED, f"equal to the block manager's own count on {trials} forks."))
 
 
@@ -196,10 +188,10 @@ def check_admission(fn) -> Result:
         if unsolved is not None:
             return _unsolved(name, unsolved)
         if not isinstance(got, (bool, int)) or bool(got) != _admission_reference(*args):
-            return _report(Result(name, FAILED, f"trial {trial + 1} (num_tokens={args[0]}, block_size={args[1]}, "
-                                                f"hits {args[2]} held + {args[3]} evictable, {args[4]} free, "
-                                                f"{args[5]} of {args[6]} running): the verdict differs from whether "
-                                                f"the request's allocation succeeds. Hint: {hint}"))
+            return failed(name, f"trial {trial + 1} (num_tokens={args[0]}, block_size={args[1]}, "
+                                f"hits {args[2]} held + {args[3]} evictable, {args[4]} free, "
+                                f"{args[5]} of {args[6]} running): the verdict differs from whether "
+                                f"the request's allocation succeeds. Hint: {hint}")
     return _report(Result(name, PASSED, f"right on {trials} random queues."))
 
 
@@ -281,10 +273,10 @@ def check_cached_prefix(fn) -> Result:
         case = (f"trial {trial + 1} (a prompt of {len(prompt)} tokens in blocks of {bs}, its first {shared} full "
                 f"block{'s' if shared != 1 else ''} published)")
         if isinstance(got, bool) or not isinstance(got, int):
-            return _report(Result(name, FAILED, f"{case}: return a whole number of tokens. Hint: {hint}"))
+            return failed(name, f"{case}: return a whole number of tokens. Hint: {hint}")
         if got != cached_tokens_measurement(prompt, published_prompts, bs):
-            return _report(Result(name, FAILED, f"{case}: the count differs from the tokens the block manager "
-                                                f"reuses for this prompt. Hint: {hint}"))
+            return failed(name, f"{case}: the count differs from the tokens the block manager "
+                                f"reuses for this prompt. Hint: {hint}")
     return _report(Result(name, PASSED, f"equal to the block manager's reuse on {trials} requests."))
 
 
@@ -384,7 +376,7 @@ def check_packed_gather_kernel(kernel) -> Result:
             problem = (f"packed row {bad} (sequence {s}, its token {bad - int(cu[s])}) holds the wrong row"
                        f"{_gather_source(got[bad], pool)}.")
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (lengths {list(lens)}, PAGE={page}, ROW={row}, "
-                                                f"BLOCK_T={block_t}): {problem} Hint: {hint}"))
+            return failed(name, f"trial {trial + 1} (lengths {list(lens)}, PAGE={page}, ROW={row}, "
+                                f"BLOCK_T={block_t}): {problem} Hint: {hint}")
     return _report(Result(name, PASSED, f"equal to the packed gather on {len(cases)} launches (ragged and empty "
                                         "sequences, blocks of 1 to 32 tokens)."))

@@ -25,17 +25,10 @@ import torch
 
 from labsrc import speculative
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   check_function, exercise, hidden, randint, refuse_library)
+from labsrc.exercises.core import (NOT_SOLVED, PASSED, Result, _report, check_function, exercise, hidden, randint,
+                                   refuse_library)
 
-try:  # issue 44's core: the hidden cases' seed is the one written in the instructor notebook's hidden section
-    from labsrc.exercises.core import seed_for, trials_for
-except ImportError:  # the core before it: a fixed offset from the visible seed
-    def seed_for(visible: int) -> int:
-        return visible + HIDDEN_SEED_OFFSET if hidden() else visible
-
-    def trials_for(visible: int) -> int:
-        return visible * HIDDEN_TRIALS if hidden() else visible
+from labsrc.exercises._shims import failed, seed_for, trials_for
 
 
 __all__ = ["acceptance_target", "check_spec_acceptance", "check_spec_tokens_by_position", "check_spec_tree_mask",
@@ -143,17 +136,17 @@ def check_spec_acceptance(fn) -> Result:
         except (TypeError, ValueError):
             sampled = greedy = None
         if sampled is None or greedy is None:
-            return _report(Result(name, FAILED, f"{where}: return two sequences of three numbers (sampled, "
-                                                f"greedy). Hint: {hint}"))
+            return failed(name, f"{where}: return two sequences of three numbers (sampled, "
+                                f"greedy). Hint: {hint}")
         want_s, want_g = _acceptances(p)
         for mode, mine, want in (("at temperature 1", sampled, want_s), ("under greedy decoding", greedy, want_g)):
             for draft, a, b in zip(DRAFTS, mine, want):
                 if not 0.0 <= a <= 1.0:
-                    return _report(Result(name, FAILED, f"{where}: the {draft} draft's acceptance {mode} is not "
-                                                        f"a probability. Hint: {hint}"))
+                    return failed(name, f"{where}: the {draft} draft's acceptance {mode} is not "
+                                        f"a probability. Hint: {hint}")
                 if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12):
-                    return _report(Result(name, FAILED, f"{where}: the {draft} draft's acceptance {mode} is not "
-                                                        f"the exact one. Hint: {hint}"))
+                    return failed(name, f"{where}: the {draft} draft's acceptance {mode} is not "
+                                        f"the exact one. Hint: {hint}")
     return _report(Result(name, PASSED, f"all six acceptances exact on {len(cases)} targets."))
 
 
@@ -325,35 +318,35 @@ def check_spec_rollback(fn) -> Result:
         except NotImplementedError:
             return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
         except Exception as err:  # noqa: BLE001 - the student's loop may fail in any way; say how
-            return _report(Result(name, FAILED, f"trial {trial + 1} (prompt of {length} tokens, k = {k}): it "
-                                                f"raised {type(err).__name__}: {err}. Hint: {hint}"))
+            return failed(name, f"trial {trial + 1} (prompt of {length} tokens, k = {k}): it "
+                                f"raised {type(err).__name__}: {err}. Hint: {hint}")
         finally:
             for h in hooks:
                 h.remove()
         where = f"trial {trial + 1} (prompt of {length} tokens, k = {k}, {n} new tokens)"
         if not isinstance(got, torch.Tensor) or got.dim() != 1:
-            return _report(Result(name, FAILED, f"{where}: expected a 1-D tensor of token ids, got "
-                                                f"{type(got).__name__}. Hint: {hint}"))
+            return failed(name, f"{where}: expected a 1-D tensor of token ids, got "
+                                f"{type(got).__name__}. Hint: {hint}")
         want = _greedy_ref(target, ids, n)
         if got.numel() != want.numel():
-            return _report(Result(name, FAILED, f"{where}: {got.numel()} ids, where the prompt and the new "
-                                                f"tokens make {want.numel()}. Hint: {hint}"))
+            return failed(name, f"{where}: {got.numel()} ids, where the prompt and the new "
+                                f"tokens make {want.numel()}. Hint: {hint}")
         if not torch.equal(got[:length].cpu(), ids):
-            return _report(Result(name, FAILED, f"{where}: the returned ids do not start with the prompt. "
-                                                f"Hint: {hint}"))
+            return failed(name, f"{where}: the returned ids do not start with the prompt. "
+                                f"Hint: {hint}")
         if not torch.equal(got.cpu().long(), want):
             first = int((got.cpu().long() != want).nonzero()[0]) - length
-            return _report(Result(name, FAILED, f"{where}: new token {first} differs from plain greedy decoding "
-                                                f"(the tokens before it agree). Hint: {hint}"))
+            return failed(name, f"{where}: new token {first} differs from plain greedy decoding "
+                                f"(the tokens before it agree). Hint: {hint}")
         calls += counter["target"]
         new_tokens += n
         if counter["draft"] == 0:
-            return _report(Result(name, FAILED, f"{where}: the draft was never called, so nothing was "
-                                                f"speculated. Hint: {hint}"))
+            return failed(name, f"{where}: the draft was never called, so nothing was "
+                                f"speculated. Hint: {hint}")
     if calls >= new_tokens:
-        return _report(Result(name, FAILED, f"the target ran {calls} forward passes for {new_tokens} new tokens: "
-                                            f"that is plain decoding, not one verification per window. "
-                                            f"Hint: {hint}"))
+        return failed(name, f"the target ran {calls} forward passes for {new_tokens} new tokens: "
+                            f"that is plain decoding, not one verification per window. "
+                            f"Hint: {hint}")
     return _report(Result(name, PASSED, f"equal to greedy decoding on {len(cases)} prompts, with {calls} target "
                                         f"calls for {new_tokens} new tokens."))
 
@@ -444,11 +437,11 @@ def check_spec_residual_sample_kernel(kernel) -> Result:
             return _report(launch_failed(name, err, where, hint))
         guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
         if not bool((guards == _POISON).all()):
-            return _report(Result(name, FAILED, f"{where}: the kernel wrote outside the output tensor. "
-                                                f"Hint: {hint}"))
+            return failed(name, f"{where}: the kernel wrote outside the output tensor. "
+                                f"Hint: {hint}")
         if (out == _POISON).any():
-            return _report(Result(name, FAILED, f"{where}: {int((out == _POISON).sum())} row(s) were never "
-                                                f"written. Hint: {hint}"))
+            return failed(name, f"{where}: {int((out == _POISON).sum())} row(s) were never "
+                                f"written. Hint: {hint}")
         if not torch.equal(out, _sample_ref(p, q, u)):
-            return _report(Result(name, FAILED, f"{where}: {_explain_samples(out, p, q, u)} Hint: {hint}"))
+            return failed(name, f"{where}: {_explain_samples(out, p, q, u)} Hint: {hint}")
     return _report(Result(name, PASSED, f"agrees with the reference on {len(cases)} launches."))

@@ -29,17 +29,10 @@ import torch
 
 from labsrc import runtime
 from labsrc import weight_quant as wq
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   _with_hint, exercise, hidden, launch_failed, randint, refuse_library, triton_missing)
+from labsrc.exercises.core import (NOT_SOLVED, PASSED, Result, _report, _with_hint, exercise, hidden, launch_failed,
+                                   randint, refuse_library, triton_missing)
 
-try:  # issue 44's core: the hidden cases' seed is the one written in the instructor notebook's hidden section
-    from labsrc.exercises.core import seed_for, trials_for
-except ImportError:  # the core before it: a fixed offset from the visible seed
-    def seed_for(visible: int) -> int:
-        return visible + HIDDEN_SEED_OFFSET if hidden() else visible
-
-    def trials_for(visible: int) -> int:
-        return visible * HIDDEN_TRIALS if hidden() else visible
+from labsrc.exercises._shims import failed, seed_for, trials_for
 
 
 __all__ = ["outlier_weight", "check_rtn_outlier_ratio", "fp_grid", "check_mxfp4_worst_error", "gptq_blocked_buggy",
@@ -133,11 +126,11 @@ def check_rtn_outlier_ratio(fn) -> Result:
         except NotImplementedError:
             return _not_solved(title)
         if got is None:
-            return _report(Result(title, FAILED, _with_hint(f"{where}: return one finite number, the ratio.", hint)))
+            return failed(title, _with_hint(f"{where}: return one finite number, the ratio.", hint))
         truth = measured_outlier_ratio(n_groups, outlier, seed=seed + trial)
         if not abs(got - truth) <= RATIO_RTOL * truth:
-            return _report(Result(title, FAILED, _with_hint(
-                f"{where}: the prediction is not within {RATIO_RTOL:.0%} of the ratio the check measures.", hint)))
+            return failed(title, _with_hint(
+                f"{where}: the prediction is not within {RATIO_RTOL:.0%} of the ratio the check measures.", hint))
     return _report(Result(title, PASSED, f"within {RATIO_RTOL:.0%} of the measured ratio on {trials} weights."))
 
 
@@ -210,15 +203,15 @@ def check_mxfp4_worst_error(fn) -> Result:
         if isinstance(got, torch.Tensor):
             got = got.tolist()
         if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(_number(x) is not None for x in got)):
-            return _report(Result(title, FAILED, _with_hint(
-                f"{where}: give two numbers, (floor, rceil), each a fraction such as 0.1 for 10%.", hint)))
+            return failed(title, _with_hint(
+                f"{where}: give two numbers, (floor, rceil), each a fraction such as 0.1 for 10%.", hint))
         truths = _worst_errors(grid)
         wrong = [said for said, mine, truth in zip(("the floor rule's", "the round-up rule's"), got, truths)
                  if not abs(float(mine) - truth) <= WORST_ATOL]
         if wrong:
-            return _report(Result(title, FAILED, _with_hint(
+            return failed(title, _with_hint(
                 f"{where}: {' and '.join(wrong)} worst case {'is' if len(wrong) == 1 else 'are'} not within "
-                f"{WORST_ATOL} of a dense sweep of block maxima.", hint)))
+                f"{WORST_ATOL} of a dense sweep of block maxima.", hint))
     return _report(Result(title, PASSED, f"both worst cases agree with a dense sweep on {len(formats)} formats."))
 
 
@@ -293,11 +286,11 @@ def check_gptq_fix(fn) -> Result:
         except NotImplementedError:
             return _not_solved(title)
         if not torch.equal(W, before):
-            return _report(Result(title, FAILED, _with_hint(f"{where}: your function changed W in place; work on a "
-                                                            f"copy.", hint)))
+            return failed(title, _with_hint(f"{where}: your function changed W in place; work on a "
+                                                            f"copy.", hint))
         if not isinstance(got, torch.Tensor) or got.shape != W.shape:
-            return _report(Result(title, FAILED, _with_hint(
-                f"{where}: return the dequantized weight, of W's shape.", hint)))
+            return failed(title, _with_hint(
+                f"{where}: return the dequantized weight, of W's shape.", hint))
         want = _gptq_ref(W, H, scale)
         got = got.double()
         if torch.allclose(got, want, rtol=0, atol=1e-9 * float(scale.max())):
@@ -305,7 +298,7 @@ def check_gptq_fix(fn) -> Result:
         bad = ~torch.isclose(got, want, rtol=0, atol=1e-9 * float(scale.max()))
         first = int(bad.any(0).nonzero()[0])
         said = f"columns before {first} agree with GPTQ and column {first} is the first that does not."
-        return _report(Result(title, FAILED, _with_hint(f"{where}: {said}", hint)))
+        return failed(title, _with_hint(f"{where}: {said}", hint))
     return _report(Result(title, PASSED, f"equal to GPTQ on {trials} random layers and block sizes."))
 
 
@@ -379,7 +372,7 @@ def check_cheapest_config(fn) -> Result:
             if err <= bound and nbytes <= table[want][0]:
                 continue
             said = f"{got} is not both within the bound and the fewest stored bytes among those that are."
-        return _report(Result(title, FAILED, _with_hint(f"{where}: {said}", hint)))
+        return failed(title, _with_hint(f"{where}: {said}", hint))
     return _report(Result(title, PASSED, f"picks the cheapest format that meets the bound on {trials} weights."))
 
 
@@ -469,8 +462,8 @@ def check_int4_gemv_kernel(kernel) -> Result:
             return _not_solved(GEMV_KERNEL, "kernel")
         except Exception:  # noqa: BLE001 - any other failure: it is not a launchable kernel
             pass
-        return _report(Result(GEMV_KERNEL, FAILED, "expected a Triton kernel (a function decorated with "
-                                                   f"@triton.jit), got {type(kernel).__name__}."))
+        return failed(GEMV_KERNEL, "expected a Triton kernel (a function decorated with "
+                                   f"@triton.jit), got {type(kernel).__name__}.")
     refused = refuse_library(GEMV_KERNEL, kernel, (kw.int4_matmul, kw.int4_matmul_ref, kw._int4_matmul_kernel,
                                                    wq.dequantize), _OWN)
     if refused is not None:
@@ -489,8 +482,8 @@ def check_int4_gemv_kernel(kernel) -> Result:
             return _report(launch_failed(GEMV_KERNEL, err, where, hint))
         expected = (wq.dequantize(qw).double() @ x.double()).float()
         if torch.isnan(got).any():
-            return _report(Result(GEMV_KERNEL, FAILED, _with_hint(
-                f"{where}: {int(torch.isnan(got).sum())} output element(s) were never written.", hint)))
+            return failed(GEMV_KERNEL, _with_hint(
+                f"{where}: {int(torch.isnan(got).sum())} output element(s) were never written.", hint))
         if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
             bad = ~torch.isclose(got, expected, rtol=1e-4, atol=1e-4)
             rows = bad.nonzero().flatten()
@@ -499,7 +492,7 @@ def check_int4_gemv_kernel(kernel) -> Result:
                     else "")
             slip = next((f" It is what you get when {said}." for said, y in _gemv_slips(qw, x)
                          if torch.allclose(got, y.float(), rtol=1e-4, atol=1e-4)), "")
-            return _report(Result(GEMV_KERNEL, FAILED, _with_hint(
+            return failed(GEMV_KERNEL, _with_hint(
                 f"{where}: {int(bad.sum())} of {bad.numel()} outputs differ, the first at row "
-                f"{int(rows[0])}{tail}.{slip}", hint)))
+                f"{int(rows[0])}{tail}.{slip}", hint))
     return _report(Result(GEMV_KERNEL, PASSED, f"agrees with the reference on {trials} random odd sizes."))
