@@ -97,7 +97,7 @@ def features_wrong_one_projection(q, k, v, bound):   # a single draw per m: its 
 
 
 def features_wrong_generous(q, k, v, bound):         # far more than needed
-    return 4 * features_right(q, k, v, bound)
+    return 8 * features_right(q, k, v, bound)
 
 
 def test_the_features_check_wants_the_budget_not_just_any_that_meets_the_bound(lenient, capsys):

@@ -126,7 +126,7 @@ def test_the_chunker_check_names_the_split_run(lenient, capsys):
 
 def test_the_chunker_check_names_a_chunk_that_is_too_long(lenient, capsys):
     result = ex.check_fixed_chunks(lambda n, size, overlap: [(0, n)] if n else [])
-    assert result.status == "failed" and "more than size tokens" in result.message
+    assert result.status == "failed" and "not within size tokens" in result.message
 
 
 # ----------------------------------------------------------------------------- the kernel

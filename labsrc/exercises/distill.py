@@ -97,8 +97,8 @@ def _explaining_jsd(fn):
             return "On this case your function still returns what the handed-out one returns."
         bound = -(beta * math.log(beta) + (1 - beta) * math.log(1 - beta))
         if not -1e-9 <= got <= bound + 1e-6:
-            return ("It breaks an invariant: a generalized JSD lies between 0 and the entropy of the weights "
-                    "(beta, 1 - beta).")
+            return ("It breaks an invariant: a generalized JSD lies between 0 and the entropy of its two "
+                    "weights.")
         return ""
     return explain
 
@@ -137,7 +137,7 @@ def _explain_gradient(got, expected, s, t, T) -> str:
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return ""
     if abs(float(got.double().sum())) > 1e-4:
-        return "It breaks an invariant: the gradient of any loss of softmax(s / T) sums to 0 over the vocabulary."
+        return "It breaks an invariant: the gradient of any loss of the student's softmax sums to 0 over the vocabulary."
     return ""
 
 
@@ -297,7 +297,7 @@ def check_fit_acceptance(fn) -> Result:
             return failed(name, _with_hint(
                 f"{where}: the prediction of {' and '.join(wrong)} acceptance is not within the tolerance of "
                 f"the fit the check measures.", hint))
-    return _report(Result(name, PASSED, f"both predictions within {ACCEPT_ATOL} of the fits on {trials} teachers."))
+    return _report(Result(name, PASSED, f"both predictions within {ACCEPT_ATOL} of the fits on all the check's teachers."))
 
 
 # ---------------------------------------------------------------------------- the whole KD loss of a token
@@ -395,5 +395,5 @@ def check_kd_row_kernel(kernel) -> Result:
         if problem:
             return failed(name, f"trial {trial + 1} (R={R}, V={V}, T={T}, alpha={alpha}): "
                                 f"{problem} Hint: {hint}")
-    return _report(Result(name, PASSED, f"equal to the loss of each token on {len(sizes)} launches with odd "
-                                        f"vocabularies."))
+    return _report(Result(name, PASSED, "equal to the loss of each token on all the check's launches with odd "
+                                        "vocabularies."))

@@ -12,8 +12,8 @@ yet``. Expected answers are computed here, never printed.
 * :func:`check_chunked_attention` -- ``fn(q, k, v, g, chunk)``: chunked linear attention with a per-token decay,
   the fix of a given function whose carried-in state is decayed wrongly.
 * :func:`check_features_needed` -- ``fn(q, k, v, bound)``: a number of positive random features, chosen by
-  measuring, whose FAVOR+ estimate meets an error bound while half as many do not; the check re-runs the
-  measurement on its own projections at the answer and at half of it.
+  measuring, whose FAVOR+ estimate meets an error bound while a quarter as many do not; the check re-runs the
+  measurement on its own projections at the answer and at a quarter of it.
 * :func:`check_recurrent_kernel` -- a ``@triton.jit`` kernel for causal linear attention with decay, one
   program per (batch x head) holding the state in registers, launched under the interpreter on odd sizes.
 """
@@ -75,7 +75,7 @@ def check_association_costs(fn) -> Result:
             else:
                 which = ": return a pair of numbers."
             return failed(name, f"trial {trial + 1} with T, d, dv = {args}{which} Hint: {hint}")
-    return _report(Result(name, PASSED, f"right on {trials} random sizes."))
+    return _report(Result(name, PASSED, "right on all the check's random sizes."))
 
 
 # --------------------------------------------------------------------------------- read after two writes
@@ -144,7 +144,7 @@ def check_read_after_two_writes(fn) -> Result:
             shown = ", ".join(f"{n} = {v:.3g}" for n, v in zip(("beta1", "beta2", "g", "key_norm"), args))
             return failed(name, f"trial {trial + 1} ({shown}): {_read_problem(fn, got, want, args)} "
                                 f"Hint: {hint}")
-    return _report(Result(name, PASSED, f"equal to the recurrence's read on {trials} random cases."))
+    return _report(Result(name, PASSED, "equal to the recurrence's read on all the check's random cases."))
 
 
 # --------------------------------------------------------------------------- chunked attention, debugged
@@ -197,11 +197,11 @@ def check_chunked_attention(fn) -> Result:
 
 
 # ----------------------------------------------------------------------------------- features needed
-FEATURE_PROJECTIONS = 8
+FEATURE_PROJECTIONS = 32
 """How many random projections the check averages FAVOR+'s error over, at each number of features."""
-FEATURE_SLACK = 1.15
-"""How far above the bound the check's own average may lie at the chosen number of features: the student's
-projections are not the check's, so an answer right at the edge may measure a little above it here."""
+FEATURE_SLACK = 1.3
+"""How far past the bound the check's own average may lie at the chosen number of features (a factor): the
+student's projections are not the check's, so an answer right at the edge may measure a little past it here."""
 
 
 def _mean_favor_error(q, k, v, m, seed) -> float:
@@ -232,10 +232,12 @@ def _features_case(gen):
 def check_features_needed(fn) -> Result:
     """Check ``fn(q, k, v, bound) -> m``: a number of positive random features for which FAVOR+'s mean absolute
     error against exact non-causal softmax attention, averaged over random orthogonal projections, meets
-    ``bound``, while half as many do not: the measurement re-run here, on the check's own projections, at the
-    answer and at half of it. ``q, k (1, T, 1, d)``, ``v (1, T, 1, 4)``, float64."""
+    ``bound`` (within :data:`FEATURE_SLACK`), while a quarter as many do not: the measurement re-run here, on the
+    check's own projections, at the answer and at a quarter of it (the error falls like ``1 / sqrt(m)``, so a
+    quarter of the features roughly doubles it: the window leaves room for the noise of the student's own
+    projections). ``q, k (1, T, 1, d)``, ``v (1, T, 1, 4)``, float64."""
     name = "random features under an error bound"
-    hint = ("measure the failing case yourself, at the answer and at half of it, averaging over several "
+    hint = ("measure the failing case yourself, at the answer and at a quarter of it, averaging over several "
             "projections, and ask how the error falls as features are added.")
     refused = refuse_library(name, fn, (_mean_favor_error,), hint, owner="the checker")
     if refused is not None:
@@ -254,12 +256,12 @@ def check_features_needed(fn) -> Result:
             return failed(name, f"{where}: return a number of features, a whole number from 1 to "
                                 f"4096. Hint: {hint}")
         meets = _mean_favor_error(q, k, v, int(got), seed) <= FEATURE_SLACK * bound
-        half_fails = got < 2 or _mean_favor_error(q, k, v, int(got) // 2, seed) > bound
-        if not (meets and half_fails):
-            return failed(name, f"{where}: the answer {got} is not a number of features that meets "
-                                f"the bound while half as many do not, on the check's "
+        quarter_fails = got < 4 or _mean_favor_error(q, k, v, int(got) // 4, seed) > bound
+        if not (meets and quarter_fails):
+            return failed(name, f"{where}: the answer is not a number of features that meets "
+                                f"the bound while a quarter as many do not, on the check's "
                                 f"projections. Hint: {hint}")
-    return _report(Result(name, PASSED, f"the measurement agrees on {trials} cases."))
+    return _report(Result(name, PASSED, "the measurement agrees on all the check's cases."))
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -333,4 +335,4 @@ def check_recurrent_kernel(kernel) -> Result:
         if problem:
             return failed(name, f"trial {trial + 1} (T={T}, K={K}, V={V}): {problem} "
                                 f"Hint: {hint}")
-    return _report(Result(name, PASSED, f"equal to linear_attention_recurrent on {len(sizes)} launches."))
+    return _report(Result(name, PASSED, "equal to linear_attention_recurrent on all the check's launches."))

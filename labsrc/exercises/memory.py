@@ -83,7 +83,7 @@ def check_sharded_recall(fn) -> Result:
     is much larger than ``k``)."""
     name = "recall of a sharded search"
     hint = ("re-read 'A kNN memory' and follow one of the true top-k rows: ask which of the rows better than it "
-            "can push it out of its own shard's list. Compare with the simulation above the function.")
+            "can push it out of its own shard's list. Compare with measure_sharded_recall.")
     refused = refuse_library(name, fn, (memory.topk_merge, memory.recall_at_k), hint, owner="labsrc.memory",
                              args=(8, 4, 2))
     if refused is not None:
@@ -171,8 +171,8 @@ def check_smallest_nprobe(fn) -> Result:
         recalls = _recall_by_nprobe(keys, queries, k, nlist) if 1 <= got <= nlist else None
         if recalls is None or recalls[got - 1] < target or (got > 1 and recalls[got - 2] >= target):
             return failed(name, f"{setting}: the answer is not the smallest nprobe (from 1 to nlist) at which the "
-                                f"index's recall@{k} reaches the target. Hint: {hint}")
-    return _report(Result(name, PASSED, f"the smallest nprobe on {len(cases)} memories, measured."))
+                                f"index's recall@k reaches the target. Hint: {hint}")
+    return _report(Result(name, PASSED, "the smallest nprobe on all the check's memories, measured."))
 
 
 # ------------------------------------------------------------------------------------------ the chunker bug
@@ -195,7 +195,7 @@ def _chunk_problem(got, n: int, size: int, overlap: int) -> tuple[str, str] | No
     if any(not 0 <= s < e <= n for s, e in spans):
         return "", "a span is empty or leaves the document's tokens."
     if any(e - s > size for s, e in spans):
-        return "", "a span holds more than size tokens, so it does not fit the retriever's chunk."
+        return "", "a span is not within size tokens, so it does not fit the retriever's chunk."
     covered = set()
     for s, e in spans:
         covered.update(range(s, e))
@@ -217,8 +217,8 @@ def check_fixed_chunks(fn) -> Result:
     ``n`` tokens, hold every run of ``overlap + 1`` tokens whole, and are no more than the chapter's rule
     (:func:`labsrc.memory.chunk_spans`) makes; none when ``n == 0``."""
     name = "the chunker that splits facts, fixed"
-    hint = ("run the handed-out chunker on the case named above and list every span it makes; then ask which runs "
-            "of overlap + 1 tokens each span boundary cuts.")
+    hint = ("run the handed-out chunker on the case named in this message and list every span it makes; then ask "
+            "which runs of overlap + 1 tokens each span boundary cuts.")
     refused = refuse_library(name, fn, (memory.chunk_spans,), hint, owner="labsrc.memory", args=(100, 10, 3))
     if refused is not None:
         return refused
@@ -239,7 +239,7 @@ def check_fixed_chunks(fn) -> Result:
             where, what = problem
             case = ", ".join(p for p in (f"n={n}, size={size}, overlap={overlap}", where) if p)
             return failed(name, f"{case}: {what} Hint: {hint}")
-    return _report(Result(name, PASSED, f"a valid chunking on {len(cases)} cases, edge cases included."))
+    return _report(Result(name, PASSED, "a valid chunking on all the check's cases, edge cases included."))
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -289,8 +289,8 @@ def check_gathered_rows_kernel(kernel) -> Result:
         return skipped
     import triton
 
-    hint = ("re-read 'The kernel' and 'A kNN memory' (an index may find fewer rows than asked), then follow the "
-            "query row named above through your kernel: an id of -1 names no row.")
+    hint = ("re-read 'The kernel' and 'A kNN memory' (an index may leave some of the K slots empty), then follow "
+            "the query row named in this message through your kernel: an id of -1 names no row.")
     seed, sizes = 144, _KERNEL_SIZES
     if hidden():
         seed, sizes = seed_for(seed), sizes + tuple((t + 1, k + 2, d, n + 5) for t, k, d, n in sizes)
@@ -329,4 +329,4 @@ def check_gathered_rows_kernel(kernel) -> Result:
                 problem += f" Row {row} has ids of -1: rows the index did not find."
         if problem:
             return failed(name, f"trial {trial + 1} (T={T}, K={K}, D={D}): {problem} Hint: {hint}")
-    return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))
+    return _report(Result(name, PASSED, "equal to the reference on all the check's launches with odd sizes."))

@@ -56,22 +56,23 @@ def _slot_inputs(gen):
     return table, start, randint(gen, start + 1, n), bs
 
 
-def _slot_problem(got, want, table, start, end, block_size) -> str:
-    """What is wrong with a slot list: its length, or the first wrong token and where its slot points."""
+def _slot_problem(got, want, table, start, end, block_size) -> tuple[str, str]:
+    """``(where, what)`` is wrong with a slot list: its type or length, or the first wrong token (``where``) and
+    whether its slot lies in a block the sequence owns."""
     if not isinstance(got, list):
-        return f"expected a list of slots, got {type(got).__name__}."
+        return "", "return a list of slots."
     if len(got) != len(want):
-        return f"you return {len(got)} slots for {len(want)} tokens."
+        return "", "the answer does not hold one slot per token."
     i = next(i for i, (g, w) in enumerate(zip(got, want)) if g != w)
-    owned = "" if got[i] // block_size in table else " (it lies in a block this sequence does not own)"
-    return f"the first wrong slot is token {start + i}'s{owned}."
+    owned = "" if got[i] // block_size in table else ", in a block this sequence does not own"
+    return f"token {start + i}", f"its slot is the first that is wrong{owned}."
 
 
 @exercise
 def check_slot_mapping(fn) -> Result:
     """Check ``fn(block_table, start, end, block_size) -> list[int]``: where tokens ``start .. end - 1`` go."""
     name = "slot mapping from a block table"
-    hint = "place the token named above by hand: which entry of the table, which offset in that block?"
+    hint = "place the token named in this message by hand: which entry of the table, which offset in that block?"
     refused = refuse_library(name, fn, (_blocks.slot_mapping, _blocks.slot_of), "compute the slots yourself.",
                              owner="labsrc.serving",
                              args=_slot_inputs(torch.Generator().manual_seed(91)))
@@ -86,9 +87,10 @@ def check_slot_mapping(fn) -> Result:
         got = [int(x) for x in got] if isinstance(got, (list, tuple, torch.Tensor)) else got
         want = _blocks.slot_mapping(*args)
         if got != want:
-            return failed(name, f"trial {trial + 1} (block_size={args[3]}, tokens {args[1]}.."
-                                f"{args[2] - 1}): {_slot_problem(got, want, *args)} Hint: {hint}")
-    return _report(Result(name, PASSED, f"agrees with the block manager on {trials} random tables."))
+            where, what = _slot_problem(got, want, *args)
+            case = f"trial {trial + 1} (block_size={args[3]}, tokens {args[1]}..{args[2] - 1})"
+            return failed(name, f"{', '.join(p for p in (case, where) if p)}: {what} Hint: {hint}")
+    return _report(Result(name, PASSED, "agrees with the block manager on all the check's random tables."))
 
 
 # ------------------------------------------------------------------------------------------- forks, predicted
@@ -147,14 +149,13 @@ def check_fork_blocks(fn) -> Result:
                 f"{bs}; the prompt's last block is {'full' if prompt % bs == 0 else 'partly filled'})")
         if not (isinstance(got, (tuple, list)) and len(got) == 2
                 and all(isinstance(x, int) and not isinstance(x, bool) for x in got)):
-            return failed(name, f"{case}: return a pair of whole numbers (blocks_held, copies), "
-                                f"got {got!r}. Hint: {hint}")
+            return failed(name, f"{case}: return a pair of whole numbers (blocks_held, copies). Hint: {hint}")
         want = fork_measurement(*args, gen=torch.Generator().manual_seed(trial))
         wrong = [what for what, g, w in zip(("the blocks held", "the copies"), got, want) if g != w]
         if wrong:
             return failed(name, f"{case}: {' and '.join(wrong)} differ from what the block "
                                 f"manager does. Hint: {hint}")
-    return _report(Result(name, PASSED, f"equal to the block manager's own count on {trials} forks."))
+    return _report(Result(name, PASSED, "equal to the block manager's own count on all the check's forks."))
 
 
 # ------------------------------------------------------------------------------------------------- admission
@@ -192,7 +193,7 @@ def check_admission(fn) -> Result:
                                 f"hits {args[2]} held + {args[3]} evictable, {args[4]} free, "
                                 f"{args[5]} of {args[6]} running): the verdict differs from whether "
                                 f"the request's allocation succeeds. Hint: {hint}")
-    return _report(Result(name, PASSED, f"right on {trials} random queues."))
+    return _report(Result(name, PASSED, "right on all the check's random queues."))
 
 
 # ------------------------------------------------------------------------------------------ prefix-cache lookup
@@ -277,7 +278,7 @@ def check_cached_prefix(fn) -> Result:
         if got != cached_tokens_measurement(prompt, published_prompts, bs):
             return failed(name, f"{case}: the count differs from the tokens the block manager "
                                 f"reuses for this prompt. Hint: {hint}")
-    return _report(Result(name, PASSED, f"equal to the block manager's reuse on {trials} requests."))
+    return _report(Result(name, PASSED, "equal to the block manager's reuse on all the check's requests."))
 
 
 # ------------------------------------------------------------------------------------- packed gather kernel
@@ -329,9 +330,9 @@ def check_packed_gather_kernel(kernel) -> Result:
     name = "a packed gather of many sequences (Triton)"
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
-    hint = ("re-read 'Paged attention in PyTorch' and 'The kernel'; for the packed row named above, work out by "
-            "hand which sequence and token it is, which table entry and offset hold that token, and compare "
-            "with what your program read and where it wrote.")
+    hint = ("re-read 'Paged attention in PyTorch' and 'The kernel'; for the packed row named in this message, work "
+            "out by hand which sequence and token it is, which table entry and offset hold that token, and "
+            "compare with what your program read and where it wrote.")
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of (sequences, token tiles) programs")) is not None:
         return _report(unlaunchable)
     import triton  # only reached when Triton is installed
@@ -378,5 +379,5 @@ def check_packed_gather_kernel(kernel) -> Result:
         if problem:
             return failed(name, f"trial {trial + 1} (lengths {list(lens)}, PAGE={page}, ROW={row}, "
                                 f"BLOCK_T={block_t}): {problem} Hint: {hint}")
-    return _report(Result(name, PASSED, f"equal to the packed gather on {len(cases)} launches (ragged and empty "
+    return _report(Result(name, PASSED, "equal to the packed gather on all the check's launches (ragged and empty "
                                         "sequences, blocks of 1 to 32 tokens)."))

@@ -43,7 +43,9 @@ _OWN = "write it yourself from the definition in the text."
 
 
 def _not_solved(title: str, what: str = "function") -> Result:
-    return _report(Result(title, NOT_SOLVED, f"Fill in the {what} above, then run this cell again."))
+    message = {"function": "Fill in the function above, then run this cell again.",
+               "kernel": "Fill in the kernel above, then run this cell again."}[what]
+    return _report(Result(title, NOT_SOLVED, message))
 
 
 def _trials_and_seed(trials: int, seed: int) -> tuple[int, int]:
@@ -75,7 +77,7 @@ def outlier_weight(n_groups: int, outlier: float, gen: torch.Generator | None = 
     if not isinstance(n_groups, int) or n_groups < 1:
         raise ValueError(f"n_groups must be a positive int, got {n_groups!r}")
     if not isinstance(outlier, (int, float)) or not abs(outlier) > 1:
-        raise ValueError(f"outlier must be a number larger than 1 in magnitude, got {outlier!r}")
+        raise ValueError(f"outlier must be a number of magnitude over 1, got {outlier!r}")
     gen = torch.Generator().manual_seed(0) if gen is None else gen
     w = torch.rand(n_groups, GROUP, generator=gen, dtype=torch.float64) * 2 - 1
     at = torch.randint(0, GROUP, (n_groups,), generator=gen)
@@ -131,7 +133,7 @@ def check_rtn_outlier_ratio(fn) -> Result:
         if not abs(got - truth) <= RATIO_RTOL * truth:
             return failed(title, _with_hint(
                 f"{where}: the prediction is not within {RATIO_RTOL:.0%} of the ratio the check measures.", hint))
-    return _report(Result(title, PASSED, f"within {RATIO_RTOL:.0%} of the measured ratio on {trials} weights."))
+    return _report(Result(title, PASSED, f"within {RATIO_RTOL:.0%} of the measured ratio on all the check's weights."))
 
 
 # ------------------------------------------------------------------------------- MXFP4: the worst block maximum
@@ -212,7 +214,7 @@ def check_mxfp4_worst_error(fn) -> Result:
             return failed(title, _with_hint(
                 f"{where}: {' and '.join(wrong)} worst case {'is' if len(wrong) == 1 else 'are'} not within "
                 f"{WORST_ATOL} of a dense sweep of block maxima.", hint))
-    return _report(Result(title, PASSED, f"both worst cases agree with a dense sweep on {len(formats)} formats."))
+    return _report(Result(title, PASSED, "both worst cases agree with a dense sweep on all the check's formats."))
 
 
 # ------------------------------------------------------------------------------------ GPTQ: find the bug
@@ -299,7 +301,7 @@ def check_gptq_fix(fn) -> Result:
         first = int(bad.any(0).nonzero()[0])
         said = f"columns before {first} agree with GPTQ and column {first} is the first that does not."
         return failed(title, _with_hint(f"{where}: {said}", hint))
-    return _report(Result(title, PASSED, f"equal to GPTQ on {trials} random layers and block sizes."))
+    return _report(Result(title, PASSED, "equal to GPTQ on all the check's random layers and block sizes."))
 
 
 # ------------------------------------------------------------------------- the cheapest format under a bound
@@ -357,6 +359,8 @@ def check_cheapest_config(fn) -> Result:
         except NotImplementedError:
             return _not_solved(title)
         got = tuple(got) if isinstance(got, list) else got
+        # the candidate the answer names (2.0 names 2), so the measurement below runs on the library's own types
+        got = next((c for c in table if got is not None and c == got), got)
         want = _cheapest_ref(table, bound)
         if got is None and want is None:
             continue
@@ -365,15 +369,15 @@ def check_cheapest_config(fn) -> Result:
         elif got is None:
             said = "some candidate meets the bound on this weight, and the answer is None."
         elif want is None:
-            said = f"no candidate meets the bound on this weight, and the answer is {got}."
+            said = "no candidate meets the bound on this weight, and the answer is not None."
         else:
             # the measurement, re-run on the choice: it must meet the bound and store no more than any that does
             nbytes, err = wq.quantize_rtn(w, *got).nbytes, _relative_error(w, *got)
             if err <= bound and nbytes <= table[want][0]:
                 continue
-            said = f"{got} is not both within the bound and the fewest stored bytes among those that are."
+            said = "the answer is not both within the bound and the fewest stored bytes among those that are."
         return failed(title, _with_hint(f"{where}: {said}", hint))
-    return _report(Result(title, PASSED, f"picks the cheapest format that meets the bound on {trials} weights."))
+    return _report(Result(title, PASSED, "picks the cheapest format that meets the bound on all the check's weights."))
 
 
 # ------------------------------------------------------------------------------------------- GEMV kernel
@@ -483,7 +487,7 @@ def check_int4_gemv_kernel(kernel) -> Result:
         expected = (wq.dequantize(qw).double() @ x.double()).float()
         if torch.isnan(got).any():
             return failed(GEMV_KERNEL, _with_hint(
-                f"{where}: {int(torch.isnan(got).sum())} output element(s) were never written.", hint))
+                f"{where}: some output elements were never written.", hint))
         if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
             bad = ~torch.isclose(got, expected, rtol=1e-4, atol=1e-4)
             rows = bad.nonzero().flatten()
@@ -493,6 +497,5 @@ def check_int4_gemv_kernel(kernel) -> Result:
             slip = next((f" It is what you get when {said}." for said, y in _gemv_slips(qw, x)
                          if torch.allclose(got, y.float(), rtol=1e-4, atol=1e-4)), "")
             return failed(GEMV_KERNEL, _with_hint(
-                f"{where}: {int(bad.sum())} of {bad.numel()} outputs differ, the first at row "
-                f"{int(rows[0])}{tail}.{slip}", hint))
-    return _report(Result(GEMV_KERNEL, PASSED, f"agrees with the reference on {trials} random odd sizes."))
+                f"{where}, row {int(rows[0])}{tail}: the first output that differs from the reference.{slip}", hint))
+    return _report(Result(GEMV_KERNEL, PASSED, "agrees with the reference on all the check's random odd sizes."))
