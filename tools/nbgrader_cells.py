@@ -105,7 +105,7 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_packed_gather_kernel": (4, 35, "kernel",
                                    "gather many sequences into one packed tensor (Triton)"),
     # 14 memory and retrieval
-    "check_sharded_recall": (3, 20, "prediction", "predict the recall of a sharded search"),
+    "check_sharded_recall": (3, 20, "derivation", "derive the recall of a sharded search"),
     "check_smallest_nprobe": (2, 20, "experiment", "the smallest nprobe that meets a recall target"),
     "check_fixed_chunks": (3, 20, "debugging", "the chunker that splits facts"),
     "check_gathered_rows_kernel": (4, 35, "kernel", "attention over rows gathered by id (Triton kernel)"),
@@ -136,7 +136,7 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_spec_residual_sample_kernel": (4, 35, "kernel", "sample from the residual in a Triton kernel"),
     # 11 pipeline decoding
     "check_pipeline_bubble": (1, 10, "transcription", "the bubble fraction of a pipeline timeline"),
-    "check_pipeline_predicted_bubble": (2, 20, "prediction", "predict, then simulate: the bubble of a schedule"),
+    "check_pipeline_predicted_bubble": (2, 20, "derivation", "derive the bubble of a schedule, then simulate it"),
     "check_pipeline_split": (3, 25, "experiment", "choose the stage split by measurement"),
     "check_pipeline_lenient_kernel": (3, 30, "kernel", "lenient verification of a window (Triton kernel)"),
     # 13 distillation
