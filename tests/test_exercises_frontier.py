@@ -1,7 +1,8 @@
 """The frontier chapter's exercise checks keep the contract (right passes, wrong fails with a hint, the stub is
 "not solved yet", hidden cases raise), refuse answers that call the labsrc function they ask for, name the
-typical slips (the second map normalised like the first, the routed share of the matmuls alone, the rounding of
-the routed count, a norm over the padded lanes), and the kernel exercise says it is skipped without Triton."""
+failing case and the invariant broken there (where the measured weight changes sign, a fraction no length
+reaches, the rounding of the routed count, a norm over the padded lanes), and the kernel exercise says it is
+skipped without Triton."""
 import labsrc  # noqa: F401
 
 import math
@@ -20,27 +21,34 @@ from labsrc.kernels._triton import tl, triton
 
 
 # ----------------------------------------------------------------------------- the distractor
-def distractor_right(T, needle, distractor, lam):
-    z1 = (T - 2) + math.exp(needle) + math.exp(distractor)
-    z2 = (T - 1) + math.exp(distractor)
-    w1, w2 = math.exp(distractor) / z1, math.exp(distractor) / z2
-    return w1, w1 - lam * w2
+def sign_change_right(needle, distractor, lam):
+    en, ed = math.exp(needle), math.exp(distractor)
+    return (lam * (en + ed - 2) - ed + 1) / (1 - lam)
 
 
-def distractor_wrong_same_denominator(T, needle, distractor, lam):   # both maps normalised like the first
-    w1 = math.exp(distractor) / ((T - 2) + math.exp(needle) + math.exp(distractor))
-    return w1, (1 - lam) * w1
+def sign_change_wrong_needle_in_both(needle, distractor, lam):   # both maps see the needle: never a change
+    en, ed = math.exp(needle), math.exp(distractor)
+    return (lam * (en + ed - 2) - (en + ed - 2)) / (1 - lam)
 
 
-def test_the_distractor_check_says_the_ordinary_weight_is_right(lenient, capsys):
-    result = ex.check_distractor_weights(distractor_wrong_same_denominator)
-    assert result.status == "failed" and "ordinary attention is right" in result.message
+def test_the_measured_sign_change_is_where_the_weight_turns():
+    """The check's truth, measured on the maps, lies between a length where the differential weight is negative
+    and one where it is positive (the case the chapter's figure suggests: needle 4, distractor 2, lam 0.8)."""
+    T = ex._sign_change_truth(4.0, 2.0, 0.8)
+    below, above = math.floor(T), math.ceil(T)
+    w1, w2 = ex._distractor_weights(below, 4.0, 2.0, 0.8)
+    assert w1 - 0.8 * w2 < 0
+    w1, w2 = ex._distractor_weights(above, 4.0, 2.0, 0.8)
+    assert w1 - 0.8 * w2 > 0
+    assert math.isclose(T, sign_change_right(4.0, 2.0, 0.8), rel_tol=1e-9)
 
 
-def test_the_distractor_weight_can_turn_negative():
-    """The case the exercise asks about: a strong needle makes the first map's denominator the larger one."""
-    ordinary, diff = ex._measured_distractor_ref(64, 4.0, 2.0, 0.8).tolist()
-    assert 0 < ordinary and diff < 0
+def test_the_sign_change_check_refuses_a_softmax(lenient, capsys):
+    def softmax_answer(needle, distractor, lam):
+        w = torch.softmax(torch.tensor([needle, distractor, 0.0]), 0)
+        return float(w[1] / w[0])
+    result = ex.check_distractor_sign_change(softmax_answer)
+    assert result.status == "failed" and "softmax" in result.message
 
 
 # ----------------------------------------------------------------------------- MoD
@@ -58,11 +66,6 @@ def mod_wrong_no_rounding(capacity, T, d):
     return k * (8 * d + k + 1) / (T * (8 * d + T + 1))
 
 
-def test_the_mod_check_names_the_matmul_share(lenient, capsys):
-    result = ex.check_mod_block_fraction(mod_wrong_matmuls_only)
-    assert result.status == "failed" and "matmuls alone" in result.message
-
-
 def test_the_mod_check_names_the_routed_count(lenient, capsys):
     result = ex.check_mod_block_fraction(mod_wrong_no_rounding)
     assert result.status == "failed" and "whole number" in result.message
@@ -77,28 +80,21 @@ def test_the_mod_reference_is_the_chapter_count_for_one_layer():
 
 
 # ----------------------------------------------------------------------------- YOCO
-def yoco_right(n_layers, n_kv_heads, head_dim, seq_len, window, dtype_bytes):
-    per_token = 2 * n_kv_heads * head_dim * dtype_bytes
-    return per_token * (n_layers // 2 * min(seq_len, window) + seq_len)
+def yoco_right(n_layers, window, fraction):
+    lowest, highest = 1 / n_layers, 0.5 + 1 / n_layers
+    return window / (2 * (fraction - lowest)) if lowest < fraction < highest else None
 
 
-def yoco_wrong_window_always_full(n_layers, n_kv_heads, head_dim, seq_len, window, dtype_bytes):
-    per_token = 2 * n_kv_heads * head_dim * dtype_bytes
-    return per_token * (n_layers // 2 * window + seq_len)
+def yoco_wrong_window_always_full(n_layers, window, fraction):   # forgets that the share is flat below the window
+    lowest = 1 / n_layers
+    return window / (2 * (fraction - lowest)) if lowest < fraction else None
 
 
-def test_the_yoco_check_names_a_sequence_shorter_than_the_window(lenient, capsys):
-    result = ex.check_yoco_kv_bytes(yoco_wrong_window_always_full)
-    assert result.status == "failed" and "shorter than the window" in result.message
+def test_the_yoco_check_names_an_unreachable_fraction(lenient, capsys):
+    result = ex.check_yoco_length(yoco_wrong_window_always_full)
+    assert result.status == "failed" and "no length gives this fraction" in result.message
 
 
-def test_the_yoco_check_names_the_ordinary_cache(lenient, capsys):
-    result = ex.check_yoco_kv_bytes(
-        lambda L, h, d, T, w, b: kv_cache.kv_cache_bytes(L, h, d, T, 1, b))
-    assert result.status == "failed" and "ordinary cache" in result.message
-
-
-# ----------------------------------------------------------------------------- the kernel
 @triton.jit
 def kernel_right(q1, k1, q2, k2, v, out, lam, scale, lam_init, eps, T: tl.constexpr, D: tl.constexpr,
                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -163,9 +159,9 @@ def kernel_no_store_mask(q1, k1, q2, k2, v, out, lam, scale, lam_init, eps, T: t
 
 
 CASES = [
-    (ex.check_distractor_weights, distractor_right, distractor_wrong_same_denominator),
+    (ex.check_distractor_sign_change, sign_change_right, sign_change_wrong_needle_in_both),
     (ex.check_mod_block_fraction, mod_right, mod_wrong_matmuls_only),
-    (ex.check_yoco_kv_bytes, yoco_right, yoco_wrong_window_always_full),
+    (ex.check_yoco_length, yoco_right, yoco_wrong_window_always_full),
 ]
 if runtime.HAS_TRITON:
     CASES += [(ex.check_diff_norm_kernel, kernel_right, kernel_mean_over_block)]
@@ -189,9 +185,8 @@ def test_kernel_check_says_skipped_without_triton(monkeypatch, capsys):
 
 @pytest.mark.parametrize("check,answer,called", [
     (ex.check_mod_block_fraction, lambda c, T, d: frontier.mod_flops_fraction(c, T), "mod_flops_fraction"),
-    (ex.check_yoco_kv_bytes, lambda L, h, d, T, w, b: frontier.shared_kv_bytes(L, L // 2, h, d, T)[0],
-     "shared_kv_bytes"),
-    (ex.check_distractor_weights, lambda *a: frontier.diff_attention(*a), "diff_attention"),
+    (ex.check_yoco_length, lambda L, w, f: kv_cache.kv_cache_bytes(L, 1, 1, w) / f, "kv_cache_bytes"),
+    (ex.check_distractor_sign_change, lambda *a: frontier.diff_attention(*a), "diff_attention"),
 ])
 def test_checks_refuse_a_call_to_the_library_function(check, answer, called, lenient, capsys):
     result = check(answer)

@@ -1,6 +1,6 @@
 """The linear-attention chapter's exercise checks keep the contract (right passes, wrong fails with a hint, the
 stub is "not solved yet", hidden cases raise), refuse answers that call the labsrc function that would do them,
-say under which simplification a wrong read or a wrong chunked attention is right, and the kernel exercise catches
+name the case and where it first goes wrong (never the simplification under which an answer is right), and the kernel exercise catches
 a missing mask and says it is skipped without Triton."""
 import labsrc  # noqa: F401
 
@@ -72,21 +72,36 @@ def chunked_buggy(q, k, v, g, chunk):       # the exercise's function: the state
     return torch.cat(out)
 
 
-def features_right(q, k, v, make_proj, candidates, bound):
-    ref = la.softmax_attention(q, k, v, causal=False)
-    for m in candidates:
-        err = (la.favor_attention(q, k, v, make_proj(m), "positive") - ref).abs().mean()
-        if err < bound:
-            return m
-    return None
+def features_right(q, k, v, bound):
+    """Average the error over several projections of one's own, and add features until it meets the bound."""
+    exact = la.softmax_attention(q, k, v, causal=False)
+    gen = torch.Generator().manual_seed(0)
+
+    def error(m):
+        return sum(float((la.favor_attention(q, k, v, la.orthogonal_projection(m, q.shape[-1], gen, dtype=q.dtype),
+                                             "positive") - exact).abs().mean()) for _ in range(16)) / 16
+    m = 2
+    while error(m) > bound:
+        m = max(m + 1, int(m * 1.2))
+    return m
 
 
-def features_wrong(q, k, v, make_proj, candidates, bound):   # trigonometric features instead
-    ref = la.softmax_attention(q, k, v, causal=False)
-    for m in candidates:
-        if (la.favor_attention(q, k, v, make_proj(m), "trig") - ref).abs().mean() < bound:
-            return m
-    return None
+def features_wrong_one_projection(q, k, v, bound):   # a single draw per m: its luck decides
+    exact = la.softmax_attention(q, k, v, causal=False)
+    m = 2
+    while float((la.favor_attention(q, k, v, la.orthogonal_projection(m, q.shape[-1], torch.Generator().manual_seed(m),
+                                                                        dtype=q.dtype), "positive")
+                 - exact).abs().mean()) > bound:
+        m += 1
+    return m
+
+
+def features_wrong_generous(q, k, v, bound):         # far more than needed
+    return 8 * features_right(q, k, v, bound)
+
+
+def test_the_features_check_wants_the_budget_not_just_any_that_meets_the_bound(lenient, capsys):
+    assert ex.check_features_needed(features_wrong_generous).status == "failed"
 
 
 @triton.jit
@@ -137,7 +152,7 @@ CASES = [
     (ex.check_read_after_two_writes, read_right, read_wrong_unit_key),
     (ex.check_read_after_two_writes, read_right, read_wrong_decay),
     (ex.check_chunked_attention, chunked_right, chunked_buggy),
-    (ex.check_features_needed, features_right, features_wrong),
+    (ex.check_features_needed, features_right, features_wrong_one_projection),
 ]
 if runtime.HAS_TRITON:
     CASES += [(ex.check_recurrent_kernel, kernel_right, kernel_no_decay),
@@ -183,12 +198,13 @@ def test_the_measured_read_is_the_closed_form_on_a_grid():
                     assert all(math.isclose(x, y, abs_tol=1e-12) for x, y in zip(got, read_right(beta1, beta2, g, norm)))
 
 
-def test_read_check_says_what_the_answer_is_right_for(lenient, capsys):
+def test_read_check_names_the_case_and_the_coefficient(lenient, capsys):
     result = ex.check_read_after_two_writes(read_wrong_unit_key)
-    assert result.status == "failed" and "right for a unit key" in result.message
+    assert result.status == "failed" and "key_norm" in result.message and "coef_a" in result.message
+    assert "unit key" not in result.message.split("Hint")[0]
 
 
-def test_chunked_check_says_the_buggy_function_is_right_without_decay_and_on_one_chunk(lenient, capsys):
+def test_chunked_check_names_the_first_wrong_token_not_the_bug(lenient, capsys):
     result = ex.check_chunked_attention(chunked_buggy)
-    assert result.status == "failed" and "Without decay (g = 0) your output is right" in result.message
-    assert "one chunk holding the whole sequence it is right" in result.message
+    assert result.status == "failed" and "first wrong token" in result.message
+    assert "decay" not in result.message.split("Hint")[0]

@@ -1,10 +1,11 @@
 """The pipeline chapter's exercise checks keep the contract (right passes, wrong fails with a hint, the stub is
 "not solved yet", hidden cases raise), refuse answers that call the labsrc function they ask for, name the
-typical slips (a prediction right in one regime only, a split that forgets the draft, a draft on the edge of the
-margin), and the kernel check says it is skipped without Triton."""
+failing case (a configuration, never a direction), refuse a split searched with the simulator, and name a draft
+on the edge of the margin, and the kernel check says it is skipped without Triton."""
 import labsrc  # noqa: F401
 
 import itertools
+import re
 
 import pytest
 
@@ -17,6 +18,7 @@ from labsrc import runtime
 from labsrc.exercises import pipeline as ex
 from labsrc.kernels._triton import tl, triton
 from labsrc.pipeline import simulate as sim
+from labsrc.exercises import ExerciseFailed
 from labsrc.pipeline.stages import split_layers
 
 
@@ -48,22 +50,24 @@ def predicted_wrong_plain_bound(stage_times, draft_time, comm_time, k, sequences
     return 1 - 1 / len(stage_times)
 
 
-def split_right(case):
+def split_right(case):                     # the insight: stage 0 also drafts, so its layers weigh more
+    w = list(case["layer_times"])
+    w[0] += case["k"] * case["draft_time"]
+    return [len(r) for r in split_layers(len(w), case["stages"], w)]
+
+
+def split_by_search(case):                 # exhaustive search with the simulator: the bypass the check refuses
     layers, stages = len(case["layer_times"]), case["stages"]
     best = None
     for cuts in itertools.combinations(range(1, layers), stages - 1):
         b = (0,) + cuts + (layers,)
         counts = [y - x for x, y in zip(b, b[1:])]
-        t = ex.split_time_per_token(case, counts)
+        times = [sum(case["layer_times"][x:y]) for x, y in zip(b, b[1:])]
+        t = sim.simulate(times, case["draft_time"], case["comm_time"], case["k"], 0.5,
+                         micro_batches=case["sequences"], schedule="overlapped", depth=1, tokens=96)["time_per_token"]
         if best is None or t < best[0]:
             best = (t, counts)
     return best[1]
-
-
-def split_right_by_weights(case):          # the insight: stage 0 also drafts, so its layers weigh more
-    w = list(case["layer_times"])
-    w[0] += case["k"] * case["draft_time"]
-    return [len(r) for r in split_layers(len(w), case["stages"], w)]
 
 
 def split_wrong_layers_only(case):         # balances the layers and forgets the draft on stage 0
@@ -160,11 +164,11 @@ if runtime.HAS_TRITON:
 needs_triton = pytest.mark.skipif(not runtime.HAS_TRITON, reason="the kernel exercise needs Triton")
 
 
-def test_the_bubble_hint_names_the_missing_regime(lenient, capsys):
-    result = ex.check_pipeline_predicted_bubble(predicted_wrong_always_full)
-    assert result.status == "failed" and "few sequences in flight" in result.message
-    result = ex.check_pipeline_predicted_bubble(predicted_wrong_plain_bound)
-    assert result.status == "failed" and "same for any stage times" in result.message
+def test_the_bubble_check_names_the_configuration_not_the_direction(lenient, capsys):
+    for wrong in (predicted_wrong_always_full, predicted_wrong_plain_bound):
+        result = ex.check_pipeline_predicted_bubble(wrong)
+        assert result.status == "failed" and "trial" in result.message
+        assert not re.search(r"\b(too|large|small|larger|smaller)\b", result.message.split("Hint")[0])
 
 
 def test_the_predicted_bubble_matches_the_simulator_with_random_acceptance():
@@ -176,23 +180,37 @@ def test_the_predicted_bubble_matches_the_simulator_with_random_acceptance():
     assert abs(mean - predicted_right(*args)) < ex.BUBBLE_TOLERANCE
 
 
-def test_a_split_from_the_insight_passes_both_cases(lenient, capsys):
-    assert ex.check_pipeline_split(split_right_by_weights).passed
-    assert ex.check_pipeline_split(split_right_by_weights, hidden=True).passed
+def test_a_split_from_the_insight_passes_every_case(lenient, capsys):
+    assert ex.check_pipeline_split(split_right).passed
+    assert ex.check_pipeline_split(split_right, hidden=True).passed
 
 
-def test_the_split_check_says_how_much_slower(lenient, capsys):
+def test_the_split_check_refuses_a_search_with_the_simulator(lenient, capsys):
+    result = ex.check_pipeline_split(split_by_search)
+    assert result.status == "failed" and "simulate" in result.message
+
+
+def test_the_split_check_names_the_configuration(lenient, capsys):
     result = ex.check_pipeline_split(split_wrong_layers_only)
-    assert result.status == "failed" and "slower than the best contiguous split" in result.message
+    assert result.status == "failed" and "configuration 1" in result.message
+    assert "slower" not in result.message
 
 
-def test_the_layer_balanced_split_is_clearly_worse_in_both_cases():
+def test_the_split_check_takes_configurations_from_the_notebook(lenient, capsys):
+    """The instructor notebook's hidden section writes configurations out (they are not in the package)."""
+    case = dict(layer_times=[0.8e-3, 0.8e-3, 2.4e-3, 0.8e-3, 0.8e-3, 0.8e-3, 2.4e-3, 0.8e-3, 1.6e-3],
+                draft_time=0.3e-3, k=6, comm_time=0.05e-3, stages=3, sequences=6)
+    assert ex.check_pipeline_split(split_right, hidden=[case]).passed
+    with pytest.raises(ExerciseFailed, match="configuration 5"):
+        ex.check_pipeline_split(lambda c: split_right(c) if c["draft_time"] != 0.3e-3 else [1, 1, 7],
+                                hidden=[case])
+
+
+def test_the_layer_balanced_split_is_clearly_worse():
     """The experiment separates the two answers: balancing the layers alone costs far more than the tolerance."""
-    for hidden_case in (False, True):
-        case = ex.split_case(hidden_case)
-        ratio = (ex.split_time_per_token(case, split_wrong_layers_only(case))
-                 / ex.split_time_per_token(case, split_right(case)))
-        assert ratio > 1 + 5 * ex.SPLIT_TOLERANCE
+    case = ex.split_case()
+    ratio = ex._split_time(case, split_wrong_layers_only(case)) / ex._split_time(case, split_right(case))
+    assert ratio > 1 + 5 * ex.SPLIT_TOLERANCE
 
 
 @needs_triton

@@ -57,16 +57,22 @@ def admit_wrong(n, bs, owned, evictable, free, running, max_seqs):  # counts evi
     return running < max_seqs and math.ceil(n / bs) - owned - evictable <= free
 
 
-def hash_right(tokens, bs):
-    out, prev = [], None
-    for i in range(len(tokens) // bs):
-        prev = hash((prev, tuple(tokens[i * bs:(i + 1) * bs])))
-        out.append(prev)
-    return out
+def lookup_right(prompt, published, bs):
+    n = 0
+    for h in blocks.block_hashes(prompt, bs):
+        if published.get(h) != tuple(prompt[n:n + bs]):
+            break
+        n += bs
+    return n - bs if n and n == len(prompt) else n     # at least one token left to compute
 
 
-def hash_buggy(tokens, bs):  # each block alone: equal blocks at different prefixes collide
-    return [hash(tuple(tokens[i * bs:(i + 1) * bs])) for i in range(len(tokens) // bs)]
+def lookup_as_given(prompt, published, bs):   # the handed-out lookup, typed out again
+    n = 0
+    for h in blocks.block_hashes(prompt, bs):
+        if published.get(h) != tuple(prompt[n:n + bs]):
+            break
+        n += bs
+    return n
 
 
 @triton.jit
@@ -120,7 +126,7 @@ CASES = [
     (ex.check_fork_blocks, fork_right, fork_wrong_no_copies),
     (ex.check_fork_blocks, fork_right, fork_wrong_n_copies),
     (ex.check_admission, admit_right, admit_wrong),
-    (ex.check_prefix_hash, hash_right, hash_buggy),
+    (ex.check_cached_prefix, lookup_right, lookup_as_given),
 ]
 if runtime.HAS_TRITON:
     CASES += [(ex.check_packed_gather_kernel, packed_right, packed_first_table_row),
@@ -132,8 +138,17 @@ def test_library_answer_is_refused_by_name(lenient, capsys):
     assert result.status == "failed" and "slot_mapping" in result.message
 
 
-def test_buggy_hash_is_told_it_collides(lenient, capsys):
-    assert "same hash" in ex.check_prefix_hash(hash_buggy).message
+def test_the_lookup_check_names_the_request_not_the_bug(lenient, capsys):
+    message = ex.check_cached_prefix(lookup_as_given).message
+    assert "full block" in message and "at least one" not in message and "last token" not in message
+
+
+def test_the_lookup_truth_is_the_block_managers_allocation():
+    """A prompt made of whole published blocks reuses all but its last block, as the manager allocates it."""
+    published = [list(range(8))]
+    assert ex.cached_tokens_measurement(list(range(8)), published, 4) == 4
+    assert ex.cached_tokens_measurement(list(range(6)), published, 4) == 4
+    assert ex.cached_tokens_measurement(list(range(10)), published, 4) == 8
 
 
 def test_the_measured_fork_matches_the_closed_form_on_a_grid():
@@ -149,6 +164,7 @@ def test_the_measured_fork_matches_the_closed_form_on_a_grid():
 def test_fork_check_says_which_count_is_wrong_and_refuses_the_block_manager(lenient, capsys):
     result = ex.check_fork_blocks(fork_wrong_no_copies)
     assert result.status == "failed" and "the copies" in result.message and "partly filled" in result.message
+    assert "too" not in result.message.split("Hint")[0]
     result = ex.check_fork_blocks(lambda p, n, g, bs: ex.fork_measurement(p, n, g, bs))
     assert result.status == "failed" and "fork_measurement" in result.message
 
@@ -164,7 +180,8 @@ def test_fork_check_says_which_count_is_wrong_and_refuses_the_block_manager(leni
 
 
 def test_admission_check_catches_the_given_bug(lenient, capsys):
-    assert "admit a request that must wait" in ex.check_admission(admit_wrong).message
+    message = ex.check_admission(admit_wrong).message
+    assert "the verdict differs" in message and "admit a request" not in message
 
 
 @pytest.mark.skipif(not runtime.HAS_TRITON, reason="the kernel exercise needs Triton")

@@ -99,13 +99,13 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_ever_kept": (2, 15, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
     # 09 serving
     "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table (warm-up)"),
-    "check_fork_blocks": (3, 20, "prediction", "predict the blocks and copies of parallel samples"),
+    "check_fork_blocks": (3, 20, "derivation", "derive the blocks and copies of parallel samples"),
     "check_admission": (2, 15, "debugging", "find the bug in an admission test that over-admits"),
-    "check_prefix_hash": (2, 15, "debugging", "find the bug in a colliding prefix hash"),
+    "check_cached_prefix": (2, 15, "debugging", "find the bug in a prefix-cache lookup"),
     "check_packed_gather_kernel": (4, 35, "kernel",
                                    "gather many sequences into one packed tensor (Triton)"),
     # 14 memory and retrieval
-    "check_sharded_recall": (3, 20, "prediction", "predict the recall of a sharded search"),
+    "check_sharded_recall": (3, 20, "derivation", "derive the recall of a sharded search"),
     "check_smallest_nprobe": (2, 20, "experiment", "the smallest nprobe that meets a recall target"),
     "check_fixed_chunks": (3, 20, "debugging", "the chunker that splits facts"),
     "check_gathered_rows_kernel": (4, 35, "kernel", "attention over rows gathered by id (Triton kernel)"),
@@ -113,7 +113,7 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_association_costs": (1, 10, "derivation", "the cost of the two association orders"),
     "check_read_after_two_writes": (2, 20, "derivation", "derive what the delta rule reads after two writes"),
     "check_chunked_attention": (3, 25, "debugging", "find the bug in chunked attention with decay"),
-    "check_features_needed": (2, 20, "experiment", "how many random features meet an error bound"),
+    "check_features_needed": (2, 25, "experiment", "how many random features meet an error bound"),
     "check_recurrent_kernel": (3, 30, "kernel", "recurrent linear attention with decay (Triton kernel)"),
     # 07 state-space models and scans
     "check_zoh_diagonal": (1, 10, "transcription", "zero-order hold for a diagonal A (warm-up)"),
@@ -123,12 +123,12 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     # 12 weight quantization
     "check_rtn_outlier_ratio": (2, 15, "prediction",
                                 "predict what one outlier costs a per-tensor step, then measure it"),
-    "check_mxfp4_worst_error": (2, 15, "derivation", "the worst error of an MXFP4 block's largest element"),
-    "check_gptq_fix": (3, 25, "debugging", "find the bug in a GPTQ pass"),
+    "check_mxfp4_worst_error": (2, 20, "derivation", "the worst error of an MX block's largest element"),
+    "check_gptq_fix": (3, 25, "debugging", "find the bug in a blocked GPTQ pass"),
     "check_cheapest_config": (2, 20, "experiment", "the cheapest RTN format that meets an error bound"),
     "check_int4_gemv_kernel": (4, 40, "kernel", "an INT4 GEMV from codes packed eight to an int32 (Triton kernel)"),
     # 10 speculative decoding
-    "check_spec_acceptance": (2, 20, "prediction", "predict, then measure: the acceptance of three drafts"),
+    "check_spec_acceptance": (2, 20, "derivation", "the acceptance of three drafts, in closed form"),
     "check_spec_tokens_by_position": (2, 15, "derivation",
                                       "tokens per call when acceptance depends on the position"),
     "check_spec_tree_mask": (2, 20, "transcription", "a tree mask from a parents array"),
@@ -136,7 +136,7 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_spec_residual_sample_kernel": (4, 35, "kernel", "sample from the residual in a Triton kernel"),
     # 11 pipeline decoding
     "check_pipeline_bubble": (1, 10, "transcription", "the bubble fraction of a pipeline timeline"),
-    "check_pipeline_predicted_bubble": (2, 20, "prediction", "predict, then simulate: the bubble of a schedule"),
+    "check_pipeline_predicted_bubble": (2, 20, "derivation", "derive the bubble of a schedule, then simulate it"),
     "check_pipeline_split": (3, 25, "experiment", "choose the stage split by measurement"),
     "check_pipeline_lenient_kernel": (3, 30, "kernel", "lenient verification of a window (Triton kernel)"),
     # 13 distillation
@@ -145,9 +145,10 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_fit_acceptance": (3, 25, "prediction", "forward or reverse KL: predict which draft is accepted more"),
     "check_kd_row_kernel": (4, 35, "kernel", "the whole KD loss of a token in one Triton kernel"),
     # 15 the architecture frontier
-    "check_distractor_weights": (3, 20, "prediction", "predict a distractor's weight under differential attention"),
+    "check_distractor_sign_change": (3, 20, "derivation",
+                                     "where the subtraction stops turning a distractor negative"),
     "check_mod_block_fraction": (2, 20, "derivation", "derive the FLOPs a Mixture-of-Depths block does"),
-    "check_yoco_kv_bytes": (2, 15, "derivation", "derive the KV bytes of a YOCO-style model"),
+    "check_yoco_length": (2, 15, "derivation", "the context at which YOCO keeps a given share of the cache"),
     "check_diff_norm_kernel": (4, 40, "kernel",
                                "differential attention with its per-head norm, in one Triton kernel"),
 }

@@ -29,9 +29,11 @@ import torch.nn.functional as F
 
 from labsrc import distillation
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, NOT_SOLVED, PASSED, Result, _report,
-                                   _with_hint, as_number, check_function, exercise, hidden, randint,
-                                   refuse_library)
+from labsrc.exercises.core import (NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number, check_function,
+                                   exercise, hidden, randint, refuse_library)
+
+from labsrc.exercises._shims import failed, seed_for, trials_for
+
 
 __all__ = ["jsd_buggy", "check_jsd_fix", "check_reverse_kl_gradient", "GRID", "bimodal_teacher",
            "check_fit_acceptance", "check_kd_row_kernel"]
@@ -86,16 +88,17 @@ def _jsd_inputs(gen):
 
 
 def _explaining_jsd(fn):
+    """``explain``: the invariant a wrong value breaks on this case (the bound every generalized JSD keeps), or
+    that it is still the handed-out function's value; never how far it is from the truth."""
     def explain(got, expected, s, t, beta, T) -> str:
         if not isinstance(got, (int, float)):
             return ""
         if math.isclose(got, jsd_buggy(s, t, beta, T), rel_tol=1e-4, abs_tol=1e-7):
-            return "Your function returns what the buggy one does on this case."
+            return "On this case your function still returns what the handed-out one returns."
         bound = -(beta * math.log(beta) + (1 - beta) * math.log(1 - beta))
-        if got > bound + 1e-6:
-            return "Your value is larger than any generalized JSD can be for this beta."
-        if math.isclose(got, _jsd_ref(s, t, 1 - beta, T), rel_tol=1e-4, abs_tol=1e-7):
-            return "Your value is the divergence with the two weights swapped: which distribution does beta weigh?"
+        if not -1e-9 <= got <= bound + 1e-6:
+            return ("It breaks an invariant: a generalized JSD lies between 0 and the entropy of its two "
+                    "weights.")
         return ""
     return explain
 
@@ -105,9 +108,9 @@ def check_jsd_fix(fn) -> Result:
     """Check ``fn(student_logits (N, V), teacher_logits (N, V), beta, T) -> float``: eq. (eq-gjsd) averaged over
     tokens, ``0 < beta < 1``, the mixture ``m = (1 - beta) q + beta p``, against a float64 computation from
     the probabilities."""
-    name = "GKD's JSD: the bug in the mixture"
-    hint = ("re-read 'Forward KL, reverse KL and GKD' on what the mixture m is, then evaluate your function on a "
-            "student and a teacher that put their mass on different tokens.")
+    name = "GKD's JSD, fixed"
+    hint = ("evaluate your function on a student and a teacher that put all their mass on different tokens, "
+            "and ask what each KL term can be at most there.")
     refused = _refuse(name, fn, _jsd_inputs, 131, hint, extra=(jsd_buggy,))
     if refused is not None:
         return refused
@@ -133,12 +136,53 @@ def _reverse_grad_ref(s, t, T):
 def _explain_gradient(got, expected, s, t, T) -> str:
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return ""
-    q, p = torch.softmax(s.double() / T, -1), torch.softmax(t.double() / T, -1)
-    if torch.allclose(got.double(), T * (q - p), rtol=1e-4, atol=1e-6):
-        return "That is the gradient of the forward KL, the soft term of eq. (eq-kd), not of the reverse one."
     if abs(float(got.double().sum())) > 1e-4:
-        return "Your gradient does not sum to 0 over the vocabulary; the gradient of this loss does."
+        return "It breaks an invariant: the gradient of any loss of the student's softmax sums to 0 over the vocabulary."
     return ""
+
+
+# What computes a gradient for the student: refused by name in the answer's code, and watched for while it runs.
+_AUTOGRAD_NAMES = ("enable_grad", "set_grad_enabled", "backward", "grad", "vjp", "jvp", "jacrev", "jacfwd",
+                   "jacobian", "autograd", "func")
+
+
+def autograd_use(fn, args) -> list[str]:
+    """How the answer ``fn`` reaches autograd, as sentences (empty when it does not): a name in its code from
+    :data:`_AUTOGRAD_NAMES` (``torch.enable_grad``, ``.backward``, ``torch.autograd.grad``, ``torch.func``), or,
+    while ``fn(*args)`` runs under ``torch.no_grad()``, grad mode switched back on at any Python or C call (a
+    context manager, a helper defined elsewhere), or a result that carries a graph. A core-level guard
+    (``labsrc.exercises.core``) would serve every chapter; this one serves the reverse-KL exercise."""
+    import sys
+
+    from labsrc.exercises.core import _code_names, _plain
+
+    found = []
+    code = getattr(_plain(fn), "__code__", None)
+    if code is not None:
+        named = sorted(_code_names(code) & set(_AUTOGRAD_NAMES))
+        if named:
+            found.append(f"its code names {', '.join(named)}")
+    switched = []
+
+    def hook(frame, event, arg):
+        if not switched and torch.is_grad_enabled():
+            switched.append(True)
+
+    out = None
+    previous = sys.getprofile()
+    with torch.no_grad():
+        sys.setprofile(hook)
+        try:
+            out = fn(*args)
+        except Exception:  # noqa: BLE001 - a stub or a wrong answer is reported by the check itself
+            pass
+        finally:
+            sys.setprofile(previous)
+    if switched:
+        found.append("it switches gradient tracking on while it runs")
+    if isinstance(out, torch.Tensor) and (out.requires_grad or out.grad_fn is not None):
+        found.append("its result carries an autograd graph")
+    return found
 
 
 @exercise
@@ -148,15 +192,21 @@ def check_reverse_kl_gradient(fn) -> Result:
     function under ``torch.no_grad()``), against autograd."""
     name = "gradient of the reverse KL"
     hint = ("differentiate through the softmax in two steps (the loss with respect to q, then q with respect to "
-            "the logits), and compare your gradient with autograd's on a small case in a scratch cell; the "
-            "message says whether it is off by a constant factor.")
+            "the logits), and compare your gradient with autograd's on a small case in a scratch cell.")
     refused = _refuse(name, fn, _grad_inputs, 132, hint)
     if refused is not None:
         return refused
+    used = autograd_use(fn, _grad_inputs(torch.Generator().manual_seed(132)))
+    if used:
+        return failed(name, _with_hint(
+            f"the answer uses autograd ({'; '.join(used)}); this exercise asks for the gradient in closed form.",
+            hint))
 
     def no_autograd(s, t, T):
         with torch.no_grad():
             out = fn(s, t, T)
+        if isinstance(out, torch.Tensor) and (out.requires_grad or out.grad_fn is not None):
+            return None         # a result with a graph came from autograd: it is no closed form
         return out.float() if isinstance(out, torch.Tensor) and out.is_floating_point() else out
 
     return check_function(name, no_autograd, _reverse_grad_ref, _grad_inputs, trials=6, seed=132, rtol=1e-4,
@@ -225,7 +275,7 @@ def check_fit_acceptance(fn) -> Result:
     refused = _refuse(name, fn, lambda gen: _fit_case(gen), 133, hint)
     if refused is not None:
         return refused
-    trials, seed = (3 * HIDDEN_TRIALS, 133 + HIDDEN_SEED_OFFSET) if hidden() else (3, 133)
+    trials, seed = trials_for(3), seed_for(133)
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
         case = _fit_case(gen)
@@ -238,16 +288,16 @@ def check_fit_acceptance(fn) -> Result:
             got = got.tolist()
         if not (isinstance(got, (tuple, list)) and len(got) == 2
                 and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in got)):
-            return _report(Result(name, FAILED, _with_hint(f"{where}: return two numbers, (forward, reverse).",
-                                                           hint)))
+            return failed(name, _with_hint(f"{where}: return two numbers, (forward, reverse).",
+                                                           hint))
         truth = _measured_acceptance(*case)
-        wrong = [f"the {said} student's acceptance is {'too high' if mine > real else 'too low'}"
-                 for said, mine, real in zip(("forward-KL", "reverse-KL"), got, truth)
-                 if abs(mine - real) > ACCEPT_ATOL]
+        wrong = [f"the {said} student's" for said, mine, real in zip(("forward-KL", "reverse-KL"), got, truth)
+                 if not abs(mine - real) <= ACCEPT_ATOL]
         if wrong:
-            return _report(Result(name, FAILED, _with_hint(
-                f"{where}: {' and '.join(wrong)} (off by more than {ACCEPT_ATOL}).", hint)))
-    return _report(Result(name, PASSED, f"both predictions within {ACCEPT_ATOL} of the fits on {trials} teachers."))
+            return failed(name, _with_hint(
+                f"{where}: the prediction of {' and '.join(wrong)} acceptance is not within the tolerance of "
+                f"the fit the check measures.", hint))
+    return _report(Result(name, PASSED, f"both predictions within {ACCEPT_ATOL} of the fits on all the check's teachers."))
 
 
 # ---------------------------------------------------------------------------- the whole KD loss of a token
@@ -316,7 +366,7 @@ def check_kd_row_kernel(kernel) -> Result:
             "point at the masks.")
     seed, sizes = 134, _KERNEL_SIZES
     if hidden():
-        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((r + 1, v + 5) for r, v in sizes)
+        seed, sizes = seed_for(seed), sizes + tuple((r + 1, v + 5) for r, v in sizes)
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of R programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
@@ -343,7 +393,7 @@ def check_kd_row_kernel(kernel) -> Result:
                 if trial % 3 == 2:
                     problem += " This is a trial with large logits at a low temperature."
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (R={R}, V={V}, T={T}, alpha={alpha}): "
-                                                f"{problem} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"equal to the loss of each token on {len(sizes)} launches with odd "
-                                        f"vocabularies."))
+            return failed(name, f"trial {trial + 1} (R={R}, V={V}, T={T}, alpha={alpha}): "
+                                f"{problem} Hint: {hint}")
+    return _report(Result(name, PASSED, "equal to the loss of each token on all the check's launches with odd "
+                                        "vocabularies."))

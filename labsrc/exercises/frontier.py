@@ -1,21 +1,21 @@
 """Checks for the exercises of the architecture-frontier chapter.
 
-* :func:`check_distractor_weights` -- a prediction, ``fn(T, needle, distractor, lam)``: the weight the last
-  query of a causal sequence gives one distractor key under ordinary and under differential attention, when
-  only the first map sees the needle. The truth is measured on the two maps of
-  :func:`labsrc.kernels.frontier.diff_attention_ref` built for that case.
+* :func:`check_distractor_sign_change` -- a derivation, ``fn(needle, distractor, lam)``: the sequence length at
+  which differential attention stops turning a distractor's weight negative, when only the first map sees the
+  needle. The truth is measured on the two maps of :func:`labsrc.kernels.frontier.diff_attention_ref` built for
+  that case, on both sides of the change.
 * :func:`check_mod_block_fraction` -- a derivation, ``fn(capacity, T, d)``: the fraction of a full block's
   FLOPs that a Mixture-of-Depths block does at a capacity, counted as :func:`labsrc.kv_cache.forward_flops`
   counts them.
-* :func:`check_yoco_kv_bytes` -- a derivation, ``fn(n_layers, n_kv_heads, head_dim, seq_len, window,
-  dtype_bytes)``: the KV-cache bytes of a YOCO-style model (sliding-window lower half, one shared global cache
-  for the upper half), from :func:`labsrc.kv_cache.kv_cache_bytes`.
+* :func:`check_yoco_length` -- a derivation, ``fn(n_layers, window, fraction)``: the context at which a
+  YOCO-style model (sliding-window lower half, one shared global cache for the upper half) keeps ``fraction`` of
+  the ordinary cache, graded by counting both caches' bytes at the returned length.
 * :func:`check_diff_norm_kernel` -- a ``@triton.jit`` kernel that fuses the DIFF layer's per-head RMSNorm and
   ``(1 - lambda_init)`` scale into one block of differential attention (the chapter's kernel leaves both to
   PyTorch), launched by the check under Triton's interpreter and compared with
   :func:`labsrc.frontier.diff_head_norm` of :func:`labsrc.kernels.frontier.diff_attention_ref`.
 
-Expected answers are never printed.
+Expected answers are never printed; a failure names the case and the invariant the answer breaks there.
 """
 from __future__ import annotations
 
@@ -25,25 +25,22 @@ import torch
 
 from labsrc import frontier, kv_cache
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, PASSED, Result, _report, as_number,
-                                   check_function, exercise, hidden, randint, refuse_library, tolerance)
+from labsrc.exercises.core import (NOT_SOLVED, PASSED, Result, _report, as_number, check_function, exercise, hidden,
+                                   randint, refuse_library, tolerance)
 from labsrc.kernels import frontier as kfr
 
-__all__ = ["check_distractor_weights", "check_mod_block_fraction", "check_yoco_kv_bytes",
+from labsrc.exercises._shims import failed, seed_for, trials_for
+
+
+__all__ = ["check_distractor_sign_change", "check_mod_block_fraction", "check_yoco_length",
            "check_diff_norm_kernel"]
 
 
 # ------------------------------------------------------------------------------------------ the distractor
-def _distractor_inputs(gen):
-    T = randint(gen, 3, 200)
-    needle = round(6 * float(torch.rand((), generator=gen)), 2)
-    distractor = round(6 * float(torch.rand((), generator=gen)) - 1, 2)
-    return T, needle, distractor, round(0.1 + 0.8 * float(torch.rand((), generator=gen)), 2)
-
-
-def _measured_distractor_ref(T, needle, distractor, lam):
-    """Build the case and measure: keys along the all-ones query, scaled so that the last query's scaled scores are exactly
-    ``needle`` (first map only), ``distractor`` (both maps) and 0 elsewhere; read the two maps' last rows."""
+def _distractor_weights(T, needle, distractor, lam) -> tuple[float, float]:
+    """Build the case and measure the distractor's weight in each map: keys along the all-ones query, scaled so
+    that the last query's scaled scores are exactly ``needle`` (first map only), ``distractor`` (both maps) and 0
+    elsewhere; the two maps' last rows of :func:`labsrc.kernels.frontier.diff_attention_ref`."""
     d_needle, d_distractor = T // 3, (2 * T) // 3
     s1, s2 = torch.zeros(T, dtype=torch.float64), torch.zeros(T, dtype=torch.float64)
     s1[d_needle], s1[d_distractor], s2[d_distractor] = needle, distractor, distractor
@@ -52,53 +49,65 @@ def _measured_distractor_ref(T, needle, distractor, lam):
     k1, k2 = ((s * math.sqrt(D) / D)[None, None, :, None].expand(1, 1, T, D) for s in (s1, s2))
     v = torch.zeros(1, 1, T, D, dtype=torch.float64)
     _, a1, a2 = kfr.diff_attention_ref(q, k1, q, k2, v, lam, return_maps=True)
-    w1, w2 = a1[0, 0, -1, d_distractor], a2[0, 0, -1, d_distractor]
-    return torch.stack([w1, w1 - lam * w2])
+    return float(a1[0, 0, -1, d_distractor]), float(a2[0, 0, -1, d_distractor])
 
 
-def _pair(fn):
-    """The student's ``(ordinary, differential)`` as a float64 tensor of two, or what they returned."""
-    def wrapped(*args):
-        got = fn(*args)
-        try:
-            return torch.tensor([float(x) for x in got], dtype=torch.float64)
-        except (TypeError, ValueError):
-            return got
-    return wrapped
+def _sign_change_truth(needle, distractor, lam) -> float:
+    """The length at which the measured differential weight ``w1 - lam w2`` changes sign. Its sign is that of
+    ``1 / w2 - lam / w1``, which is affine in T (each map's denominator grows by one per token), so the maps
+    measured at two lengths fix its root."""
+    def h(T):
+        w1, w2 = _distractor_weights(T, needle, distractor, lam)
+        return 1 / w2 - lam / w1
+    a, b = 8, 64
+    return a - h(a) * (b - a) / (h(b) - h(a))
 
 
-def _explain_distractor(fn):
-    def explain(got, expected, T, needle, distractor, lam) -> str:
-        if not isinstance(got, torch.Tensor) or got.shape != (2,):
-            return "Return two numbers: the weight under ordinary attention, then under differential attention."
-        zero = fn(T, needle, distractor, 0.0)
-        if isinstance(zero, torch.Tensor) and zero.shape == (2,) and not math.isclose(zero[0], zero[1],
-                                                                                       rel_tol=1e-9):
-            return "With lam = 0 differential attention is ordinary attention, and your two numbers differ then."
-        if math.isclose(got[0], expected[0], rel_tol=1e-6):
-            return ("Your weight under ordinary attention is right and the differential one is not: the two "
-                    "maps do not see the same keys.")
-        return "Your weight under ordinary attention is already off: count every key the last query sees."
-    return explain
+def _sign_change_case(gen):
+    """(needle, distractor, lam) whose sign change falls between 4 and 100,000 tokens, where the maps can be
+    built and measured on both sides of it."""
+    while True:
+        needle = round(2 + 9 * float(torch.rand((), generator=gen)), 2)
+        distractor = round(5 * float(torch.rand((), generator=gen)) - 1, 2)
+        lam = round(0.1 + 0.85 * float(torch.rand((), generator=gen)), 2)
+        T = _sign_change_truth(needle, distractor, lam)
+        if 4 < T < 1e5 and abs(T - round(T)) > 0.05:
+            return needle, distractor, lam
 
 
 @exercise
-def check_distractor_weights(fn) -> Result:
-    """Check ``fn(T, needle, distractor, lam) -> (ordinary, differential)``: for the last query of a causal
-    sequence of ``T`` tokens whose scaled scores are, in the first map, ``needle`` on one key, ``distractor``
-    on another and 0 on the rest, and in the second map ``distractor`` on the same key and 0 on the rest
-    (needle included), the distractor's weight in the first map, and in the first map minus ``lam`` times the
-    second."""
-    name = "a distractor's weight under ordinary and differential attention"
-    hint = ("re-read 'Why the subtraction cancels noise: a needle among distractors' and write each map's "
-            "softmax denominator for the last query by hand; then compare with the measurement below.")
-    refused = refuse_library(name, fn, (kfr.diff_attention_ref, frontier.diff_attention), hint,
-                             owner="labsrc.frontier", args=(9, 3.0, 1.0, 0.5))
+def check_distractor_sign_change(fn) -> Result:
+    """Check ``fn(needle, distractor, lam) -> T``: the sequence length at which the distractor's weight under
+    differential attention (the first map minus ``lam`` times the second) changes sign, for the last query of a
+    causal sequence whose scaled scores are ``needle`` on one key in the first map only, ``distractor`` on one key
+    in both maps and 0 elsewhere. The truth is measured on the maps of
+    :func:`labsrc.kernels.frontier.diff_attention_ref` built for that case (on both sides of the change)."""
+    name = "where the subtraction stops turning a distractor negative"
+    hint = ("write each map's softmax denominator for the last query as a function of T, then the sign of the "
+            "differential weight; check your length on a case by building the two maps at lengths on both sides "
+            "of it.")
+    refused = refuse_library(name, fn, (kfr.diff_attention_ref, frontier.diff_attention, torch.softmax,
+                                        torch.nn.functional.softmax, torch.nn.functional.log_softmax,
+                                        torch.logsumexp, torch.Tensor.softmax),
+                             hint, owner="torch's or labsrc.frontier", args=(6.0, 1.0, 0.8))
     if refused is not None:
         return refused
-    answer = _pair(fn)
-    return check_function(name, answer, _measured_distractor_ref, _distractor_inputs, trials=12, seed=151,
-                          rtol=1e-6, atol=1e-9, hint=hint, explain=_explain_distractor(answer))
+    trials, seed = trials_for(8), seed_for(151)
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        case = _sign_change_case(gen)
+        where = "trial {} (needle={}, distractor={}, lam={})".format(trial + 1, *case)
+        try:
+            got = fn(*case)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        got = got.item() if isinstance(got, torch.Tensor) and got.numel() == 1 else got
+        if not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got):
+            return failed(name, f"{where}: return one finite number, a length. Hint: {hint}")
+        if not math.isclose(got, _sign_change_truth(*case), rel_tol=1e-6):
+            return failed(name, f"{where}: the measured differential weight does not change sign "
+                                f"at the returned length. Hint: {hint}")
+    return _report(Result(name, PASSED, "right on all the check's cases, measured on both sides of each change."))
 
 
 # ------------------------------------------------------------------------------------------ MoD's FLOPs
@@ -117,15 +126,11 @@ def _mod_fraction_ref(capacity, T, d):
 def _explain_mod(fn):
     def explain(got, expected, capacity, T, d) -> str:
         k = frontier.mod_capacity_count(T, capacity)
-        if math.isclose(got, k / T, rel_tol=1e-9) and k < T:
-            return "That is the routed share of the matmuls alone: attention costs something too."
-        if math.isclose(got, (k / T) ** 2, rel_tol=1e-9) and k < T:
-            return "That is attention's share alone: the matmuls cost most of a block."
         if capacity * T != k:
             whole = max(1, k) / T                   # a capacity at which the routed count needs no rounding
             if math.isclose(as_number(fn)(whole, T, d), _mod_fraction_ref(whole, T, d), rel_tol=1e-6):
-                return (f"Your answer is right when capacity x T is a whole number, and wrong here "
-                        f"(capacity x T = {capacity * T:g}): count the routed tokens as the chapter does.")
+                return ("Your answer is right when capacity x T is a whole number, and wrong on this case, "
+                        "where it is not.")
         return ""
     return explain
 
@@ -137,58 +142,82 @@ def check_mod_block_fraction(fn) -> Result:
     least 1) of a ``T``-token sequence, causal attention among them, over the FLOPs of the same block run on all
     ``T`` tokens; FLOPs as :func:`labsrc.kv_cache.forward_flops` counts them."""
     name = "the share of a block's FLOPs a MoD block does"
-    hint = ("re-read 'Mixture-of-Depths: only some tokens pass through a block' and the counting rule in the task: "
-            "count a full block's matmul FLOPs and attention FLOPs for T tokens separately, then a routed "
-            "block's.")
+    hint = ("count a full block's matmul FLOPs and attention FLOPs for T tokens separately, then a routed "
+            "block's, on the failing case by hand.")
     refused = refuse_library(name, fn, (kv_cache.forward_flops, frontier.variant_flops_per_token,
                                         frontier.mod_flops_fraction, frontier.mod_capacity_count), hint,
                              owner="labsrc", args=(0.5, 72, 32))
     if refused is not None:
         return refused
     return check_function(name, as_number(fn), _mod_fraction_ref, _mod_inputs, trials=14, seed=152, rtol=1e-9,
-                          atol=1e-12, hint=hint, arg_names=("capacity", "T", "d"), explain=_explain_mod(fn))
+                          atol=1e-12, hint=hint, explain=_explain_mod(fn))
 
 
 # ------------------------------------------------------------------------------------------ YOCO's cache
+def _yoco_share(n_layers, window, seq_len) -> float:
+    """YOCO's cache over the ordinary one at ``seq_len`` tokens, counted with
+    :func:`labsrc.kv_cache.kv_cache_bytes` (one KV head of 128, fp16; the shape cancels): the lower half's
+    ``window``-token caches and one global cache, against every layer caching every token. ``seq_len`` may be
+    fractional (the bytes are linear in it on each side of the window)."""
+    def cache(layers, tokens):           # linear in tokens: interpolate kv_cache_bytes between integers
+        lo = math.floor(tokens)
+        base = kv_cache.kv_cache_bytes(layers, 1, 128, max(lo, 1), 1, 2) * (lo >= 1)
+        return base + (tokens - lo) * kv_cache.kv_cache_bytes(layers, 1, 128, 1, 1, 2)
+    yoco = cache(n_layers // 2, min(seq_len, window)) + cache(1, seq_len)
+    return yoco / cache(n_layers, seq_len)
+
+
 def _yoco_inputs(gen):
-    window = [512, 1024, 4096, 8192][randint(gen, 0, 3)]
-    seq_len = randint(gen, 1, 300_000) if randint(gen, 0, 1) else randint(gen, 1, 3 * window)
-    return (2 * randint(gen, 1, 40), [1, 2, 4, 8, 32][randint(gen, 0, 4)], [64, 96, 128][randint(gen, 0, 2)],
-            seq_len, window, [1, 2, 4][randint(gen, 0, 2)])
-
-
-def _yoco_bytes_ref(n_layers, n_kv_heads, head_dim, seq_len, window, dtype_bytes):
-    """The lower half's sliding-window caches plus one global cache of every token for the upper half."""
-    lower = kv_cache.kv_cache_bytes(n_layers // 2, n_kv_heads, head_dim, min(seq_len, window), 1, dtype_bytes)
-    return lower + kv_cache.kv_cache_bytes(1, n_kv_heads, head_dim, seq_len, 1, dtype_bytes)
-
-
-def _explain_yoco(fn):
-    def explain(got, expected, n_layers, n_kv_heads, head_dim, seq_len, window, dtype_bytes) -> str:
-        if got == kv_cache.kv_cache_bytes(n_layers, n_kv_heads, head_dim, seq_len, 1, dtype_bytes):
-            return "That is the ordinary cache of every layer: nothing is shared or windowed."
-        if seq_len < window:
-            return "In this trial the sequence is shorter than the window."
-        return ""
-    return explain
+    n_layers, window = 2 * randint(gen, 2, 40), [512, 1024, 4096, 8192][randint(gen, 0, 3)]
+    lowest, highest = _yoco_share(n_layers, window, 1e15), _yoco_share(n_layers, window, window)
+    kind = randint(gen, 0, 5)
+    if kind == 0:          # below what any length reaches
+        fraction = lowest * (0.5 + 0.4 * float(torch.rand((), generator=gen)))
+    elif kind == 1:        # above it
+        fraction = min(0.999, highest + (1 - highest) * (0.1 + 0.8 * float(torch.rand((), generator=gen))))
+    else:
+        fraction = lowest + (highest - lowest) * (0.02 + 0.96 * float(torch.rand((), generator=gen)))
+    return n_layers, window, round(fraction, 6)
 
 
 @exercise
-def check_yoco_kv_bytes(fn) -> Result:
-    """Check ``fn(n_layers, n_kv_heads, head_dim, seq_len, window, dtype_bytes) -> bytes`` of one sequence's
-    KV cache in a YOCO-style model: the lower ``n_layers / 2`` layers keep the keys and values of their last
-    ``window`` tokens, and the upper half reads one global cache (one layer's worth of K and V for every
-    token) that is written once. ``n_layers`` is even."""
-    name = "the KV bytes of a YOCO-style model"
-    hint = ("re-read 'Cross-layer KV: adjacent layers share one cache' and the task: count the two halves "
-            "separately, and try a sequence shorter than the window.")
-    refused = refuse_library(name, fn, (frontier.shared_kv_bytes, kv_cache.mlkv_cache_bytes), hint,
-                             owner="labsrc", args=(32, 8, 128, 1000, 512, 2))
+def check_yoco_length(fn) -> Result:
+    """Check ``fn(n_layers, window, fraction) -> seq_len or None``: the sequence length at which a YOCO-style
+    model's KV cache (the lower ``n_layers / 2`` layers keep their last ``window`` tokens, the upper half reads
+    one global cache of every token) is ``fraction`` of the ordinary cache of the same shape (every layer caches
+    every token), or None when no length gives that fraction. Graded by measuring both caches' bytes at the
+    returned length (:func:`labsrc.kv_cache.kv_cache_bytes`)."""
+    name = "the context at which YOCO keeps a given share of the cache"
+    hint = ("write both caches' bytes for a sequence longer than the window and for one shorter, and see what "
+            "their ratio depends on.")
+    refused = refuse_library(name, fn, (frontier.shared_kv_bytes, kv_cache.mlkv_cache_bytes, kv_cache.kv_cache_bytes),
+                             hint, owner="labsrc", args=(32, 4096, 0.1))
     if refused is not None:
         return refused
-    return check_function(name, as_number(fn), _yoco_bytes_ref, _yoco_inputs, trials=12, seed=153, rtol=1e-12,
-                          atol=0.5, hint=hint, explain=_explain_yoco(as_number(fn)),
-                          arg_names=("n_layers", "n_kv_heads", "head_dim", "seq_len", "window", "dtype_bytes"))
+    trials, seed = trials_for(12), seed_for(153)
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
+        n_layers, window, fraction = case = _yoco_inputs(gen)
+        where = f"trial {trial + 1} (n_layers={n_layers}, window={window}, fraction={fraction})"
+        try:
+            got = fn(*case)
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        got = got.item() if isinstance(got, torch.Tensor) and got.numel() == 1 else got
+        reachable = _yoco_share(n_layers, window, 1e15) < fraction < _yoco_share(n_layers, window, window)
+        if got is None:
+            problem = None if not reachable else "some length gives this fraction, and the answer is None."
+        elif not isinstance(got, (int, float)) or isinstance(got, bool) or not math.isfinite(got) or got <= 0:
+            problem = "return a positive length, or None."
+        elif not reachable:
+            problem = "no length gives this fraction, and the answer is a length."
+        elif not math.isclose(_yoco_share(n_layers, window, got), fraction, rel_tol=1e-6):
+            problem = "at the returned length the two caches' bytes are not in this ratio."
+        else:
+            problem = None
+        if problem:
+            return failed(name, f"{where}: {problem} Hint: {hint}")
+    return _report(Result(name, PASSED, "right on all the check's shapes, measured at your lengths."))
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -241,11 +270,11 @@ def check_diff_norm_kernel(kernel) -> Result:
     import triton
 
     hint = ("re-read 'Differential attention' on the per-head normalisation and 'The kernel', then follow the "
-            "query row named above through your kernel; D is rarely a power of two here, so mind which lanes "
+            "query row named in this message through your kernel; D is rarely a power of two here, so mind which lanes "
             "a row's mean runs over.")
     seed, sizes = 154, _KERNEL_SIZES
     if hidden():
-        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 2, d + 4) for t, d in sizes)
+        seed, sizes = seed_for(seed), sizes + tuple((t + 2, d + 4) for t, d in sizes)
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of one program")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
@@ -275,5 +304,5 @@ def check_diff_norm_kernel(kernel) -> Result:
                 problem = (f"{int(bad.sum())} of {bad.numel()} elements differ (first in row "
                            f"{int(bad.nonzero()[0, 0])}).{_norm_slip(out, q1, k1, q2, k2, v, lam, lam_init, block_d)}")
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, D={D}): {problem} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))
+            return failed(name, f"trial {trial + 1} (T={T}, D={D}): {problem} Hint: {hint}")
+    return _report(Result(name, PASSED, "equal to the reference on all the check's launches with odd sizes."))

@@ -25,8 +25,11 @@ import torch
 
 from labsrc import memory
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
-                                   check_function, exercise, hidden, randint, refuse_library, tolerance)
+from labsrc.exercises.core import (NOT_SOLVED, PASSED, Result, _report, check_function, exercise, hidden, randint,
+                                   refuse_library, tolerance)
+
+from labsrc.exercises._shims import failed, seed_for, trials_for
+
 
 __all__ = ["check_sharded_recall", "check_smallest_nprobe", "check_fixed_chunks", "check_gathered_rows_kernel"]
 
@@ -80,7 +83,7 @@ def check_sharded_recall(fn) -> Result:
     is much larger than ``k``)."""
     name = "recall of a sharded search"
     hint = ("re-read 'A kNN memory' and follow one of the true top-k rows: ask which of the rows better than it "
-            "can push it out of its own shard's list. Compare with the simulation above the function.")
+            "can push it out of its own shard's list. Compare with measure_sharded_recall.")
     refused = refuse_library(name, fn, (memory.topk_merge, memory.recall_at_k), hint, owner="labsrc.memory",
                              args=(8, 4, 2))
     if refused is not None:
@@ -124,7 +127,22 @@ def _recall_by_nprobe(keys, queries, k: int, nlist: int) -> list[float]:
 _IVF_CASES = ((1401, 2048, 24, 512, 1.0, 16, 32, 0.92), (1402, 3000, 32, 96, 1.5, 8, 48, 0.975))
 # Each target lies a few hits away from the recall at the answer and at the nprobe below it, so the answer does
 # not hinge on one query's rounding.
-_IVF_HIDDEN = ((1403, 2500, 16, 700, 1.0, 12, 40, 0.86), (1404, 2048, 32, 256, 1.2, 16, 32, 0.97))
+
+
+def _random_ivf_case(gen) -> tuple:
+    """A clustered memory like those of ``_IVF_CASES``, with a target halfway between the recalls at two
+    neighbouring nprobe whose recalls differ by at least three hits (so the answer does not hinge on rounding)."""
+    while True:
+        seed, n, dim = randint(gen, 0, 10 ** 6), randint(gen, 1500, 3000), (16, 24, 32)[randint(gen, 0, 2)]
+        clusters, noise = randint(gen, 64, 800), (1.0, 1.2, 1.5)[randint(gen, 0, 2)]
+        k, nlist = (8, 12, 16)[randint(gen, 0, 2)], (24, 32, 40)[randint(gen, 0, 2)]
+        keys, queries = _ivf_memory(seed, n, dim, clusters, noise)
+        recalls = _recall_by_nprobe(keys, queries, k, nlist)
+        hit = 1 / (queries.shape[0] * k)
+        steps = [p for p in range(2, nlist + 1) if recalls[p - 1] - recalls[p - 2] >= 3 * hit and recalls[p - 1] < 1]
+        if steps:
+            p = steps[randint(gen, 0, len(steps) - 1)]
+            return seed, n, dim, clusters, noise, k, nlist, round((recalls[p - 1] + recalls[p - 2]) / 2, 6)
 
 
 @exercise
@@ -134,9 +152,10 @@ def check_smallest_nprobe(fn) -> Result:
     ``queries``, at least a fraction ``target`` of the exact top ``k`` (recall@k as ``memory.recall_at_k``
     counts it). The check measures recall at every nprobe on clustered memories of its own."""
     name = "the smallest nprobe that meets a recall target"
-    hint = ("re-read 'A kNN memory' on recall@k; measure the recall of your memory at the nprobe you return and "
-            "at the one below it, against the exact index's top k.")
-    cases = _IVF_CASES + (_IVF_HIDDEN if hidden() else ())
+    hint = ("measure the recall of the failing memory at the nprobe you return and at the one before it, against "
+            "the exact index's top k.")
+    gen = torch.Generator().manual_seed(seed_for(1403))
+    cases = tuple(_random_ivf_case(gen) for _ in range(2)) if hidden() else _IVF_CASES
     for seed, n, dim, clusters, noise, k, nlist, target in cases:
         keys, queries = _ivf_memory(seed, n, dim, clusters, noise)
         setting = f"{n} keys of width {dim}, k = {k}, nlist = {nlist}, target {target}"
@@ -147,19 +166,13 @@ def check_smallest_nprobe(fn) -> Result:
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         if isinstance(got, bool) or not isinstance(got, int) and not (isinstance(got, float) and got.is_integer()):
-            return _report(Result(name, FAILED, f"{setting}: return an int nprobe, got {got!r}. Hint: {hint}"))
+            return failed(name, f"{setting}: return a whole number of cells to probe. Hint: {hint}")
         got = int(got)
-        if not 1 <= got <= nlist:
-            return _report(Result(name, FAILED, f"{setting}: nprobe {got} is not a number of cells to probe "
-                                                 f"(1 to nlist). Hint: {hint}"))
-        recalls = _recall_by_nprobe(keys, queries, k, nlist)
-        if recalls[got - 1] < target:
-            return _report(Result(name, FAILED, f"{setting}: at nprobe {got} the index's recall@{k} is below the "
-                                                 f"target. Hint: {hint}"))
-        if got > 1 and recalls[got - 2] >= target:
-            return _report(Result(name, FAILED, f"{setting}: nprobe {got} meets the target, but a smaller nprobe "
-                                                 f"meets it too. Hint: {hint}"))
-    return _report(Result(name, PASSED, f"the smallest nprobe on {len(cases)} memories, measured."))
+        recalls = _recall_by_nprobe(keys, queries, k, nlist) if 1 <= got <= nlist else None
+        if recalls is None or recalls[got - 1] < target or (got > 1 and recalls[got - 2] >= target):
+            return failed(name, f"{setting}: the answer is not the smallest nprobe (from 1 to nlist) at which the "
+                                f"index's recall@k reaches the target. Hint: {hint}")
+    return _report(Result(name, PASSED, "the smallest nprobe on all the check's memories, measured."))
 
 
 # ------------------------------------------------------------------------------------------ the chunker bug
@@ -172,29 +185,29 @@ def _chunk_cases(gen, trials: int):
     return fixed + drawn
 
 
-def _chunk_problem(got, n: int, size: int, overlap: int) -> str | None:
-    """What is wrong with the spans ``got`` for ``(n, size, overlap)``, or None when they are a valid chunking."""
+def _chunk_problem(got, n: int, size: int, overlap: int) -> tuple[str, str] | None:
+    """``(where, what)`` is wrong with the spans ``got`` for ``(n, size, overlap)`` (``where``: the token or run
+    of the case where it breaks, or ''), or None when they are a valid chunking."""
     try:
         spans = [(int(s), int(e)) for s, e in got]
     except (TypeError, ValueError):
-        return f"return a list of (start, end) pairs, got {type(got).__name__}."
-    for s, e in spans:
-        if not 0 <= s < e <= n:
-            return f"the span ({s}, {e}) is empty or leaves the document's tokens 0 to {n - 1}."
-        if e - s > size:
-            return f"the span ({s}, {e}) is longer than size, so it does not fit the retriever's chunk."
+        return "", "return a list of (start, end) pairs."
+    if any(not 0 <= s < e <= n for s, e in spans):
+        return "", "a span is empty or leaves the document's tokens."
+    if any(e - s > size for s, e in spans):
+        return "", "a span is not within size tokens, so it does not fit the retriever's chunk."
     covered = set()
     for s, e in spans:
         covered.update(range(s, e))
     if covered != set(range(n)):
-        return f"token {min(set(range(n)) - covered)} is in no span."
+        return f"token {min(set(range(n)) - covered)}", "it is in no span."
     run = min(overlap + 1, n)
     for start in range(n - run + 1 if run else 0):
         if not any(s <= start and start + run <= e for s, e in spans):
-            return (f"the run of {run} tokens that starts at token {start} is split: no span holds it whole, "
-                    f"so a fact there is lost.")
+            return (f"the run of {run} tokens from token {start}",
+                    "no span holds it whole, so a fact there is lost.")
     if len(spans) > len(memory.chunk_spans(n, size, overlap)):
-        return f"{len(spans)} spans are more than the chapter's rule needs (duplicates waste the index)."
+        return "", "there are more spans than the chapter's rule needs (duplicates waste the index)."
     return None
 
 
@@ -204,14 +217,14 @@ def check_fixed_chunks(fn) -> Result:
     ``n`` tokens, hold every run of ``overlap + 1`` tokens whole, and are no more than the chapter's rule
     (:func:`labsrc.memory.chunk_spans`) makes; none when ``n == 0``."""
     name = "the chunker that splits facts, fixed"
-    hint = ("re-read 'RAG: chunks, BM25 and dense retrieval' on which runs of tokens must lie whole inside a "
-            "chunk, and run the buggy chunker on the case named above: look at its last two spans.")
+    hint = ("run the handed-out chunker on the case named in this message and list every span it makes; then ask "
+            "which runs of overlap + 1 tokens each span boundary cuts.")
     refused = refuse_library(name, fn, (memory.chunk_spans,), hint, owner="labsrc.memory", args=(100, 10, 3))
     if refused is not None:
         return refused
     seed, trials = 142, 25
     if hidden():
-        seed, trials = seed + HIDDEN_SEED_OFFSET, 2 * trials
+        seed, trials = seed_for(seed), trials_for(trials)
     cases = _chunk_cases(torch.Generator().manual_seed(seed), trials)
     for n, size, overlap in cases:
         try:
@@ -219,12 +232,14 @@ def check_fixed_chunks(fn) -> Result:
         except NotImplementedError:
             return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
         except Exception as err:  # noqa: BLE001 - a crash on an edge case is the student's bug to see
-            return _report(Result(name, FAILED, f"n={n}, size={size}, overlap={overlap}: it raised "
-                                                 f"{type(err).__name__}: {err}. Hint: {hint}"))
+            return failed(name, f"n={n}, size={size}, overlap={overlap}: it raised "
+                                f"{type(err).__name__}: {err}. Hint: {hint}")
         problem = _chunk_problem(got, n, size, overlap)
         if problem:
-            return _report(Result(name, FAILED, f"n={n}, size={size}, overlap={overlap}: {problem} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"a valid chunking on {len(cases)} cases, edge cases included."))
+            where, what = problem
+            case = ", ".join(p for p in (f"n={n}, size={size}, overlap={overlap}", where) if p)
+            return failed(name, f"{case}: {what} Hint: {hint}")
+    return _report(Result(name, PASSED, "a valid chunking on all the check's cases, edge cases included."))
 
 
 # ------------------------------------------------------------------------------------------ the kernel
@@ -274,11 +289,11 @@ def check_gathered_rows_kernel(kernel) -> Result:
         return skipped
     import triton
 
-    hint = ("re-read 'The kernel' and 'A kNN memory' (an index may find fewer rows than asked), then follow the "
-            "query row named above through your kernel: an id of -1 names no row.")
+    hint = ("re-read 'The kernel' and 'A kNN memory' (an index may leave some of the K slots empty), then follow "
+            "the query row named in this message through your kernel: an id of -1 names no row.")
     seed, sizes = 144, _KERNEL_SIZES
     if hidden():
-        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((t + 1, k + 2, d, n + 5) for t, k, d, n in sizes)
+        seed, sizes = seed_for(seed), sizes + tuple((t + 1, k + 2, d, n + 5) for t, k, d, n in sizes)
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of T programs")) is not None:
         return _report(unlaunchable)
     gen = torch.Generator().manual_seed(seed)
@@ -313,5 +328,5 @@ def check_gathered_rows_kernel(kernel) -> Result:
             if bool((ids[row] < 0).any()):
                 problem += f" Row {row} has ids of -1: rows the index did not find."
         if problem:
-            return _report(Result(name, FAILED, f"trial {trial + 1} (T={T}, K={K}, D={D}): {problem} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))
+            return failed(name, f"trial {trial + 1} (T={T}, K={K}, D={D}): {problem} Hint: {hint}")
+    return _report(Result(name, PASSED, "equal to the reference on all the check's launches with odd sizes."))

@@ -5,8 +5,9 @@ Each check calls the student's function on its cases and compares it with the tr
 hint), or ``not solved yet``. Expected answers are never printed. A check refuses an answer that calls the
 library function the exercise asks for.
 
-* :func:`check_spec_acceptance` -- ``fn() -> (sampled, greedy)``: a prediction of the acceptance of three
-  drafts of :func:`acceptance_target` (sampled at temperature 1, and greedy), compared with the exact values.
+* :func:`check_spec_acceptance` -- ``fn(p) -> (sampled, greedy)``: the acceptance of three drafts built from a
+  target ``p`` (sampled at temperature 1, and greedy), derived in closed form and compared with the exact values
+  on the chapter's target and on random ones.
 * :func:`check_spec_tokens_by_position` -- ``fn(alphas)``: expected tokens per target call when the
   acceptance depends on the position in the window.
 * :func:`check_spec_tree_mask` -- ``fn(parents)``: the ancestor-or-self mask of a draft tree.
@@ -24,8 +25,11 @@ import torch
 
 from labsrc import speculative
 from labsrc.exercises.core import launch_failed, not_a_kernel, skipped_without_triton
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, NOT_SOLVED, PASSED, Result, _report,
-                                   check_function, exercise, hidden, randint, refuse_library)
+from labsrc.exercises.core import (NOT_SOLVED, PASSED, Result, _report, check_function, exercise, hidden, randint,
+                                   refuse_library)
+
+from labsrc.exercises._shims import failed, seed_for, trials_for
+
 
 __all__ = ["acceptance_target", "check_spec_acceptance", "check_spec_tokens_by_position", "check_spec_tree_mask",
            "check_spec_rollback", "check_spec_residual_sample_kernel"]
@@ -48,10 +52,6 @@ def _number(x):
 # ------------------------------------------------------------------------------------ acceptance prediction
 DRAFTS = ("lookup", "mixed", "swapped")
 """The three drafts of the prediction exercise, in the order the answer lists them."""
-
-PREDICTION_TOLERANCE = 0.01
-"""How far a predicted acceptance may be from the exact one: the target is printed to three decimals."""
-
 
 def acceptance_target() -> torch.Tensor:
     """The target distribution of the prediction exercise: float64 ``(8,)``, a fixed draw whose two most likely
@@ -91,41 +91,63 @@ def _three_numbers(values) -> list[float] | None:
     return out if len(out) == len(DRAFTS) and all(math.isfinite(v) for v in out) else None
 
 
+def _target_case(gen) -> torch.Tensor:
+    """A random target over 5 to 40 tokens whose three most likely tokens are clearly apart (each draft's argmax
+    is then well defined), some of them peaked and some flat."""
+    while True:
+        V = randint(gen, 5, 40)
+        sharp = (0.5, 1.3, 2.5)[randint(gen, 0, 2)]
+        p = torch.softmax(sharp * torch.randn(V, generator=gen, dtype=torch.float64), -1)
+        top = p.sort(descending=True).values
+        if top[0] - top[1] > 0.01 and top[1] - top[2] > 0.005:
+            return p
+
+
+def _forbidden_acceptance():
+    return (speculative.acceptance_rate, speculative.total_variation, speculative.verify, speculative.verify_batch,
+            speculative.residual_distribution, speculative._verify_core, _acceptances, _drafts)
+
+
 @exercise
 def check_spec_acceptance(fn) -> Result:
-    """Check ``fn() -> (sampled, greedy)``: two sequences of three numbers, the acceptance probability of one
-    drafted token for the drafts ``lookup``, ``mixed`` and ``swapped`` of :func:`acceptance_target` (see the
-    exercise), first when both models sample at temperature 1, then under greedy decoding. Each must be within
-    :data:`PREDICTION_TOLERANCE` of the exact value."""
-    name = "predicted acceptance of three drafts"
-    hint = ("re-read 'How many tokens per target call' (the acceptance of one position) and, for the draft "
-            "named, write its distribution next to the target's and mark the tokens where it gives more.")
-    refused = _refuse(name, fn, (speculative.acceptance_rate, speculative.total_variation), hint, ())
+    """Check ``fn(p) -> (sampled, greedy)``: for a target distribution ``p`` (float64 ``(V,)``), two sequences of
+    three numbers, the acceptance probability of one drafted token for the drafts ``lookup``, ``mixed`` and
+    ``swapped`` built from ``p`` (see the exercise), first when both models sample at temperature 1, then under
+    greedy decoding. Exact (to rounding): a sampled estimate cannot pass. Cases: the chapter's target, then
+    random targets of other sizes and shapes."""
+    name = "acceptance of three drafts"
+    hint = ("for the draft and the mode named, write the draft's distribution next to the target's and follow "
+            "one drafted token through the rule that accepts it.")
+    refused = _refuse(name, fn, _forbidden_acceptance(), hint, (acceptance_target(),))
     if refused is not None:
         return refused
-    try:
-        got = fn()
-    except NotImplementedError:
-        return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
-    try:
-        sampled, greedy = (_three_numbers(v) for v in got)
-    except (TypeError, ValueError):
-        sampled = greedy = None
-    if sampled is None or greedy is None:
-        return _report(Result(name, FAILED, f"expected two sequences of three numbers (sampled, greedy), got "
-                                            f"{got!r}. Hint: {hint}"))
-    want_s, want_g = _acceptances(acceptance_target())
-    for mode, mine, want in (("at temperature 1", sampled, want_s), ("under greedy decoding", greedy, want_g)):
-        for draft, a, b in zip(DRAFTS, mine, want):
-            if not 0.0 <= a <= 1.0:
-                return _report(Result(name, FAILED, f"the {draft} draft's acceptance {mode} is {a:.3g}, not a "
-                                                    f"probability. Hint: {hint}"))
-            if abs(a - b) > PREDICTION_TOLERANCE:
-                direction = "too high" if a > b else "too low"
-                return _report(Result(name, FAILED, f"the {draft} draft's acceptance {mode} is {direction} (the "
-                                                    f"tolerance is {PREDICTION_TOLERANCE}). Hint: {hint}"))
-    return _report(Result(name, PASSED, f"all six predictions within {PREDICTION_TOLERANCE} of the exact "
-                                        f"acceptance."))
+    trials, seed = (trials_for(8), seed_for(71)) if hidden() else (4, 71)
+    gen = torch.Generator().manual_seed(seed)
+    cases = ([] if hidden() else [acceptance_target()]) + [_target_case(gen) for _ in range(trials)]
+    for trial, p in enumerate(cases):
+        where = ("the chapter's target" if trial == 0 and not hidden()
+                 else f"trial {trial + 1} (a random target over {p.numel()} tokens)")
+        try:
+            got = fn(p.clone())
+        except NotImplementedError:
+            return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        try:
+            sampled, greedy = (_three_numbers(v) for v in got)
+        except (TypeError, ValueError):
+            sampled = greedy = None
+        if sampled is None or greedy is None:
+            return failed(name, f"{where}: return two sequences of three numbers (sampled, "
+                                f"greedy). Hint: {hint}")
+        want_s, want_g = _acceptances(p)
+        for mode, mine, want in (("at temperature 1", sampled, want_s), ("under greedy decoding", greedy, want_g)):
+            for draft, a, b in zip(DRAFTS, mine, want):
+                if not 0.0 <= a <= 1.0:
+                    return failed(name, f"{where}: the {draft} draft's acceptance {mode} is not "
+                                        f"a probability. Hint: {hint}")
+                if not math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12):
+                    return failed(name, f"{where}: the {draft} draft's acceptance {mode} is not "
+                                        f"the exact one. Hint: {hint}")
+    return _report(Result(name, PASSED, "all six acceptances exact on all the check's targets."))
 
 
 # ------------------------------------------------------------------------------------ tokens by position
@@ -152,21 +174,15 @@ def _tokens_reference(alphas):
 
 
 def _explaining_positions(fn):
-    """``explain`` for the tokens by position: a few answers that are right in special cases only."""
+    """``explain`` for the tokens by position: the invariants of the two extreme windows (every draft rejected,
+    every draft accepted), when the answer breaks one of them."""
     def explain(got, expected, alphas) -> str:
-        if not isinstance(got, (int, float)):
-            return ""
         k = len(alphas)
-        mean = sum(alphas) / k
-        iid = float(k + 1) if mean == 1.0 else (1 - mean ** (k + 1)) / (1 - mean)
-        if len(set(alphas)) > 1 and math.isclose(got, iid, rel_tol=1e-9):
-            return ("It is the i.i.d. value for the mean acceptance: the positions differ here, and the order in "
-                    "which they come matters.")
-        if math.isclose(got, 1 + sum(alphas), rel_tol=1e-9):
-            return "It counts draft i as emitted whenever draft i alone is accepted, even after a rejection."
-        zero = _number(fn([0.0] * k))
-        if isinstance(zero, (int, float)) and not math.isclose(zero, 1.0, rel_tol=1e-9):
-            return f"With every acceptance 0 your function gives {zero!r} tokens per call."
+        for value, tokens, said in ((0.0, 1, "every acceptance 0 (the target's own token alone)"),
+                                    (1.0, k + 1, "every acceptance 1 (all k drafts and the target's token)")):
+            mine = _number(fn([value] * k))
+            if isinstance(mine, (int, float)) and not math.isclose(mine, tokens, rel_tol=1e-9):
+                return f"It also breaks the window of {k} drafts with {said}."
         return ""
     return explain
 
@@ -176,8 +192,7 @@ def check_spec_tokens_by_position(fn) -> Result:
     """``fn(alphas)``: expected tokens one target call emits when draft ``i`` of the window (1-based) is
     accepted with probability ``alphas[i - 1]`` given that every earlier draft was; ``len(alphas)`` is ``k``."""
     name = "expected tokens per call, acceptance by position"
-    hint = ("re-read 'Draft, verify, accept or resample' (when the window stops, and which token the target "
-            "always adds) and count, for k = 2, the tokens of each way one call can end.")
+    hint = ("count, for k = 2, the tokens of each way one call can end, and the probability of each way.")
     refused = _refuse(name, fn, (speculative.expected_tokens_per_step, speculative.speedup), hint,
                       ([0.8, 0.7, 0.6],))
     if refused is not None:
@@ -197,7 +212,7 @@ def check_spec_tree_mask(fn) -> Result:
     """``fn(parents)`` -> ``(N, N)`` bool tensor, ``[i, j]`` true when node ``j`` is node ``i`` or an ancestor."""
     name = "tree attention mask"
     hint = ("re-read 'The kernel: tree attention', draw the failing trial's tree from its parents list, and "
-            "check the entry named above on the drawing.")
+            "check the entry named in this message on the drawing.")
     refused = _refuse(name, fn, (speculative.tree_attention_mask,), hint, ([-1, 0, 0, 1],))
     if refused is not None:
         return refused
@@ -291,7 +306,7 @@ def check_spec_rollback(fn) -> Result:
     target, draft = tiny_pair()
     n, seed, cases = 12, 8, _ROLLBACK_CASES
     if hidden():
-        seed, cases = seed + HIDDEN_SEED_OFFSET, cases + ((10, 5), (4, 1))
+        seed, cases = seed_for(seed), cases + ((10, 5), (4, 1))
     gen = torch.Generator().manual_seed(seed)
     calls, new_tokens = 0, 0
     for trial, (length, k) in enumerate(cases):
@@ -303,37 +318,36 @@ def check_spec_rollback(fn) -> Result:
         except NotImplementedError:
             return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
         except Exception as err:  # noqa: BLE001 - the student's loop may fail in any way; say how
-            return _report(Result(name, FAILED, f"trial {trial + 1} (prompt of {length} tokens, k = {k}): it "
-                                                f"raised {type(err).__name__}: {err}. Hint: {hint}"))
+            return failed(name, f"trial {trial + 1} (prompt of {length} tokens, k = {k}): it "
+                                f"raised {type(err).__name__}: {err}. Hint: {hint}")
         finally:
             for h in hooks:
                 h.remove()
         where = f"trial {trial + 1} (prompt of {length} tokens, k = {k}, {n} new tokens)"
         if not isinstance(got, torch.Tensor) or got.dim() != 1:
-            return _report(Result(name, FAILED, f"{where}: expected a 1-D tensor of token ids, got "
-                                                f"{type(got).__name__}. Hint: {hint}"))
+            return failed(name, f"{where}: expected a 1-D tensor of token ids, got "
+                                f"{type(got).__name__}. Hint: {hint}")
         want = _greedy_ref(target, ids, n)
         if got.numel() != want.numel():
-            return _report(Result(name, FAILED, f"{where}: {got.numel()} ids, where the prompt and the new "
-                                                f"tokens make {want.numel()}. Hint: {hint}"))
+            return failed(name, f"{where}: the answer does not hold one id for every token of the prompt and "
+                                f"every new token. Hint: {hint}")
         if not torch.equal(got[:length].cpu(), ids):
-            return _report(Result(name, FAILED, f"{where}: the returned ids do not start with the prompt. "
-                                                f"Hint: {hint}"))
+            return failed(name, f"{where}: the returned ids do not start with the prompt. "
+                                f"Hint: {hint}")
         if not torch.equal(got.cpu().long(), want):
             first = int((got.cpu().long() != want).nonzero()[0]) - length
-            return _report(Result(name, FAILED, f"{where}: new token {first} differs from plain greedy decoding "
-                                                f"(the tokens before it agree). Hint: {hint}"))
+            return failed(name, f"{where}, new token {first}: it differs from plain greedy decoding (the "
+                                f"tokens before it agree). Hint: {hint}")
         calls += counter["target"]
         new_tokens += n
         if counter["draft"] == 0:
-            return _report(Result(name, FAILED, f"{where}: the draft was never called, so nothing was "
-                                                f"speculated. Hint: {hint}"))
+            return failed(name, f"{where}: the draft was never called, so nothing was "
+                                f"speculated. Hint: {hint}")
     if calls >= new_tokens:
-        return _report(Result(name, FAILED, f"the target ran {calls} forward passes for {new_tokens} new tokens: "
-                                            f"that is plain decoding, not one verification per window. "
-                                            f"Hint: {hint}"))
-    return _report(Result(name, PASSED, f"equal to greedy decoding on {len(cases)} prompts, with {calls} target "
-                                        f"calls for {new_tokens} new tokens."))
+        return failed(name, "on the check's prompts the target ran a forward pass for every new token: that is "
+                            f"plain decoding, not one verification per window. Hint: {hint}")
+    return _report(Result(name, PASSED, "equal to greedy decoding on all the check's prompts, one target call "
+                                        "per window."))
 
 
 # ------------------------------------------------------------------------------------------- the kernel
@@ -401,11 +415,11 @@ def check_spec_residual_sample_kernel(kernel) -> Result:
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
     hint = ("re-read the task of this exercise (row 0 of every trial is a row where draft and target agree, "
-            "row 1 a one-hot draft) and the masks of the chapter's kernel; follow one of the rows named above "
-            "by hand.")
+            "row 1 a one-hot draft) and the masks of the chapter's kernel; follow one of the rows named in this "
+            "message by hand.")
     seed, cases = 7, _KERNEL_CASES
     if hidden():
-        seed, cases = seed + HIDDEN_SEED_OFFSET, cases + tuple((r + 1, v + 3) for r, v in cases)
+        seed, cases = seed_for(seed), cases + tuple((r + 1, v + 3) for r, v in cases)
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of R programs")) is not None:
         return _report(unlaunchable)
     import triton
@@ -422,11 +436,10 @@ def check_spec_residual_sample_kernel(kernel) -> Result:
             return _report(launch_failed(name, err, where, hint))
         guards = torch.cat([store[:_GUARD], store[-_GUARD:]])
         if not bool((guards == _POISON).all()):
-            return _report(Result(name, FAILED, f"{where}: the kernel wrote outside the output tensor. "
-                                                f"Hint: {hint}"))
+            return failed(name, f"{where}: the kernel wrote outside the output tensor. "
+                                f"Hint: {hint}")
         if (out == _POISON).any():
-            return _report(Result(name, FAILED, f"{where}: {int((out == _POISON).sum())} row(s) were never "
-                                                f"written. Hint: {hint}"))
+            return failed(name, f"{where}: some rows were never written. Hint: {hint}")
         if not torch.equal(out, _sample_ref(p, q, u)):
-            return _report(Result(name, FAILED, f"{where}: {_explain_samples(out, p, q, u)} Hint: {hint}"))
-    return _report(Result(name, PASSED, f"agrees with the reference on {len(cases)} launches."))
+            return failed(name, f"{where}: {_explain_samples(out, p, q, u)} Hint: {hint}")
+    return _report(Result(name, PASSED, "agrees with the reference on all the check's launches."))
