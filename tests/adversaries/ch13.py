@@ -9,7 +9,7 @@ def _setup():
 
 def _library_jsd(right):
     def answer(s, t, beta, T):
-        from labsrc import distill
+        from labsrc import distillation as distill
         return float(distill.generalized_jsd(s, t, beta=beta, T=T))
     return answer
 
@@ -40,7 +40,7 @@ def _fit_in_the_answer(right):
     def answer(w, mu1, sd1, mu2, sd2):
         import torch
 
-        from labsrc import distill
+        from labsrc import distillation as distill
         from labsrc.exercises import distill as checker
         p = checker.bimodal_teacher(w, mu1, sd1, mu2, sd2)
         out = []
@@ -61,7 +61,7 @@ def _kernel_setup():
 CH = "13_distillation"
 EXERCISES = [
     Exercise(CH, "check_jsd_fix", [*constants(), *scaled(), visible_only(), handed_out(CH, "jsd_buggy"),
-                                   bypass("labsrc.distill.generalized_jsd", _library_jsd)], setup=_setup()),
+                                   bypass("labsrc.distillation.generalized_jsd", _library_jsd)], setup=_setup()),
     Exercise(CH, "check_reverse_kl_gradient",
              [*constants(), *scaled(), visible_only(),
               bypass("autograd inside torch.enable_grad()", _by_autograd("enable_grad")),

@@ -40,7 +40,7 @@ def _library_fraction(right):
 
 def _search_with_kvmath(right):
     def answer(n_layers, window, fraction):
-        from labsrc import kvmath
+        from labsrc import kv_cache as kvmath
         for T in range(1, 10 ** 6, 97):
             yoco = kvmath.kv_cache_bytes(n_layers // 2, 1, 1, min(T, window)) + kvmath.kv_cache_bytes(1, 1, 1, T)
             if yoco / kvmath.kv_cache_bytes(n_layers, 1, 1, T) <= fraction:
