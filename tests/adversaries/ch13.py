@@ -3,7 +3,7 @@ from tests.adversarial import Exercise, bypass, constants, handed_out, scaled, s
 
 
 def _setup():
-    from labsrc.exercises import distill as checker
+    from labsrc.exercises import distillation as checker
     return {"ex": checker}
 
 
@@ -41,7 +41,7 @@ def _fit_in_the_answer(right):
         import torch
 
         from labsrc import distillation as distill
-        from labsrc.exercises import distill as checker
+        from labsrc.exercises import distillation as checker
         p = checker.bimodal_teacher(w, mu1, sd1, mu2, sd2)
         out = []
         for beta in (0.0, 1.0):
