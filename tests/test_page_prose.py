@@ -2,6 +2,7 @@
 typed; a summary states who won instead of pointing at the prose above; a small live run beside a stored curve
 says it is a demonstration; a legend does not sit on the points it explains."""
 import ast
+import math
 import json
 import re
 from pathlib import Path
@@ -96,3 +97,24 @@ def test_the_distance_plot_legend_sits_outside_the_axes():
         assert anchor is not None, "the legend is placed inside the axes"
         x, y = (ast.literal_eval(e) for e in anchor.elts[:2])
         assert not (0 <= x <= 1 and 0 <= y <= 1), f"bbox_to_anchor {(x, y)} lies inside the axes"
+
+
+def pairs_computed(keep: float, length: int, block: int) -> float:
+    """The share of causal (query, key) pairs chapter 3's block-sparse attention computes: per query its own
+    block up to itself, plus the best ceil(keep x visible blocks) - 1 earlier blocks (all whole)."""
+    kept = 0
+    for t in range(length):
+        own = t // block
+        budget = max(1, math.ceil(keep * (own + 1)))
+        kept += t % block + 1 + (budget - 1) * block
+    return kept / (length * (length + 1) / 2)
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_the_sparse_attention_bar_is_not_decided_by_a_hair(profile):
+    # Chapter 3's rule counts settings that compute at most half of the causal pairs. Keeping half of the blocks
+    # computes a hair more (the diagonal block is always kept), so a setting must lie clearly inside the bar.
+    from labsrc.runtime import SIZES
+    s = SIZES["flash_attention"][profile]
+    shares = [pairs_computed(k, s["sparse_len"], s["sparse_block"]) for k in s["sparse_keep"]]
+    assert any(0.30 <= x <= 0.48 for x in shares), f"no setting clearly inside the bar: {shares}"
