@@ -275,6 +275,49 @@ def describe(curve: dict, probe: str, x_label: Callable[[object], str] = str,
     return "\n".join(lines)
 
 
+def leaders(curve: dict, probe: str, methods: Iterable[str] | None = None) -> dict:
+    """For each ``x`` (as :func:`separations`): ``{"leaders": [...], "beaten": [...], "margin": (lo, hi)}``.
+
+    The leaders are the methods no other method's interval lies above; ``beaten`` the methods at least one
+    leader's interval lies above, and ``margin`` the smallest and largest gap in value between a leader and a
+    method it lies above (None when nothing separates: then every method is a leader and ``beaten`` is empty).
+    """
+    out = {}
+    for x, s in separations(curve, probe, methods).items():
+        est = s["estimates"]
+        below = {b for _, b in s["above"]}
+        lead = sorted((m for m in est if m not in below), key=lambda m: -est[m].value)
+        pairs = [(a, b) for a, b in s["above"] if a in lead]
+        gaps = [est[a].value - est[b].value for a, b in pairs]
+        out[x] = {"leaders": lead, "beaten": sorted({b for _, b in pairs}, key=lambda m: -est[m].value),
+                  "margin": (min(gaps), max(gaps)) if gaps else None, "estimates": est}
+    return out
+
+
+def summarize(curve: dict, probe: str, x_label: Callable[[object], str] = str,
+              methods: Iterable[str] | None = None, name: Callable[[str], str] = str) -> str:
+    """One sentence for a chapter's summary: at each ``x``, who leads (no interval above theirs), whom they lie
+    above and by how much, and where nothing separates; from the stored numbers, never typed. ``name`` turns a
+    method's key into the word the chapter uses for it."""
+    parts, ties = [], []
+    for x, r in leaders(curve, probe, methods).items():
+        est = r["estimates"]
+        if r["margin"] is None:
+            ties.append(x_label(x))
+            continue
+        lo, hi = r["margin"]
+        lead = ", ".join(f"{name(m)} {est[m].value:.2f}" for m in r["leaders"])
+        by = f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f} to {hi:.2f}"
+        beaten = ", ".join(name(m) for m in r["beaten"])
+        parts.append(f"at {x_label(x)} the top group ({lead}) lies above {beaten} by {by}")
+    n = {e.n for r in leaders(curve, probe, methods).values() for e in r["estimates"].values()}
+    text = "; ".join(parts)
+    if ties:
+        text += ("; " if text else "") + f"at {', '.join(ties)} no two intervals separate"
+    return (text[:1].upper() + text[1:] + f" (n = {'/'.join(map(str, sorted(n)))} per point, 95% intervals)."
+            if text else "")
+
+
 def rescore(curve: dict, score_slice: Callable[[str, object, str, int], Sequence[bool]], method: str, x,
             probe: str, m: int) -> tuple[list[int], list[int]]:
     """Score the first ``m`` samples of one stored point again (``score_slice(method, x, probe, m)``) and return

@@ -118,20 +118,23 @@ SIZES: dict[str, dict[str, dict]] = {
         # comparison of the methods at L..4L is the stored curve (labsrc.sweeps.rope), live_n of its samples
         # are scored again (a multiple of tasks.score's batch of 8: the same batches as the stored run).
         "cpu": dict(multiples=(1, 2, 4), bucket=128, n_windows=1, passkey_n=2,
-                    passkey_depths=(0.1, 0.5, 0.9), ft_steps=4, ft_batch=1, ft_lr=1e-4, live_n=8,
+                    passkey_depths=(0.1, 0.5, 0.9), ft_steps=4, ft_batch=1, ft_lr=1e-4, live_n=8, ntk_diag_n=5,
                     kernel_shape=(2, 4, 2, 37, 40), table_rows=96),
         "gpu": dict(multiples=(1, 2, 4, 8), bucket=128, n_windows=12, passkey_n=10,
                     passkey_depths=(0.1, 0.3, 0.5, 0.7, 0.9), ft_steps=60, ft_batch=4, ft_lr=1e-4, live_n=16,
+                    ntk_diag_n=20,
                     kernel_shape=(4, 32, 8, 1024, 128), table_rows=4096),
     },
     "kv_eviction": {
         # n: pass keys per policy and rate (the probe lab-target solves, so the one that ranks policies);
-        # screen_n: samples of the probes the full cache is only checked on; diag_n: the recency diagnosis.
-        "cpu": dict(ctx=256, n=24, screen_n=8, diag_n=8, ppl_len=152, ppl_prefill=128, ablation_n=8, gqa_n=8,
+        # screen_n: samples of the probes the full cache is only checked on; diag_n: the recency diagnosis;
+        # plateau_n: stored-curve pass keys re-run by the diagnosis of value-aware's plateau (90% kept).
+        "cpu": dict(ctx=256, n=24, screen_n=8, diag_n=8, plateau_n=6, ppl_len=152, ppl_prefill=128, ablation_n=8,
+                    gqa_n=8,
                     bf_tokens=14, bf_budget=7, bf_future=6, bf_slices=12, draws=400, cv_samples=2,
                     overhead_prompt=256, overhead_tokens=16, survival_chunk=16, anim_frames=8,
                     ledger_ctx=256, ledger_n=1, ledger_windows=1, ledger_decode=16),
-        "gpu": dict(ctx=512, n=64, screen_n=20, diag_n=20, ppl_len=512, ppl_prefill=256, ablation_n=32,
+        "gpu": dict(ctx=512, n=64, screen_n=20, diag_n=20, plateau_n=24, ppl_len=512, ppl_prefill=256, ablation_n=32,
                     gqa_n=32,
                     bf_tokens=16, bf_budget=8, bf_future=8, bf_slices=48, draws=4000, cv_samples=16,
                     overhead_prompt=512, overhead_tokens=64, survival_chunk=16, anim_frames=12,
@@ -151,11 +154,11 @@ SIZES: dict[str, dict[str, dict]] = {
         "cpu": dict(tq=37, tk=53, batch=2, n_heads=4, n_kv_heads=2, head_dim=40, block=16,
                     decode_tmax=77, decode_batch=3, mem_lengths=(128, 256, 512, 1024, 2048), gen_tokens=64,
                     prompt_words=40, sparse_len=480, sparse_layer=3, sparse_block=16, sparse_samples=4,
-                    sparse_keep=(1.0, 0.5, 0.25, 0.125, 0.0625), gpu_lengths=(), decode_lengths=()),
+                    sparse_keep=(1.0, 0.5, 0.45, 0.25, 0.125, 0.0625), gpu_lengths=(), decode_lengths=()),
         "gpu": dict(tq=37, tk=53, batch=2, n_heads=4, n_kv_heads=2, head_dim=40, block=16,
                     decode_tmax=77, decode_batch=3, mem_lengths=(512, 1024, 2048, 4096, 8192), gen_tokens=64,
                     prompt_words=40, sparse_len=480, sparse_layer=3, sparse_block=16, sparse_samples=4,
-                    sparse_keep=(1.0, 0.5, 0.25, 0.125, 0.0625), gpu_lengths=(512, 1024, 2048, 4096, 8192, 16384),
+                    sparse_keep=(1.0, 0.5, 0.45, 0.25, 0.125, 0.0625), gpu_lengths=(512, 1024, 2048, 4096, 8192, 16384),
                     decode_lengths=(1024, 4096, 16384, 65536)),
     },
     "serving": {

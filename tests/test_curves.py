@@ -142,6 +142,18 @@ def test_separations_and_prose_come_from_the_intervals():
     assert "no two of them separate" in text[1]
 
 
+def test_a_summary_says_who_leads_by_how_much_and_where_nothing_separates():
+    # A chapter's summary states the winners from the stored intervals, never typed (issue 45, item 5).
+    score, _ = fake_score(TABLE)
+    curve = curves.sweep(score, ["a", "b"], [1, 2], ["p"], {}, echo=lambda *_: None)
+    lead = curves.leaders(curve, "p")
+    assert lead[1]["leaders"] == ["a"] and lead[1]["beaten"] == ["b"] and lead[1]["margin"] == (1.0, 1.0)
+    assert lead[2]["leaders"] == ["a", "b"] and lead[2]["beaten"] == [] and lead[2]["margin"] is None
+    text = curves.summarize(curve, "p", x_label=lambda x: f"x = {x}")
+    assert text == ("At x = 1 the top group (a 1.00) lies above b by 1.00; at x = 2 no two intervals "
+                    "separate (n = 50 per point, 95% intervals).")
+
+
 def test_a_partial_curve_loads_only_when_asked_and_names_what_it_lacks(tmp_path):
     # A chapter may be drawn from a sweep still under way: it must say so, and compare only complete x's.
     out = tmp_path / "c.json"

@@ -27,6 +27,8 @@ host is refused (the book must work offline) and counts as a failure. Each page 
   from ``display(Markdown(...))`` left as a paragraph of pipes;
 * no code block and no table wider than the text column (a scroll bar or a clipped line): a ``pre`` whose
   ``scrollWidth`` exceeds its ``clientWidth``, a table wider than its scrolling container or the article;
+* no words from the book's own history on a chapter page ("the previous lab-target", "an earlier run",
+  ``git show``: ``tools/history_words.py``);
 * on each kernel chapter, the Triton kernel's own source, rendered from ``labsrc`` (``labsrc.show``): a
   highlighted block holding ``@triton.jit``;
 
@@ -46,6 +48,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 import browser_setup
+import history_words
 import solution_outputs
 
 ROOT = browser_setup.ROOT
@@ -369,6 +372,8 @@ def test_page(page, base_url, page_path):
     if page_path.startswith("chapters/"):  # the instructors page shows the markers to explain the format
         problems += [f"shows {marker!r}: solution or hidden-test text reached the page"
                      for marker in FORBIDDEN_TEXT if marker in text]
+        problems += [f"words from the book's history, which the reader never met: {h!r}"
+                     for h in history_words.find(text)]
     for bad in page.evaluate(REPRS_JS):
         problems.append(f"{bad['kind']} (cell starting {bad['cell']!r})")
     problems += page.evaluate(OVERFLOW_JS)
