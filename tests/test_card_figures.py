@@ -1,4 +1,4 @@
-"""labsrc.models.cards: every figure a comparison quotes is read from the eval card it names, at the lengths
+"""labsrc.models.card_figures: every figure a comparison quotes is read from the eval card it names, at the lengths
 it names (chapter 7 once labelled lab-target's 1,536-2,048-token pass keys with lab-mamba's 768-1,024)."""
 import ast
 import json
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from labsrc.models import SHIPPED, cards, eval_card
+from labsrc.models import SHIPPED, eval_card
+from labsrc.models import card_figures as cards
 
 ROOT = Path(__file__).resolve().parents[1]
 

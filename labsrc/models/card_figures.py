@@ -6,7 +6,7 @@ measure at the same lengths: each card's pass-key grid sits at fractions of *its
 figure is asked for at the lengths the comparison names, and one a card did not measure there is refused
 rather than read from another length::
 
-    from labsrc.models import cards, eval_card
+    from labsrc.models import card_figures as cards, eval_card
     card = eval_card("lab-target")
     key = cards.passkey(card, (768, 1024))     # pools the grid cells at those lengths, every depth
     key.label                                  # 'pass key at 768-1,024 tokens'
