@@ -448,24 +448,28 @@ class Rule:
             rule and nothing else: everything it reads comes in as an argument, so it can be called on other
             data.
         counter: synthetic data (keyword arguments of ``decide``) on which the rule reaches another verdict
-            than on the row's data: what the lab would have had to find for the row to say something else.
+            than on the row's data: what the lab would have had to find for the row to say something else. A
+            list of such dicts gives one counter-example per other branch, for a row whose outcome is not known
+            before it runs (one on which the claim holds, one on which it fails).
 
     ``rule(**data)`` is the verdict on the row's data. :func:`record` takes the rule with the verdict, calls
-    ``decide(**counter)`` and refuses a row whose counter-example reaches the row's own verdict: a rule that
-    no data could move is not a test of the claim.
+    ``decide`` on each counter-example and refuses a row when none reaches another verdict than the row's
+    own: a rule that no data could move is not a test of the claim.
     """
 
     text: str
     decide: Callable[..., "Verdict"]
-    counter: dict = field(default_factory=dict)
+    counter: dict | list = field(default_factory=dict)
 
     def __post_init__(self):
         _text("Rule.text", self.text)
         if not callable(self.decide):
             raise TypeError(f"Rule.decide must be a function of the row's data, got {type(self.decide).__name__}")
-        if not isinstance(self.counter, dict) or not self.counter:
+        examples = self.counter if isinstance(self.counter, list) else [self.counter]
+        if not examples or not all(isinstance(c, dict) and c for c in examples):
             raise ValueError("Rule.counter must be a non-empty dict of the data (decide's keyword arguments) on "
-                             f"which the rule reaches another verdict, got {self.counter!r}")
+                             "which the rule reaches another verdict, or a list of such dicts, got "
+                             f"{self.counter!r}")
 
     def __call__(self, **data) -> "Verdict":
         verdict = self.decide(**data)
@@ -473,14 +477,21 @@ class Rule:
             raise ValueError(f"Rule.decide must return a verdict (claims.judge or claims.check), got {verdict!r}")
         return verdict if isinstance(verdict, Verdict) else Verdict(verdict)
 
-    def counter_verdict(self) -> "Verdict":
-        """The verdict the rule reaches on its synthetic counter-example."""
-        return self(**self.counter)
+    def counter_verdicts(self) -> list["Verdict"]:
+        """The verdict the rule reaches on each synthetic counter-example."""
+        return [self(**c) for c in (self.counter if isinstance(self.counter, list) else [self.counter])]
 
-    def counter_fields(self) -> dict:
-        """What the row stores of the counter-example: the data in words and the verdict it gives."""
-        data = "; ".join(f"{k} = {_describe(v)}" for k, v in self.counter.items())
-        return {"data": data, "verdict": str(self.counter_verdict())}
+    def counter_verdict(self) -> "Verdict":
+        """The verdict the rule reaches on its (first) synthetic counter-example."""
+        return self.counter_verdicts()[0]
+
+    def counter_fields(self, verdict: str) -> dict:
+        """What the row stores of the counter-example that reaches another verdict than ``verdict`` (the
+        first, if none does; :func:`record` then refuses the row): the data in words and its verdict."""
+        examples = self.counter if isinstance(self.counter, list) else [self.counter]
+        pairs = list(zip(examples, self.counter_verdicts()))
+        data, said = next(((c, v) for c, v in pairs if v != verdict), pairs[0])
+        return {"data": "; ".join(f"{k} = {_describe(v)}" for k, v in data.items()), "verdict": str(said)}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -702,7 +713,7 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
         rule_changes = [c.fields() for c in rule_changes]
     counter = None
     if isinstance(rule, Rule):
-        counter = rule.counter_fields()
+        counter = rule.counter_fields(str(verdict))
         rule = rule.text
     elif not isinstance(rule, str):
         raise TypeError(f"rule must be a labsrc.claims.Rule (or, for a reading row, its words), got "

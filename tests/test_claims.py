@@ -473,6 +473,8 @@ def _record_calls():
             and any(isinstance(r, ast.Return) and r.value is not None and any(
                 isinstance(c, ast.Call) and getattr(c.func, "attr", None) == "judge" for c in ast.walk(r.value))
                 for r in ast.walk(f))]}
+        assigned["<functions>"] = {f.name: f for tree in trees for f in ast.walk(tree)
+                                   if isinstance(f, ast.FunctionDef)}
         for tree in trees:
             for node in _module_level(tree):
                 if isinstance(node, ast.Assign):
@@ -499,10 +501,37 @@ def _calls_judge(expr, assigned, judges=("judge",)) -> bool:
     the verdict functions to look for (``("check",)`` for an arithmetic or simulated row)."""
     import ast
 
+    functions = assigned.get("<functions>", {})
+
+    def calls_verdict_function(tree, seen=()):
+        """Whether ``tree`` calls a verdict function, directly or through a notebook function."""
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", None))
+                if name in judges:
+                    return True
+                if name in functions and name not in seen and calls_verdict_function(
+                        functions[name], seen + (name,)):
+                    return True
+        return False
+
+    def rule_decides(name):
+        """Whether ``name`` is a claims.Rule whose decide function calls a verdict function."""
+        for value in assigned.get(name, ()):
+            if isinstance(value, ast.Call) and getattr(value.func, "attr", None) == "Rule":
+                decide = value.args[1] if len(value.args) > 1 else _kw(value, "decide")
+                if decide is not None and (calls_verdict_function(decide) or (
+                        isinstance(decide, ast.Name) and decide.id in functions
+                        and calls_verdict_function(functions[decide.id]))):
+                    return True
+        return False
+
     def is_judge(node):
         if not isinstance(node, ast.Call):
             return False
         name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        if isinstance(node.func, ast.Name) and rule_decides(name):
+            return True
         return name in judges or ("judge" in judges and name in assigned.get("<returns judge>", ()))
 
     def judged(value):
@@ -734,6 +763,8 @@ def test_a_rule_that_cannot_move_is_refused(ledger):
     assert not list(ledger.glob("*.json"))
     with pytest.raises(ValueError, match="counter must be a non-empty dict"):
         claims.Rule("r", _above, counter={})
+    with pytest.raises(ValueError, match="counter must be a non-empty dict"):
+        claims.Rule("r", _above, counter=[])
     with pytest.raises(TypeError, match="decide must be a function"):
         claims.Rule("r", "judge", counter=dict(a=1))
     with pytest.raises(ValueError, match="must return a verdict"):
@@ -832,3 +863,17 @@ def test_no_claim_id_vanishes_without_a_word():
     vanished = sorted(history - recorded - set(RETIRED))
     assert not vanished, (f"claim ids recorded in the history, no longer recorded and not retired: {vanished}; "
                           "restore them or list them in labsrc/claims_retired.py with the reason")
+
+
+def test_a_rule_may_give_one_counter_example_per_branch(ledger):
+    """Where the outcome is not known before the run, one counter-example per other branch: the row stores the
+    first that reaches another verdict than its own."""
+    rule = claims.Rule("reproduced if the interval lies above 0.5", _above,
+                       counter=[dict(acc=Estimate.accuracy(90, 100), bar=0.5),
+                                dict(acc=Estimate.accuracy(10, 100), bar=0.5)])
+    assert rule.counter_verdicts() == ["reproduced in trend only", "inconclusive"]
+    for k, other in ((95, "inconclusive"), (5, "reproduced in trend only")):
+        acc = Estimate.accuracy(k, 100)
+        row = claims.record("r", claim="c", section="1", measured="m", verdict=rule(acc=acc, bar=0.5),
+                            notebook="01_kv", basis="measured", rule=rule, estimate=acc, scope=SCOPE_LAB)
+        assert row["counter"]["verdict"] == other
