@@ -494,6 +494,39 @@ class Rule:
         return {"data": "; ".join(f"{k} = {_describe(v)}" for k, v in data.items()), "verdict": str(said)}
 
 
+_HIGH = Estimate(0.8, 0.75, 0.85, 100, "synthetic")
+_LOW = Estimate(0.2, 0.15, 0.25, 100, "synthetic")
+
+
+def above_rule(text: str, *, scope: Scope) -> Rule:
+    """The commonest measured rule, as a :class:`Rule` of ``(a, b)``: the claim holds if ``a``'s 95% interval
+    lies above ``b``'s, fails if below, and the data cannot tell if they overlap (:func:`compare`). Its
+    counter-examples are two synthetic estimates apart in each direction. Swap the arguments for "below"."""
+    def decide(a: Estimate, b: Estimate) -> Verdict:
+        side = compare(a, b)
+        return judge(side > 0, separable=side != 0, scope=scope)
+
+    return Rule(text, decide, counter=[dict(a=_HIGH, b=_LOW), dict(a=_LOW, b=_HIGH)])
+
+
+def within_rule(text: str, *, target: float, tol: float, relative: bool = True, basis: str = "arithmetic") -> Rule:
+    """An arithmetic (or simulated) rule of one computed ``value``: consistent if it lies within ``tol`` of the
+    text's ``target`` (relative to it unless ``relative=False``); wrong in the text otherwise (inconclusive
+    for a simulation, :func:`check`). Its counter-examples are the target itself and a value ``3 tol`` away."""
+    if not (isinstance(target, (int, float)) and math.isfinite(target)):
+        raise ValueError(f"target must be a finite number, got {target!r}")
+    if not (isinstance(tol, (int, float)) and tol > 0):
+        raise ValueError(f"tol must be a positive number, got {tol!r}")
+    if relative and target == 0:
+        raise ValueError("a relative tolerance needs a non-zero target (give relative=False)")
+    width = tol * abs(target) if relative else tol
+
+    def decide(value: float) -> Verdict:
+        return check(abs(value - target) <= width, basis=basis)
+
+    return Rule(text, decide, counter=[dict(value=float(target)), dict(value=float(target + 3 * width))])
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Rows: write, read back, render.
 # ------------------------------------------------------------------------------------------------------------

@@ -518,6 +518,9 @@ def _calls_judge(expr, assigned, judges=("judge",)) -> bool:
     def rule_decides(name):
         """Whether ``name`` is a claims.Rule whose decide function calls a verdict function."""
         for value in assigned.get(name, ()):
+            factory = getattr(value.func, "attr", None) if isinstance(value, ast.Call) else None
+            if factory == "above_rule" and "judge" in judges or factory == "within_rule" and "check" in judges:
+                return True  # labsrc's rule factories decide through judge and check
             if isinstance(value, ast.Call) and getattr(value.func, "attr", None) == "Rule":
                 decide = value.args[1] if len(value.args) > 1 else _kw(value, "decide")
                 if decide is not None and (calls_verdict_function(decide) or (
@@ -877,3 +880,20 @@ def test_a_rule_may_give_one_counter_example_per_branch(ledger):
         row = claims.record("r", claim="c", section="1", measured="m", verdict=rule(acc=acc, bar=0.5),
                             notebook="01_kv", basis="measured", rule=rule, estimate=acc, scope=SCOPE_LAB)
         assert row["counter"]["verdict"] == other
+
+
+def test_rule_factories_can_reach_every_branch():
+    above = claims.above_rule("holds if a lies above b", scope=SCOPE_LAB)
+    hi, lo, mid = Estimate.accuracy(90, 100), Estimate.accuracy(10, 100), Estimate.accuracy(50, 100)
+    assert above(a=hi, b=lo) == "reproduced in trend only"
+    assert above(a=lo, b=hi) == "inconclusive" and above(a=mid, b=Estimate.accuracy(52, 100)) == "inconclusive"
+    assert {str(v) for v in above.counter_verdicts()} == {"reproduced in trend only", "inconclusive"}
+    near = claims.within_rule("consistent if 320 GiB within 5%", target=320, tol=0.05)
+    assert near(value=330) == "consistent" and near(value=400) == "wrong in the text"
+    assert [str(v) for v in near.counter_verdicts()] == ["consistent", "wrong in the text"]
+    absolute = claims.within_rule("consistent if 0 within 0.01", target=0.0, tol=0.01, relative=False)
+    assert absolute(value=0.005) == "consistent" and absolute(value=0.02) == "wrong in the text"
+    with pytest.raises(ValueError, match="non-zero target"):
+        claims.within_rule("r", target=0.0, tol=0.1)
+    with pytest.raises(ValueError, match="tol must be a positive"):
+        claims.within_rule("r", target=1.0, tol=0)
