@@ -39,6 +39,16 @@ with its citation). When a row's rule changes between runs (a new metric, a new 
 old rule and the reason in ``rule_changes`` (:class:`RuleChange`), and the page shows them: a verdict whose
 rule moved without a word would look decided in advance.
 
+A rule that no data could contradict decides nothing. So a measured or arithmetic row states its rule as a
+:class:`Rule`: the words, a function from the row's data to its verdict (through :func:`judge` or :func:`check`),
+and a synthetic counter-example, data on which the same function reaches another verdict. :func:`record`
+evaluates the rule on the counter-example and refuses the row when it gives the row's own verdict, and the page
+shows what the counter-example would have given: the row could have come out otherwise.
+
+A row is never deleted without a word: an id that leaves the ledger (merged into another row, or retired)
+is listed in :mod:`labsrc.claims_retired` with its reason, and a row that absorbed another names it in
+``merged``.
+
 A measured row also declares its :class:`Scope`: the scale and metric the text's figure is about (a 70B model
 on A100s, end-to-end throughput) and, where the lab measured something else, the lab's scale and metric (the
 9M-parameter lab model on a CPU, perplexity for a benchmark score). :func:`judge` reads the verdict symmetrically
@@ -56,8 +66,9 @@ import operator
 import os
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 from statistics import NormalDist
 
 from labsrc.atomic import file_lock, write_atomic
@@ -435,6 +446,111 @@ def check(holds: bool, *, basis: str, separable: bool = True) -> Verdict:
     return Verdict("inconclusive", SIMULATION_MISS)
 
 
+def _describe(value) -> str:
+    """A counter-example's value as the page prints it: an Estimate as itself, a float to 4 digits."""
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        items = [_describe(v) for v in value[:6]]
+        return "[" + ", ".join(items) + (", ..." if len(value) > 6 else "") + "]"
+    if isinstance(value, dict):
+        items = [f"{k}: {_describe(v)}" for k, v in list(value.items())[:6]]
+        return "{" + ", ".join(items) + (", ..." if len(value) > 6 else "") + "}"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A verdict rule: its words, the function that applies it to data, and data on which it would fail.
+
+    Args:
+        text: the rule in words, as the page prints it ("reproduced if the 95% interval lies above 0.9").
+        decide: a function of the row's data, given by keyword, returning the :class:`Verdict` from
+            :func:`judge` (a measured row) or :func:`check` (an arithmetic or simulated row). It applies the
+            rule and nothing else: everything it reads comes in as an argument, so it can be called on other
+            data.
+        counter: synthetic data (keyword arguments of ``decide``) on which the rule reaches another verdict
+            than on the row's data: what the lab would have had to find for the row to say something else. A
+            list of such dicts gives one counter-example per other branch, for a row whose outcome is not known
+            before it runs (one on which the claim holds, one on which it fails).
+
+    ``rule(**data)`` is the verdict on the row's data. :func:`record` takes the rule with the verdict, calls
+    ``decide`` on each counter-example and refuses a row when none reaches another verdict than the row's
+    own: a rule that no data could move is not a test of the claim.
+    """
+
+    text: str
+    decide: Callable[..., "Verdict"]
+    counter: dict | list = field(default_factory=dict)
+
+    def __post_init__(self):
+        _text("Rule.text", self.text)
+        if not callable(self.decide):
+            raise TypeError(f"Rule.decide must be a function of the row's data, got {type(self.decide).__name__}")
+        examples = self.counter if isinstance(self.counter, list) else [self.counter]
+        if not examples or not all(isinstance(c, dict) and c for c in examples):
+            raise ValueError("Rule.counter must be a non-empty dict of the data (decide's keyword arguments) on "
+                             "which the rule reaches another verdict, or a list of such dicts, got "
+                             f"{self.counter!r}")
+
+    def __call__(self, **data) -> "Verdict":
+        verdict = self.decide(**data)
+        if not isinstance(verdict, str) or verdict not in VERDICTS:
+            raise ValueError(f"Rule.decide must return a verdict (claims.judge or claims.check), got {verdict!r}")
+        return verdict if isinstance(verdict, Verdict) else Verdict(verdict)
+
+    def counter_verdicts(self) -> list["Verdict"]:
+        """The verdict the rule reaches on each synthetic counter-example."""
+        return [self(**c) for c in (self.counter if isinstance(self.counter, list) else [self.counter])]
+
+    def counter_verdict(self) -> "Verdict":
+        """The verdict the rule reaches on its (first) synthetic counter-example."""
+        return self.counter_verdicts()[0]
+
+    def counter_fields(self, verdict: str) -> dict:
+        """What the row stores of the counter-example that reaches another verdict than ``verdict`` (the
+        first, if none does; :func:`record` then refuses the row): the data in words and its verdict."""
+        examples = self.counter if isinstance(self.counter, list) else [self.counter]
+        pairs = list(zip(examples, self.counter_verdicts()))
+        data, said = next(((c, v) for c, v in pairs if v != verdict), pairs[0])
+        return {"data": "; ".join(f"{k} = {_describe(v)}" for k, v in data.items()), "verdict": str(said)}
+
+
+_HIGH = Estimate(0.8, 0.75, 0.85, 100, "synthetic")
+_LOW = Estimate(0.2, 0.15, 0.25, 100, "synthetic")
+
+
+def above_rule(text: str, *, scope: Scope) -> Rule:
+    """The commonest measured rule, as a :class:`Rule` of ``(a, b)``: the claim holds if ``a``'s 95% interval
+    lies above ``b``'s, fails if below, and the data cannot tell if they overlap (:func:`compare`). Its
+    counter-examples are two synthetic estimates apart in each direction. Swap the arguments for "below"."""
+    def decide(a: Estimate, b: Estimate) -> Verdict:
+        side = compare(a, b)
+        return judge(side > 0, separable=side != 0, scope=scope)
+
+    return Rule(text, decide, counter=[dict(a=_HIGH, b=_LOW), dict(a=_LOW, b=_HIGH)])
+
+
+def within_rule(text: str, *, target: float, tol: float, relative: bool = True, basis: str = "arithmetic") -> Rule:
+    """An arithmetic (or simulated) rule of one computed ``value``: consistent if it lies within ``tol`` of the
+    text's ``target`` (relative to it unless ``relative=False``); wrong in the text otherwise (inconclusive
+    for a simulation, :func:`check`). Its counter-examples are the target itself and a value ``3 tol`` away."""
+    if not (isinstance(target, (int, float)) and math.isfinite(target)):
+        raise ValueError(f"target must be a finite number, got {target!r}")
+    if not (isinstance(tol, (int, float)) and tol > 0):
+        raise ValueError(f"tol must be a positive number, got {tol!r}")
+    if relative and target == 0:
+        raise ValueError("a relative tolerance needs a non-zero target (give relative=False)")
+    width = tol * abs(target) if relative else tol
+
+    def decide(value: float) -> Verdict:
+        return check(abs(value - target) <= width, basis=basis)
+
+    return Rule(text, decide, counter=[dict(value=float(target)), dict(value=float(target + 3 * width))])
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Rows: write, read back, render.
 # ------------------------------------------------------------------------------------------------------------
@@ -445,7 +561,31 @@ class Row(dict):
     """
 
     def _repr_markdown_(self) -> str:
-        return f"Claims ledger, {self['section']}: **{self['verdict']}** ({self['basis']}; `{self['id']}`)."
+        return sentence(self)
+
+
+_SENTENCES = {
+    "reproduced": "the lab's measurement reproduces the text's figure",
+    "reproduced in trend only": ("the lab's measurement shows the direction the text states, at another scale or "
+                                 "with another metric, so the size of the text's figure is not checked"),
+    "not reproduced": "the lab's measurement, at the text's own scale and metric, does not show the text's figure",
+    "inconclusive": "the lab's evidence cannot decide the text's claim",
+    "misattributed": "the text's account does not match the paper it cites",
+}
+_BY_BASIS = {
+    ("consistent", "arithmetic"): "the text's figure follows from its own numbers",
+    ("consistent", "simulated"): "a simulation of the text's premises gives its figure",
+    ("consistent", "reading"): "the text agrees with what it cites",
+    ("wrong in the text", "arithmetic"): "the text's figure contradicts its own numbers",
+    ("wrong in the text", "reading"): "the text contradicts itself or what it cites",
+}
+
+
+def sentence(row: dict) -> str:
+    """A row's verdict as a sentence for the chapter page: the section and what the verdict means, with no row id
+    (ids, rules and evidence stay on the claims page)."""
+    said = _BY_BASIS.get((row["verdict"], row["basis"])) or _SENTENCES.get(row["verdict"], row["verdict"])
+    return f"Claims ledger, section {row['section']}: {said} (**{row['verdict']}**; see the claims ledger page)."
 
 
 def _text(name: str, value) -> str:
@@ -544,6 +684,20 @@ def _validate(row: dict, where: str) -> dict:
     if row["verdict"] == "inconclusive" and off_scale and not row.get("reason"):
         raise ValueError(f"{where}: an inconclusive row measured off the text's scale or metric must say so in "
                          "its reason (claims.judge gives it)")
+    counter = row.get("counter")
+    if counter is not None:
+        if (not isinstance(counter, dict) or set(counter) != {"data", "verdict"}
+                or not isinstance(counter["data"], str) or counter["verdict"] not in VERDICTS):
+            raise ValueError(f"{where}: counter must hold the counter-example's data (in words) and its verdict, "
+                             f"got {counter!r}")
+        if counter["verdict"] == row["verdict"]:
+            raise ValueError(f"{where}: the rule reaches {row['verdict']!r} on its counter-example too: a rule "
+                             "that no data could move decides nothing (give a counter-example on which it says "
+                             "something else, or make the rule able to fail)")
+    merged = row.get("merged")
+    if merged is not None and (not isinstance(merged, list) or not merged or not all(
+            isinstance(m, str) and re.fullmatch(r"[a-z0-9][a-z0-9-]*", m) and m != row["id"] for m in merged)):
+        raise ValueError(f"{where}: merged must be a non-empty list of other rows' ids, got {merged!r}")
     if row["basis"] == "reading" and not row.get("cite"):
         raise ValueError(f"{where}: a reading row must cite the paper it reads (cite=<bibtex key>)")
     if row["verdict"] == "misattributed" and row["basis"] != "reading":
@@ -556,11 +710,12 @@ def _validate(row: dict, where: str) -> dict:
     return row
 
 
-def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: str, notebook: str, rule: str,
-           basis: str, estimate: Estimate | None = None, n: int | None = None,
+def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: str, notebook: str,
+           rule: str | Rule, basis: str, estimate: Estimate | None = None, n: int | None = None,
            interval: tuple[float, float] | None = None, cite: str | list[str] | None = None,
            anchor: str | None = None, scope: Scope | None = None, reason: str | None = None,
-           test: HypothesisTest | None = None, rule_changes: list[RuleChange] | None = None) -> dict:
+           test: HypothesisTest | None = None, rule_changes: list[RuleChange] | None = None,
+           merged: list[str] | None = None) -> dict:
     """Record one row of the claims ledger and return it.
 
     Args:
@@ -571,8 +726,9 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
         verdict: one of :data:`VERDICTS`, computed by the notebook (:func:`judge` for a measured row,
             :func:`check` for an arithmetic or simulated one); typed only on a reading row.
         notebook: the notebook's stem (``"01_kv_cache"``).
-        rule: the verdict rule in words, as stated before the measurement (``"reproduced if every 95%
-            interval lies above 0.9"``).
+        rule: the verdict rule, as stated before the measurement: a :class:`Rule` (its words, the function
+            that gave ``verdict`` and a counter-example on which that function says something else; required
+            of measured and arithmetic rows) or, for a reading row, the words alone.
         basis: one of :data:`BASES`; it limits the verdicts the row may reach (:data:`VERDICTS_BY_BASIS`).
         estimate: for ``basis="measured"``: the decisive :class:`Estimate`, which fills ``n`` and ``interval``;
             for ``basis="simulated"``: the range over seeds (:meth:`Estimate.spread`).
@@ -587,6 +743,7 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
             stored as a p-value, never as an interval.
         rule_changes: each change of ``rule`` since the row was first recorded, oldest first, as
             :class:`RuleChange` (date, the old rule, why it changed); the page shows them with the rule.
+        merged: ids of rows this row absorbed (each is listed in :mod:`labsrc.claims_retired` with the reason).
 
     The runtime profile (``cpu`` or ``gpu``) is recorded with every row.
     """
@@ -620,6 +777,17 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
         if isinstance(rule_changes, RuleChange) or not all(isinstance(c, RuleChange) for c in rule_changes):
             raise TypeError("rule_changes must be a list of labsrc.claims.RuleChange")
         rule_changes = [c.fields() for c in rule_changes]
+    counter = None
+    if isinstance(rule, Rule):
+        counter = rule.counter_fields(str(verdict))
+        rule = rule.text
+    elif not isinstance(rule, str):
+        raise TypeError(f"rule must be a labsrc.claims.Rule (or, for a reading row, its words), got "
+                        f"{type(rule).__name__}")
+    if merged is not None:
+        if isinstance(merged, str) or not all(isinstance(m, str) for m in merged):
+            raise TypeError("merged must be a list of the absorbed rows' ids")
+        merged = list(merged)
     if anchor is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]*", str(anchor)):
         raise ValueError(f"anchor must be a lowercase MyST label like 'kv-quant-table', got {anchor!r}")
     row = Row(id=claim_id, claim=claim, section=section, measured=measured,
@@ -629,7 +797,8 @@ def record(claim_id: str, *, claim: str, section: str, measured: str, verdict: s
               if interval is not None else None,
               cite=list(cite) if cite else None, anchor=anchor,
               **(scope.fields() if scope is not None else dict.fromkeys(_SCOPE_FIELDS)), reason=reason,
-              test=test.fields() if test is not None else None, rule_changes=rule_changes or None)
+              test=test.fields() if test is not None else None, rule_changes=rule_changes or None,
+              counter=counter, merged=merged or None)
     _validate(row, f"claim {claim_id!r}")
     folder = claims_dir()
     folder.mkdir(parents=True, exist_ok=True)
@@ -746,6 +915,12 @@ def render_markdown(rows: list[dict]) -> str:
             rule = r["rule"] + (" " + OFF_SCALE_RULE if off_scale else "")
             rule += "".join(f" *Rule changed {c['date']}:* it was \"{c['old_rule']}\"; {c['why']}"
                             for c in r.get("rule_changes") or ())
+            if r.get("counter"):
+                rule += (f" *Could have gone otherwise:* on {r['counter']['data']} the same rule gives "
+                         f"{r['counter']['verdict']}.")
+            if r.get("merged"):
+                rule += " *Merged here:* " + ", ".join(f"`{m}`" for m in r["merged"]) + "."
+            rule += f" *Row:* `{r['id']}`."
             out.append(f"| {_cell(r['claim'])} | {where} | {_cell(r['measured'])} | {_evidence(r)}. "
                        f"*Rule:* {_cell(rule)} | {_verdict_cell(r)} |")
         out.append("")

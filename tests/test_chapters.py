@@ -115,14 +115,44 @@ def test_cells_computed_from_a_solution_hide_their_output(path):
                          "result in the book: run python tools/solution_outputs.py")
 
 
-# Bookkeeping stays off the page (conventions.md, "On the rendered page"): a cell that records a claims-ledger row
-# is tagged remove-input (its one-line verdict output stays), or hide-input where it also draws a figure.
+# Bookkeeping stays off the page (conventions.md, "On the rendered page"): a cell that records a claims-ledger row,
+# or decides a verdict (claims.judge, claims.check, claims.Rule), is tagged remove-input (its one-sentence verdict
+# output stays), or hide-input where it also draws a figure. The verdict reaches the reader as a sentence with no
+# row id (labsrc.claims.Row); tools/browser_check.py checks the rendered pages for ids.
+VERDICT_CALLS = ("claims.record(", "claims.judge(", "claims.check(", "claims.Rule(")
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
 def test_claims_bookkeeping_is_hidden(path):
     shown = [i for i, (kind, src, cell) in enumerate(cells(path))
-             if kind == "code" and "claims.record(" in src
+             if kind == "code" and any(c in src for c in VERDICT_CALLS)
              and not {"remove-input", "remove-cell", "hide-input"} & set(cell["metadata"].get("tags", []))]
-    assert not shown, f"{path.name}: cells {shown} show claims.record bookkeeping; tag them remove-input"
+    assert not shown, (f"{path.name}: cells {shown} show claims bookkeeping (a verdict decided or recorded); "
+                       "move it into a cell tagged remove-input")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_no_chapter_prints_a_claim_id(path):
+    """A chapter's code never prints a ledger row id: a string holding a recorded or retired id appears only
+    inside a claims.record call (its id, its anchor, text the claims page shows)."""
+    import ast
+    import re
+
+    from labsrc.claims_retired import RETIRED
+
+    src_all = [src for kind, src, _ in cells(path) if kind == "code"]
+    ids = set(RETIRED) | {m for src in src_all for m in re.findall(
+        r'claims\.record\(\s*["\']([a-z0-9][a-z0-9-]*)["\']', src)}
+    used = []
+    for src in src_all:
+        tree = ast.parse("\n".join("" if ln.lstrip().startswith(("%", "!")) else ln for ln in src.split("\n")))
+        allowed = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "record":
+                allowed |= {id(n) for n in ast.walk(node)}
+        used += [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                 and id(n) not in allowed and any(i in n.value for i in ids)]
+    assert not used, f"{path.name}: code that could print a claims-ledger row id: {used}"
 
 
 def shown_package_sources(path):

@@ -29,6 +29,10 @@ host is refused (the book must work offline) and counts as a failure. Each page 
   ``scrollWidth`` exceeds its ``clientWidth``, a table wider than its scrolling container or the article;
 * no words from the book's own history on a chapter page ("the previous lab-target", "an earlier run",
   ``git show``: ``tools/history_words.py``);
+* claims-ledger bookkeeping stays off the chapter pages: no row id of the ledger (``_build/claims``, or
+  ``$LAB_CLAIMS_DIR``) or of the retired list in a chapter's text (verdicts reach the reader as sentences; ids
+  stay on the claims page), and no shown code cell that decides a verdict (``claims.judge``, ``claims.check``,
+  ``claims.Rule``, ``claims.record``: such cells are tagged remove-input or remove-cell);
 * on each kernel chapter, the Triton kernel's own source, rendered from ``labsrc`` (``labsrc.show``): a
   highlighted block holding ``@triton.jit``;
 
@@ -320,6 +324,34 @@ OVERFLOW_JS = """
 }
 """
 
+# Code cells whose input the page shows uncollapsed (not hide-input): their code, first line for the message.
+SHOWN_CODE_JS = """
+() => Array.from(document.querySelectorAll('.cell:not(.tag_hide-input) .cell_input pre'))
+        .map(pre => pre.textContent)
+"""
+VERDICT_CALLS = ("claims.judge(", "claims.check(", "claims.Rule(", "claims.record(")
+
+
+@functools.lru_cache(maxsize=1)
+def claim_ids() -> frozenset[str]:
+    """The ledger's row ids (the records the executed chapters wrote) and the retired ids."""
+    sys.path.insert(0, str(ROOT))
+    from labsrc import claims
+    from labsrc.claims_retired import RETIRED
+
+    return frozenset(r["id"] for r in claims.load()) | frozenset(RETIRED)
+
+
+def bookkeeping_problems(text: str, shown_code: list[str]) -> list[str]:
+    """Row ids in a chapter page's text, and shown code cells that decide a verdict."""
+    out = [f"shows the claims-ledger row id {i!r}: a chapter gives the verdict as a sentence, the id stays on "
+           "the claims page" for i in sorted(claim_ids()) if i in text]
+    out += [f"shows verdict bookkeeping ({', '.join(c for c in VERDICT_CALLS if c in code)}) in a cell starting "
+            f"{code.strip().splitlines()[0][:80]!r}: tag it remove-input"
+            for code in shown_code if any(c in code for c in VERDICT_CALLS)]
+    return out
+
+
 KERNEL_SOURCE_JS = """
 () => Array.from(document.querySelectorAll('.cell_output .highlight, .cell_output pre'))
         .some(el => el.innerText.includes('@triton.jit'))
@@ -379,6 +411,7 @@ def test_page(page, base_url, page_path):
     problems += page.evaluate(OVERFLOW_JS)
     if page_path.startswith("chapters/"):
         problems += solution_outputs.page_problems([tuple(c) for c in page.evaluate(CODE_CELLS_JS)])
+        problems += bookkeeping_problems(text, page.evaluate(SHOWN_CODE_JS))
     if page_path in KERNEL_PAGES and not page.evaluate(KERNEL_SOURCE_JS):
         problems.append("a kernel chapter that shows no Triton kernel source (labsrc.show.show_source)")
 
