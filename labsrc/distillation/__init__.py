@@ -50,7 +50,7 @@ The package, one concept per file (imports run down this list, never back up):
 * :mod:`~labsrc.distillation.finetune` -- fine-tuning lab-draft, its experiment, summary and ``ship-finetuned``;
 * :mod:`~labsrc.distillation.cli` -- the command line (``python -m labsrc.distillation``).
 
-Everything public is re-exported here, so ``from labsrc import distill; distill.kd_loss(...)`` is the way to use
+Everything public is re-exported here, so ``from labsrc import distillation; distillation.kd_loss(...)`` is the way to use
 it; a test that replaces a function an experiment calls patches the module that calls it
 (``labsrc.distillation.scratch.distill_run``).
 """
