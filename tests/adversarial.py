@@ -355,3 +355,25 @@ def leaks(message: str, expected: list[float], fixed: set[float]) -> list[str]:
                 found.append(f"{token} (from expected {e:g})")
                 break
     return found
+
+
+def silent_kernel() -> Adversary:
+    """A ``@triton.jit`` kernel with the solution's signature that writes nothing (Triton reads a kernel's source
+    from its file, so it is written to one and imported)."""
+    def build(right):
+        import importlib.util
+        import inspect
+        import tempfile
+
+        fn = getattr(right, "fn", right)
+        params = inspect.signature(fn).parameters
+        args = ", ".join(f"{p}: tl.constexpr" if "constexpr" in str(v.annotation) else p for p, v in params.items())
+        text = ("from labsrc.kernels._triton import tl, triton\n\n\n@triton.jit\n"
+                f"def silent({args}):\n    pass\n")
+        path = Path(tempfile.mkdtemp(prefix="lab-adversary-")) / "silent_kernel.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location("silent_kernel", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.silent
+    return Adversary("a kernel that writes nothing", build)

@@ -402,11 +402,11 @@ def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Ca
 
     ``make_inputs(generator)`` returns the argument tuple for one trial. Outputs may be tensors or numbers. A
     failure names the trial and its inputs (shapes and arguments, so the student can rebuild the case) and the
-    invariant broken there; ``explain(got, expected, *args)``, when given, adds a chapter's sentence about the
-    *case* (what is special about it: a row that sees no key, a group that straddles a block), never about the
-    expected value. In the hidden cases (:func:`exercise`) the trials come from the notebook's seed and there
+    invariant broken there, nothing more. ``explain`` and ``arg_names`` are accepted for older callers and unused:
+    a chapter's diagnosis of the slip (an exact factor, the doubled argument, the wrong one of two terms) named
+    the bug or said where the answer lies. In the hidden cases (:func:`exercise`) the trials come from the notebook's seed and there
     are twice as many. With ``forbidden``, every call of ``fn`` runs under :func:`guarded` (``allowed``: helpers
-    the exercise hands out). ``arg_names`` is accepted for older callers and unused.
+    the exercise hands out).
     """
     seed, trials = seed_for(seed), trials_for(trials)
     forbidden = tuple(forbidden)
@@ -437,12 +437,6 @@ def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Ca
                 problem = "", f"expected a number, got {type(got).__name__}."
         if problem:
             where, what = problem
-            if explain is not None:
-                try:
-                    extra = explain(got, expected, *args)
-                except Exception:  # noqa: BLE001 - an answer too malformed to diagnose keeps the plain message
-                    extra = ""
-                what = f"{what} {extra}".strip() if extra else what
             return fail(name, ", ".join(p for p in (case, where) if p), what, hint)
     return _report(Result(name, PASSED, f"agrees with the reference on {trials} random inputs."))
 
@@ -499,6 +493,10 @@ def _code_names(code: types.CodeType) -> set[str]:
 _SELF_DEFEATING = (sys.setprofile, sys.settrace)
 """C functions that would switch the guard's profile hook off: calling one inside an answer counts as a refused
 call (the hook sees the call before it takes effect)."""
+
+
+_CORE = os.path.abspath(__file__)
+"""This file: its wrappers (:func:`as_number`, :func:`guarded`) run inside the guard and compute no answer."""
 
 
 class _Watch:
@@ -565,7 +563,8 @@ class _Watch:
                 code = frame.f_code
                 if code in codes:
                     seen.add(codes[code])
-                elif prefixes and code.co_filename.startswith(prefixes) and not self._allowed_above(frame):
+                elif (prefixes and code.co_filename.startswith(prefixes) and code.co_filename != _CORE
+                      and not self._allowed_above(frame)):
                     seen.add(next(n for p, n in self.prefix_names.items() if code.co_filename.startswith(p)))
             elif event == "c_call":
                 if frame.f_code is own:                     # the guard switching its own hook off
