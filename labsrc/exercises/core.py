@@ -564,7 +564,7 @@ class _Watch:
                 if code in codes:
                     seen.add(codes[code])
                 elif (prefixes and code.co_filename.startswith(prefixes) and code.co_filename != _CORE
-                      and not self._allowed_above(frame)):
+                      and code not in self.allowed and not self._allowed_above(frame)):
                     seen.add(next(n for p, n in self.prefix_names.items() if code.co_filename.startswith(p)))
             elif event == "c_call":
                 if frame.f_code is own:                     # the guard switching its own hook off
