@@ -80,8 +80,8 @@ class Exercise(NamedTuple):
 _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     # 01 KV cache
     "check_gqa_bytes": (1, 10, "transcription", "KV-cache bytes of a GQA model"),
-    "check_decode_rate_ceiling": (2, 20, "derivation", "the decode ceiling when memory caps the batch"),
-    "check_paged_utilisation": (2, 15, "prediction", "predict, then measure, the utilisation of a paged cache"),
+    "check_decode_rate_ceiling": (1, 15, "transcription", "the decode ceiling when memory caps the batch"),
+    "check_paged_utilisation": (3, 20, "prediction", "predict the measured utilisation of a paged cache"),
     "check_mla_equivalent_heads": (2, 15, "derivation", "derive MLA's equivalent number of K/V heads"),
     "check_kv_store_kernel": (3, 30, "kernel", "a store into a head-major cache, as a Triton kernel"),
     # 02 lab bench
@@ -91,10 +91,10 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_pareto_front": (2, 20, "transcription", "the Pareto front"),
     "check_keys_needed": (3, 20, "derivation", "how many keys a clear pass needs"),
     # 03 FlashAttention
-    "check_merge": (2, 20, "debugging", "fix a merge of two partial softmax results"),
+    "check_merge": (1, 15, "transcription", "fix a merge of two partial softmax results"),
     "check_naive_bytes": (1, 10, "transcription", "bytes moved by naive attention"),
-    "check_tiled_causal_bytes": (3, 25, "prediction",
-                                 "predict, then measure, the bytes of tiled causal attention"),
+    "check_tiled_causal_bytes": (4, 30, "derivation",
+                                 "derive the bytes of tiled causal attention, checked against a measurement"),
     "check_key_tile": (2, 15, "debugging", "find the bug in a masked load (Triton)"),
     "check_dq_kernel": (4, 40, "kernel", "the backward pass's dQ (Triton kernel)"),
     # 04 RoPE
@@ -104,7 +104,7 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_rope_kernel": (3, 30, "kernel", "the interleaved RoPE layout in a Triton kernel"),
     # 05 KV quantization
     "check_scale_zero": (1, 10, "transcription", "step and zero point of a group"),
-    "check_fp16_params": (3, 25, "debugging", "fix an fp16 step and zero point that miss the group"),
+    "check_fp16_params": (3, 25, "debugging", "fix fp16 codes that miss their reconstruction"),
     "check_group_size": (2, 20, "experiment", "the largest group an error budget affords"),
     "check_unpack_kernel": (3, 30, "kernel", "INT4 unpack with KIVI's per-channel steps (Triton)"),
     # 06 eviction (the LRU cell checks two functions)
@@ -132,8 +132,8 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_recurrent_kernel": (3, 30, "kernel", "recurrent linear attention with decay (Triton kernel)"),
     # 07 state-space models and scans
     "check_zoh_diagonal": (1, 10, "transcription", "zero-order hold for a diagonal A (warm-up)"),
-    "check_mamba_cache_bytes": (3, 20, "prediction", "predict, then measure, the cache of a Mamba-2"),
-    "check_chunk_state_reset": (3, 25, "debugging", "find the bug in a chunk state that breaks on a reset"),
+    "check_mamba_cache_bytes": (3, 20, "derivation", "derive the measured cache of a Mamba-2"),
+    "check_chunk_state_reset": (2, 20, "debugging", "find the bug in a chunk state"),
     "check_scan_grad_kernel": (4, 40, "kernel", "the scan's gradient as a reverse blocked scan (Triton)"),
     # 12 weight quantization
     "check_rtn_outlier_ratio": (2, 15, "prediction",

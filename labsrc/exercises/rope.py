@@ -22,7 +22,6 @@ The wavelength check refuses an answer that calls the :mod:`labsrc.rope` functio
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 
