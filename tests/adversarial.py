@@ -64,11 +64,12 @@ def notebook(chapter: str) -> list[dict]:
 
 
 def cells_of(chapter: str, check: str) -> tuple[str, str]:
-    """``(solution cell, test cell)`` sources of the exercise graded by ``check``."""
+    """``(solution cell, test cell)`` sources of the exercise graded by ``check`` (the test cell's grade id, or
+    another check that test cell calls)."""
     cells = notebook(chapter)
     for i, cell in enumerate(cells):
         meta = cell.get("metadata", {}).get("nbgrader", {})
-        if meta.get("grade") and meta.get("grade_id") == check:
+        if meta.get("grade") and (meta.get("grade_id") == check or f"ex.{check}(" in _source(cell)):
             sol = next(c for c in reversed(cells[:i]) if c.get("metadata", {}).get("nbgrader", {}).get("solution"))
             return _source(sol), _source(cell)
     raise LookupError(f"{chapter} has no graded cell {check}")
@@ -90,8 +91,10 @@ def base_namespace() -> dict:
     import numpy as np
     import torch.nn.functional as F
 
+    from labsrc import runtime
     from labsrc.kernels._triton import tl, triton
-    return {"torch": torch, "math": math, "np": np, "F": F, "triton": triton, "tl": tl}
+    return {"torch": torch, "math": math, "np": np, "F": F, "triton": triton, "tl": tl, "runtime": runtime,
+            "HAS_TRITON": runtime.HAS_TRITON}
 
 
 def solution(chapter: str, check: str, setup: dict | None = None, name: str | None = None) -> Callable:
@@ -252,7 +255,12 @@ class Outcome:
             if r.case:
                 text = text.replace(r.case, "")
             out.append(text)
-        return out + self.errors
+        for err in self.errors:                 # a raised failure repeats a printed result, case included
+            for r in self.results:
+                if r.case:
+                    err = err.replace(r.case, "")
+            out.append(err)
+        return out
 
 
 @contextlib.contextmanager

@@ -89,7 +89,7 @@ def test_every_exercise_of_a_chapter_is_graded_adversarially(path):
     graded = {c["metadata"]["nbgrader"]["grade_id"]: c["metadata"]["lab"]["kind"] for c in cells
               if c.get("metadata", {}).get("nbgrader", {}).get("grade")}
     mine = {e.check: e for e in REGISTERED[number]}
-    assert set(mine) == set(graded), f"registered {sorted(mine)}, graded {sorted(graded)}"
+    assert set(graded) <= set(mine), f"registered {sorted(mine)}, graded {sorted(graded)}"
     for check, kind in graded.items():
         names = [a.name for a in mine[check].adversaries]
         assert names, f"{check}: no adversary"

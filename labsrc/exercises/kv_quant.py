@@ -297,8 +297,7 @@ def check_unpack_kernel(kernel) -> Result:
     if refused is not None:
         return refused
     hint = ("re-read 'Unpack and dequantize' and the per-channel grouping in 'Grouping: token, channel, group of "
-            "tokens'; the first wrong element's channel (below DP or not) and token (its group) say which load "
-            "to look at.")
+            "tokens'; the first wrong element's channel and token say which load to look at.")
     trials = trials_for(6)
     gen = torch.Generator().manual_seed(seed_for(25))
     for trial in range(trials):

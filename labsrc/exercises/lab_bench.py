@@ -250,7 +250,7 @@ def check_keys_needed(fn) -> Result:
     return check_function("keys needed for a clear pass", fn, keys_needed_ref, _keys_inputs, trials=8,
                           forbidden=(claims, *_REFERENCES), owner="the lab",
                           hint="re-read the Wilson interval in 'Which probes `lab-target` passes, and why' and "
-                               "evaluate its lower end for your n and for n - 1.")
+                               "work the interval of the failing threshold by hand.")
 
 
 # The reference solutions themselves (passed in directly) are refused too.
