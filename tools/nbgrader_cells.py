@@ -99,7 +99,7 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_dq_kernel": (4, 40, "kernel", "the backward pass's dQ (Triton kernel)"),
     # 04 RoPE
     "check_wavelength": (1, 10, "transcription", "wavelength of a RoPE pair"),
-    "check_first_new_angle": (3, 25, "prediction", "predict when PI and NTK first meet a new angle"),
+    "check_first_new_angle": (3, 25, "derivation", "derive when PI and NTK first meet a new angle"),
     "check_rotate_new_tokens": (3, 25, "debugging", "fix a decode step's rotation"),
     "check_rope_kernel": (3, 30, "kernel", "the interleaved RoPE layout in a Triton kernel"),
     # 05 KV quantization
@@ -111,7 +111,7 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_scores": (2, 20, "transcription", "value-aware scores"),
     "check_lru_keep": (4, 30, "debugging", "fix a buggy LRU, then find the token it wrongly drops"),
     "check_attention_sums_kernel": (3, 30, "kernel", "attention sums from the log-sum-exp (Triton kernel)"),
-    "check_ever_kept": (2, 15, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
+    "check_ever_kept": (2, 15, "derivation", "derive what repeated draws keep that top-K never does"),
     # 09 serving
     "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table (warm-up)"),
     "check_fork_blocks": (3, 20, "prediction", "predict the blocks and copies of parallel samples"),
