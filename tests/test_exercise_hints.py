@@ -1,13 +1,14 @@
 """No exercise check's message gives the answer away.
 
-A check prints a hint on every failed attempt, so a student who submits ``return 0`` reads every hint. The
+A check prints a hint on every failed attempt, so a student who submits a few wrong answers reads every hint. The
 conventions ask that a hint name what is wrong in the answer (the failing case, the shape, the invariant, the
 section to re-read), never the expected code or formula. This test makes that mechanical: for every graded
 exercise of the 15 chapters it gathers
 
 * the messages its checker module can print: every string literal of the module and of
   :mod:`labsrc.exercises.core` (f-strings by their fixed parts; docstrings, which state the task, left out),
-  plus what the check actually prints when it is handed a wrong answer that returns 0;
+  plus what the check actually prints when it is handed each of a few wrong answers (``WRONG_ANSWERS``: zero,
+  one, a negative number, a huge one, None, the first argument handed back, zeros shaped like it);
 * the solution: the code between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` in the chapter's instructor
   notebook, the checker module's own reference functions (named ``*_ref*``), and the source of the ``labsrc``
   functions the check refuses to let the answer call (the library code the student is asked to write),
@@ -183,8 +184,24 @@ def _returns_zero(*args, **kwargs):
     return 0
 
 
-def printed_messages(check) -> tuple[str, list]:
-    """What ``check`` prints for an answer that returns 0, and the library objects it refuses the answer."""
+def _first_tensor(args):
+    import torch
+    return next((a for a in args if isinstance(a, torch.Tensor)), None)
+
+
+def _zeros_like_first(*args, **kwargs):
+    import torch
+    first = _first_tensor(args)
+    return 0 if first is None else torch.zeros_like(first)
+
+
+WRONG_ANSWERS = (_returns_zero, lambda *a, **k: 1, lambda *a, **k: -1.5, lambda *a, **k: 1e6,
+                 lambda *a, **k: None, lambda *a, **k: a[0] if a else 0, _zeros_like_first)
+"""The wrong answers whose printed messages are read: a student trying constants and shapes sees all of these."""
+
+
+def printed_messages(check, answers=WRONG_ANSWERS) -> tuple[str, list]:
+    """What ``check`` prints for each of ``answers``, and the library objects it refuses the answer."""
     refused: list = []
     original = core.library_use
 
@@ -197,10 +214,11 @@ def printed_messages(check) -> tuple[str, list]:
     core.library_use = spy
     try:
         with contextlib.redirect_stdout(out):
-            try:
-                check(_returns_zero)
-            except Exception as err:  # noqa: BLE001 - strict mode, or a check that raises: its text counts
-                print(err)
+            for answer in answers:
+                try:
+                    check(answer)
+                except Exception as err:  # noqa: BLE001 - strict mode, or a check that raises: its text counts
+                    print(err)
     finally:
         core.library_use = original
     return out.getvalue(), refused
@@ -270,13 +288,15 @@ def lenient_env():
 
 
 def messages_and_refused(ex: dict) -> tuple[list[str], list]:
-    """Every message the exercise's checks can print (static and printed for a `return 0` answer), and the
+    """Every message the exercise's checks can print (static, and printed for ``WRONG_ANSWERS``; a chapter not yet
+    reworked to the third round's rules, without a file in tests/adversaries/, for ``return 0`` only), and the
     library objects they refuse."""
     module = importlib.import_module(f"labsrc.exercises.{ex['module']}")
     messages = static_messages(module) + static_messages(core)
     refused: list = []
+    answers = WRONG_ANSWERS if ex["chapter"][:2] in _adversarial_chapters() else (_returns_zero,)
     for name in ex["checks"]:
-        printed, used = printed_messages(getattr(module, name))
+        printed, used = printed_messages(getattr(module, name), answers)
         messages.append(printed)
         refused += used
     return messages, refused
@@ -360,3 +380,30 @@ def test_the_formula_guard_catches_pseudo_code_and_spares_prose():
     assert formula_in("then g * memory + (1 - g) * local with g = sigmoid(gate[h]).")
     assert formula_in("Hint: re-read 'Mixture-of-Depths: only some tokens' and the top-k rule; it is exactly "
                       "1/25 times the right value, off by -1.") is None
+
+
+# ------------------------------------------------------------------------------ no message points the way
+_DIRECTION = re.compile(r"\b(too (high|low|large|small|big|many|few|much|little)|larger|smaller|higher|lower|greater|"
+                        r"fewer|above|below|overestimat\w*|underestimat\w*|exceed\w*|more than|less than|off by|"
+                        r"times the right|doubling)\b", re.I)
+
+
+def _adversarial_chapters() -> set[str]:
+    """Chapters whose exercises have been reworked to the third round's rules (a file in tests/adversaries/)."""
+    return {p.stem[2:] for p in (ROOT / "tests" / "adversaries").glob("ch[0-9][0-9].py")}
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=_IDS)
+def test_no_message_points_the_way(ex, lenient_env):
+    """No string a check can print, and nothing it prints for the wrong answers above, says which way the right
+    answer lies ("too large", "below") or how it scales ("doubling ..."), for the chapters reworked so far."""
+    if ex["chapter"][:2] not in _adversarial_chapters():
+        pytest.skip(f"{ex['chapter']} has no tests/adversaries file yet")
+    module = importlib.import_module(f"labsrc.exercises.{ex['module']}")
+    messages = static_messages(module) + static_messages(core)
+    for name in ex["checks"]:
+        messages.append(printed_messages(getattr(module, name))[0])
+    for message in messages:
+        found = _DIRECTION.search(message.replace("Fill in the function above", "").replace(
+            "Fill in the kernel above", ""))
+        assert found is None, f"{ex['module']}: a message says {found.group(0)!r}:\n  {message[:300]}"

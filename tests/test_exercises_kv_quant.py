@@ -140,9 +140,9 @@ def wrong_kernel_one_step_per_group(p_ptr, scale_ptr, zero_ptr, out_ptr, T, DP, 
 
 
 @needs_triton
-def test_unpack_kernel_names_a_step_shared_by_the_channels():
+def test_unpack_kernel_fails_a_step_shared_by_the_channels_without_naming_the_slip():
     result = ex.check_unpack_kernel(wrong_kernel_one_step_per_group)
-    assert result.status == "failed" and "channel 0 of its group" in result.message
+    assert result.status == "failed" and "channel 0 of its group" not in result.message
 
 
 def test_per_channel_pack_round_trips_within_half_a_step():
@@ -157,12 +157,25 @@ def test_per_channel_pack_round_trips_within_half_a_step():
 
 
 # ----------------------------------------------------------------------------- fp16 step and zero point
-def fp16_buggy(group, bits):              # the exercise's given version
+def fp16_rounded_unsafely(group, bits):   # the exercise's earlier version: both rounded to nearest
     levels = 2 ** bits - 1
     lo, hi = group.min(), group.max()
     scale = ((hi - lo) / levels).half()
     zero = lo.half()
     return torch.round((group - zero.double()) / scale.double()).clamp(0, levels), scale, zero
+
+
+def fp16_buggy(group, bits):              # the exercise's given version: codes on the exact grid
+    levels = 2 ** bits - 1
+    lo, hi = group.min(), group.max()
+    step = (hi - lo) / levels
+    zero = lo.half()
+    if zero.double() > lo:
+        zero = torch.nextafter(zero, torch.tensor(float("-inf"), dtype=torch.float16))
+    scale = ((hi - zero.double()) / levels).half()
+    if zero.double() + levels * scale.double() < hi:
+        scale = torch.nextafter(scale, torch.tensor(float("inf"), dtype=torch.float16))
+    return torch.round((group - lo) / step).clamp(0, levels), scale, zero
 
 
 def fp16_fixed(group, bits):
@@ -200,8 +213,9 @@ def test_fp16_check_accepts_another_safe_rounding():
     assert ex.check_fp16_params(fp16_library_margins).passed
 
 
-@pytest.mark.parametrize("wrong, said", [(fp16_buggy, "more than half a step"),
-                                         (fp16_too_wide, "wider than fp16 rounding needs"),
+@pytest.mark.parametrize("wrong, said", [(fp16_buggy, "not within half a stored step"),
+                                         (fp16_rounded_unsafely, "not within half a stored step"),
+                                         (fp16_too_wide, "wider than the group's range"),
                                          (fp16_float32_params, "torch.float16")])
 def test_fp16_check_names_what_is_wrong(wrong, said):
     result = ex.check_fp16_params(wrong)

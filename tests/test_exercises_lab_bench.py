@@ -173,14 +173,22 @@ def test_pass_probability_is_the_binomial_sum_over_the_probe_tables_rule():
         assert abs(ex.pass_probability_ref(n, p, t) - exact) < 1e-12
 
 
-def test_probe_size_tells_which_part_of_the_answer_is_wrong():
+def _exact_pass_probability(n, p_true, threshold):
+    """The test's own exact pass probability (the checker's is refused inside an answer)."""
+    from labsrc import claims
+    k = torch.arange(n + 1)
+    pmf = torch.distributions.Binomial(n, torch.tensor(p_true, dtype=torch.float64)).log_prob(k.double()).exp()
+    return float(sum(p for j, p in zip(range(n + 1), pmf.tolist()) if claims.wilson(j, n)[0] > threshold))
+
+
+def test_probe_size_says_which_part_fails_but_not_which_way():
     def too_small(p_true, threshold, power):
         n, _ = probe_size(p_true, threshold, power)
-        return n - 10 if n > 10 else n, ex.pass_probability_ref(max(10, n - 10), p_true, threshold)
+        return n - 10 if n > 10 else n, _exact_pass_probability(max(10, n - 10), p_true, threshold)
 
     def larger_than_needed(p_true, threshold, power):
         n, _ = probe_size(p_true, threshold, power)
-        return 2 * n + 50, ex.pass_probability_ref(2 * n + 50, p_true, threshold)
+        return 2 * n + 50, _exact_pass_probability(2 * n + 50, p_true, threshold)
 
     def rate_not_measured(p_true, threshold, power):
         return probe_size(p_true, threshold, power)[0], 1.0
@@ -188,13 +196,26 @@ def test_probe_size_tells_which_part_of_the_answer_is_wrong():
     said = {f.__name__: ex.check_probe_size(f).message for f in (too_small, larger_than_needed, rate_not_measured)}
     assert all("Hint:" in m for m in said.values())
     assert "not the smallest" in said["larger_than_needed"]
-    assert "measured" in said["rate_not_measured"]
-    assert "too small" in said["too_small"] or "off by more" in said["too_small"]
+    assert "pass rate" in said["rate_not_measured"]
+    assert said["too_small"].split("Hint:")[0].endswith(said["larger_than_needed"].split("Hint:")[0][-80:]), \
+        "a probe too small and one too large read the same: no direction for a binary search"
+    assert not any(w in m for m in said.values() for w in ("too small", "too large", "off by"))
+
+
+def test_probe_size_refuses_the_checkers_exact_probability():
+    def search(p_true, threshold, power):
+        n = 10
+        while ex.pass_probability_ref(n, p_true, threshold) < power:
+            n += 10
+        return n, ex.pass_probability_ref(n, p_true, threshold)
+
+    result = ex.check_probe_size(search)
+    assert result.status == "failed" and "pass_probability_ref" in result.message
     assert "not a positive multiple" in ex.check_probe_size(lambda *a: (15, 0.9)).message
     assert "expected a pair" in ex.check_probe_size(lambda *a: 40).message
 
 
-def test_bucket_check_names_each_bug_of_the_shown_function():
-    assert "averages the per-token perplexities" in ex.check_bucket_perplexity(bucket_perplexity_keeps_mean_of_exp).message
-    message = ex.check_bucket_perplexity(bucket_perplexity_drops_last).message
-    assert "buckets, the last one holding" in message
+def test_bucket_check_fails_the_shown_function_without_naming_its_bugs():
+    for buggy in (bucket_perplexity_keeps_mean_of_exp, bucket_perplexity_drops_last):
+        message = ex.check_bucket_perplexity(buggy).message
+        assert "trial" in message and "per-token" not in message and "last one holding" not in message

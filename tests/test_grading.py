@@ -86,7 +86,8 @@ def test_every_exercise_cell_carries_nbgrader_metadata(path):
         assert meta["locked"] and meta["points"] > 0 and not meta["solution"]
         visible, hidden = text.split("### BEGIN HIDDEN TESTS")
         assert re.search(r"\bex\.check_\w+\(", visible), "the students see the check"
-        assert "hidden=True" in hidden and hidden.rstrip().endswith("### END HIDDEN TESTS")
+        assert re.search(r"hidden=(\d+|True)\)", hidden), "each hidden call carries its seed, written only here"
+        assert hidden.rstrip().endswith("### END HIDDEN TESTS")
         assert cell["metadata"]["lab"]["minutes"] > 0
 
 
@@ -105,7 +106,7 @@ def test_nbgrader_cells_is_idempotent_and_keeps_an_instructors_hidden_lines():
     assert once == twice
     hidden = source(next(c for c in once["cells"] if nbgrader(c).get("grade"))).split("### BEGIN HIDDEN TESTS")[1]
     assert "assert gqa_kv_bytes(1, 1, 1, 1, 1, 1, 1) == 2" in hidden
-    assert hidden.count("hidden=True") == 1
+    assert len(re.findall(r"hidden=(\d+|True)\)", hidden)) == 1
 
 
 # --------------------------------------------------------------------------------- the release build
@@ -124,7 +125,7 @@ def test_release_has_no_solutions_no_hidden_tests_and_locked_checks(released):
         release = json.loads((out / path.name).read_text())["cells"]
         answers = [m.group(1).strip() for c in instructor for m in SOLUTION_REGION.finditer(source(c))]
         text = "\n".join(source(c) for c in release)
-        assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text and "hidden=True" not in text
+        assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text and "hidden=" not in text
         for answer in answers:
             assert answer not in text, f"{path.name}: a solution survived the release build"
         assert text.count('raise NotImplementedError("not solved yet")') == len(answers)
@@ -202,7 +203,7 @@ def test_autograde_round_trip(tmp_path, capsys):
         assert not displayed, "a test cell's displayed value would be read by nbgrader as a partial score"
         if who in ("checks_replaced", "checks_deleted"):
             restored = [source(c) for c in code if nbgrader(c).get("grade")]
-            assert len(restored) == len(ids) and all("hidden=True" in s for s in restored)
+            assert len(restored) == len(ids) and all(re.search(r"hidden=(\d+|True)\)", s) for s in restored)
     unsolved = json.loads((course / "autograded" / "unsolved" / "lab" / name).read_text())
     shown = "".join(source({"source": o.get("text", "")}) for c in unsolved["cells"] if c["cell_type"] == "code"
                     for o in c["outputs"])
@@ -244,7 +245,7 @@ def test_autograde_without_triton_awards_no_kernel_points_and_says_so(tmp_path, 
     # the feedback nbgrader writes from this course shows results, not the hidden cases
     student.nbgrader(course, "generate_feedback", student.ASSIGNMENT, "--force", env={"PYTHONPATH": str(ROOT)})
     html = (course / "feedback" / "instructor" / "lab" / f"{ROUND_TRIP_CHAPTER.stem}.html").read_text()
-    assert "hidden=True" not in html and "HIDDEN TESTS" not in html
+    assert "hidden=" not in html and "HIDDEN TESTS" not in html
     assert "check_kv_store_kernel" in html and "on Linux" in html
 
 
@@ -335,7 +336,7 @@ def test_staged_chapter_is_the_release_version_with_outputs(path):
             cell["outputs"] = [marker]
     staged = stage_book().release_view(nb)
     text = "\n".join(source(c) for c in staged["cells"])
-    assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text and "hidden=True" not in text
+    assert "BEGIN SOLUTION" not in text and "HIDDEN TESTS" not in text and "hidden=" not in text
     assert answers and not any(answer in text for answer in answers)
     for before, after in zip(nb["cells"], staged["cells"]):
         if after["cell_type"] != "code":
@@ -430,7 +431,7 @@ def test_make_lab_hides_nbgraders_jupyterlab_extension():
 
 
 # --------------------------------------------------------------------------------- what the exercises ask
-THINKING = _nbgrader_cells().THINKING
+from labsrc.exercises.kinds import THINKING  # noqa: E402  (the one definition of the thinking kinds)
 # Chapter 2 builds the bench and the model; every other chapter has a Triton kernel of its own.
 KERNEL_CHAPTERS = [p for p in CHAPTERS if not p.stem.startswith("02_")]
 

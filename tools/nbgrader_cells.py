@@ -9,12 +9,17 @@ exercise cells, which it finds by their content, never by position:
 * its **test cell** is the next code cell, which must call ``ex.check_<name>(...)``; it gets
   ``grade=true, locked=true`` and the points below, the grade id ``check_<name>`` (the first check it calls),
   the estimated minutes and a title under ``metadata.lab``, and a hidden section that calls every check of the cell
-  again with ``hidden=True`` (further cases, and a failure raises in any environment)::
+  again with a seed of its own (further cases, and a failure raises in any environment)::
 
       ex.check_gqa_bytes(gqa_kv_bytes)
       ### BEGIN HIDDEN TESTS
-      ex.check_gqa_bytes(gqa_kv_bytes, hidden=True)
+      ex.check_gqa_bytes(gqa_kv_bytes, hidden=52817)
       ### END HIDDEN TESTS
+
+  The seed is drawn at random the first time and kept from then on: it lives only in the instructor notebook,
+  whose hidden section nbgrader strips from the release, so no ``labsrc`` function a student can import holds
+  the hidden cases. An instructor may write cases instead of a seed (``hidden=[...]``, for the checks that take
+  them); the script keeps whatever value the hidden call already has.
 
   An instructor may add lines of their own inside the hidden section; the script keeps them.
 * the **description cell** (the markdown cell above the solution cell) must hold a ``### Exercise N: ...``
@@ -28,12 +33,15 @@ Usage (from the repository root)::
 
     python tools/nbgrader_cells.py            # rewrite chapters/*.ipynb where needed
     python tools/nbgrader_cells.py --check    # exit 1, naming the notebooks, if any would change
+    python tools/nbgrader_cells.py --seed chapters/08_*.ipynb   # give hidden=True calls a seed of their own
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
+import secrets
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -45,11 +53,18 @@ BEGIN_HIDDEN, END_HIDDEN = "### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"
 HIDDEN_NOTE = "# The same checks on cases students do not see; a failure here raises anywhere."
 CHECK_CALL = re.compile(r"\bex\.(check_\w+)\(([^()]*)\)")
 
-KINDS = ("prediction", "derivation", "debugging", "experiment", "kernel", "transcription")
-# The kinds that make a student think rather than type what the chapter printed (conventions: at least half
-# of a chapter's points). "kernel" is writing a Triton kernel; "transcription" is coding a formula or
-# algorithm the chapter states.
-THINKING = ("prediction", "derivation", "debugging", "experiment")
+
+
+def _kinds():
+    """labsrc/exercises/kinds.py, where the kinds are defined once, loaded by path (no torch import)."""
+    spec = importlib.util.spec_from_file_location("_lab_kinds", ROOT / "labsrc" / "exercises" / "kinds.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_K = _kinds()
+KINDS, THINKING, KIND_LABELS = _K.KINDS, _K.THINKING, _K.LABELS
 
 
 class Exercise(NamedTuple):
@@ -65,8 +80,8 @@ class Exercise(NamedTuple):
 _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     # 01 KV cache
     "check_gqa_bytes": (1, 10, "transcription", "KV-cache bytes of a GQA model"),
-    "check_decode_rate_ceiling": (2, 20, "derivation", "the decode ceiling when memory caps the batch"),
-    "check_paged_utilisation": (2, 15, "prediction", "predict, then measure, the utilisation of a paged cache"),
+    "check_decode_rate_ceiling": (1, 15, "transcription", "the decode ceiling when memory caps the batch"),
+    "check_paged_utilisation": (3, 20, "prediction", "predict the measured utilisation of a paged cache"),
     "check_mla_equivalent_heads": (2, 15, "derivation", "derive MLA's equivalent number of K/V heads"),
     "check_kv_store_kernel": (3, 30, "kernel", "a store into a head-major cache, as a Triton kernel"),
     # 02 lab bench
@@ -76,27 +91,27 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_pareto_front": (2, 20, "transcription", "the Pareto front"),
     "check_keys_needed": (3, 20, "derivation", "how many keys a clear pass needs"),
     # 03 FlashAttention
-    "check_merge": (2, 20, "debugging", "fix a merge of two partial softmax results"),
+    "check_merge": (1, 15, "transcription", "fix a merge of two partial softmax results"),
     "check_naive_bytes": (1, 10, "transcription", "bytes moved by naive attention"),
-    "check_tiled_causal_bytes": (3, 25, "prediction",
-                                 "predict, then measure, the bytes of tiled causal attention"),
+    "check_tiled_causal_bytes": (4, 30, "derivation",
+                                 "derive the bytes of tiled causal attention, checked against a measurement"),
     "check_key_tile": (2, 15, "debugging", "find the bug in a masked load (Triton)"),
     "check_dq_kernel": (4, 40, "kernel", "the backward pass's dQ (Triton kernel)"),
     # 04 RoPE
     "check_wavelength": (1, 10, "transcription", "wavelength of a RoPE pair"),
-    "check_first_new_angle": (3, 25, "prediction", "predict when PI and NTK first meet a new angle"),
+    "check_first_new_angle": (3, 25, "derivation", "derive when PI and NTK first meet a new angle"),
     "check_rotate_new_tokens": (3, 25, "debugging", "fix a decode step's rotation"),
     "check_rope_kernel": (3, 30, "kernel", "the interleaved RoPE layout in a Triton kernel"),
     # 05 KV quantization
     "check_scale_zero": (1, 10, "transcription", "step and zero point of a group"),
-    "check_fp16_params": (3, 25, "debugging", "fix an fp16 step and zero point that miss the group"),
+    "check_fp16_params": (3, 25, "debugging", "fix fp16 codes that miss their reconstruction"),
     "check_group_size": (2, 20, "experiment", "the largest group an error budget affords"),
     "check_unpack_kernel": (3, 30, "kernel", "INT4 unpack with KIVI's per-channel steps (Triton)"),
     # 06 eviction (the LRU cell checks two functions)
     "check_scores": (2, 20, "transcription", "value-aware scores"),
     "check_lru_keep": (4, 30, "debugging", "fix a buggy LRU, then find the token it wrongly drops"),
     "check_attention_sums_kernel": (3, 30, "kernel", "attention sums from the log-sum-exp (Triton kernel)"),
-    "check_ever_kept": (2, 15, "prediction", "predict, then measure: what a draw keeps that top-K never does"),
+    "check_ever_kept": (2, 15, "derivation", "derive what repeated draws keep that top-K never does"),
     # 09 serving
     "check_slot_mapping": (1, 10, "transcription", "slot mapping from a block table (warm-up)"),
     "check_fork_blocks": (3, 20, "derivation", "derive the blocks and copies of parallel samples"),
@@ -117,8 +132,8 @@ _EXERCISES: dict[str, tuple[int, int, str, str]] = {
     "check_recurrent_kernel": (3, 30, "kernel", "recurrent linear attention with decay (Triton kernel)"),
     # 07 state-space models and scans
     "check_zoh_diagonal": (1, 10, "transcription", "zero-order hold for a diagonal A (warm-up)"),
-    "check_mamba_cache_bytes": (3, 20, "prediction", "predict, then measure, the cache of a Mamba-2"),
-    "check_chunk_state_reset": (3, 25, "debugging", "find the bug in a chunk state that breaks on a reset"),
+    "check_mamba_cache_bytes": (3, 20, "derivation", "derive the measured cache of a Mamba-2"),
+    "check_chunk_state_reset": (2, 20, "debugging", "find the bug in a chunk state"),
     "check_scan_grad_kernel": (4, 40, "kernel", "the scan's gradient as a reverse blocked scan (Triton)"),
     # 12 weight quantization
     "check_rtn_outlier_ratio": (2, 15, "prediction",
@@ -166,33 +181,58 @@ def same_form(text: str, like: str | list) -> str | list[str]:
     return text if isinstance(like, str) else text.splitlines(keepends=True)
 
 
-def visible_part(source: str) -> tuple[str, list[str]]:
-    """Split a test cell into the part students see and the instructor's own lines of its hidden section
-    (everything there except the generated calls and note)."""
+def _hidden_call(name: str, args: str) -> re.Pattern:
+    """The generated hidden call of ``ex.<name>(<args>)``, whatever its ``hidden=`` value."""
+    return re.compile(rf"^ex\.{re.escape(name)}\({re.escape(args)}, hidden=(.+)\)$")
+
+
+def visible_part(source: str) -> tuple[str, list[str], dict[tuple[str, str], str]]:
+    """Split a test cell into the part students see, the instructor's own lines of its hidden section
+    (everything there except the generated calls and note), and the ``hidden=`` value of each generated call,
+    by ``(check, args)``."""
     if BEGIN_HIDDEN not in source:
-        return source.rstrip("\n"), []
+        return source.rstrip("\n"), [], {}
     head, _, rest = source.partition(BEGIN_HIDDEN)
     hidden, _, tail = rest.partition(END_HIDDEN)
     if tail.strip():
         raise ValueError(f"code after {END_HIDDEN!r}; keep the hidden section last in a test cell")
-    generated = {HIDDEN_NOTE} | {f"ex.{name}({args}, hidden=True)" for name, args in CHECK_CALL.findall(head)}
-    own = [line for line in hidden.strip("\n").splitlines() if line.strip() and line.strip() not in generated]
-    return head.rstrip("\n"), own
+    calls = CHECK_CALL.findall(head)
+    values, own = {}, []
+    for line in hidden.strip("\n").splitlines():
+        text = line.strip()
+        if not text or text == HIDDEN_NOTE:
+            continue
+        match = next(((key, m) for key in calls if (m := _hidden_call(*key).match(text))), None)
+        if match is not None and match[0] not in values:
+            values[match[0]] = match[1].group(1)
+        else:
+            own.append(line)
+    return head.rstrip("\n"), own, values
 
 
-def test_source(source: str) -> tuple[str, list[str]]:
-    """The test cell's source with its hidden section (re)generated; and the checks it calls."""
-    visible, own = visible_part(source)
+def new_seed() -> str:
+    """A hidden seed for a new check: random, so that it is written nowhere but in the instructor notebook."""
+    return str(10_000 + secrets.randbelow(90_000))
+
+
+def test_source(source: str, seed: bool = False) -> tuple[str, list[str]]:
+    """The test cell's source with its hidden section (re)generated, each check's ``hidden=`` value kept (a seed
+    drawn for a check that has none; with ``seed``, also for an older cell's ``hidden=True``); and the checks it
+    calls."""
+    visible, own, values = visible_part(source)
     calls = CHECK_CALL.findall(visible)
     if not calls:
         raise ValueError("a test cell must call ex.check_<name>(answer)")
-    hidden = [HIDDEN_NOTE] + [f"ex.{name}({args}, hidden=True)" for name, args in calls] + own
+    lines = []
+    for name, args in calls:
+        value = values.get((name, args))
+        if value is None or (seed and value == "True"):
+            value = new_seed()
+        lines.append(f"ex.{name}({args}, hidden={value})")
+    hidden = [HIDDEN_NOTE] + lines + own
     return "\n".join([visible, BEGIN_HIDDEN, *hidden, END_HIDDEN]), [name for name, _ in calls]
 
 
-# How the heading line names each kind to students.
-KIND_LABELS = {"prediction": "Prediction", "derivation": "Derivation", "debugging": "Debugging",
-               "experiment": "Experiment", "kernel": "Triton kernel", "transcription": "Implementation"}
 HEADING = re.compile(r"^### Exercise \d+\b.*$", re.MULTILINE)
 TAG_LINE = re.compile(r"^\*(?:" + "|".join(KIND_LABELS.values()) + r") · .*\*$")
 
@@ -232,7 +272,7 @@ def nbgrader_meta(grade_id: str, *, solution: bool, points: int = 0) -> dict:
     return meta
 
 
-def annotate(nb: dict, name: str = "notebook") -> list[dict]:
+def annotate(nb: dict, name: str = "notebook", seed: bool = False) -> list[dict]:
     """Set the exercise cells' metadata and hidden sections in ``nb`` (in place); return one row per exercise:
     ``{"grade_id", "solution_id", "checks", "points", "minutes", "title", "kind"}``. The description cell
     above each solution cell gets its heading and tag line (``with_heading``)."""
@@ -245,7 +285,7 @@ def annotate(nb: dict, name: str = "notebook") -> list[dict]:
         if j is None or not CHECK_CALL.search(source_of(cells[j])):
             raise ValueError(f"{name}: the solution cell {cell.get('id', i)} is not followed by a code cell "
                              f"calling ex.check_<name>(...)")
-        new_source, checks = test_source(source_of(cells[j]))
+        new_source, checks = test_source(source_of(cells[j]), seed)
         if checks[0] not in EXERCISES:
             raise ValueError(f"{name}: {checks[0]} has no points; add it to EXERCISES in {Path(__file__).name}")
         exercise = EXERCISES[checks[0]]
@@ -283,11 +323,11 @@ def dump(nb: dict, trailing_newline: bool) -> str:
     return json.dumps(nb, indent=1, ensure_ascii=False) + ("\n" if trailing_newline else "")
 
 
-def process(path: Path, write: bool) -> bool:
+def process(path: Path, write: bool, seed: bool = False) -> bool:
     """Annotate one notebook; return True if its file changes (and write it when ``write``)."""
     raw = path.read_text(encoding="utf-8")
     nb = json.loads(raw)
-    annotate(nb, path.name)
+    annotate(nb, path.name, seed)
     new = dump(nb, raw.endswith("\n"))
     if new != raw and write:
         path.write_text(new, encoding="utf-8")
@@ -298,9 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("notebooks", nargs="*", type=Path, help="default: chapters/*.ipynb")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook would change")
+    parser.add_argument("--seed", action="store_true",
+                        help="replace an older hidden call's hidden=True by a seed of its own")
     args = parser.parse_args(argv)
     paths = args.notebooks or sorted((ROOT / "chapters").glob("*.ipynb"))
-    changed = [p for p in paths if process(p, write=not args.check)]
+    changed = [p for p in paths if process(p, write=not args.check, seed=args.seed)]
     for p in changed:
         print(f"{p.name}: {'would change' if args.check else 'updated'}")
     return 1 if args.check and changed else 0

@@ -1,29 +1,41 @@
-"""Check cells for exercises: compare a student's answer with the truth and say what is right or wrong.
+"""Check cells for exercises: compare a student's answer with the truth and say which case fails.
 
 Every exercise in the lab is a function the student fills in. A check calls it:
 
 * if it raises ``NotImplementedError`` (the stub in the student build), the check prints
   ``not solved yet`` and the notebook carries on;
 * if its answer is right, the check prints ``passed``;
-* otherwise it prints what is wrong and a hint, never the solution.
+* otherwise it prints **which case fails** and the invariant the answer breaks there, and a hint.
 
-"What is wrong" is as specific as the check can make it: the failing case, a wrong shape, and where it can
-tell, the kind of slip (a number off by an exact factor or by one, a tensor transposed, scaled or shifted, the
-argument whose doubling moves the answer unlike the truth: :func:`diagnose_number`, :func:`scaling_diagnosis`,
-and a chapter's own ``explain`` callback to :func:`check_function`). The hint sends the student to the section
-of the chapter to re-read; it never writes out the expected code or formula (``tests/test_exercise_hints.py``).
+What a failure may say (conventions, section 8; ``tests/test_exercise_adversarial.py`` holds every check to it):
+the case (its number, its inputs' shapes and arguments, the element where a tensor first goes wrong) and the
+invariant the answer breaks (a shape, a dtype, NaN where the truth is finite, "differs from the reference on this
+case", a property a right answer has on every input). Never the expected value or the measured one, never the
+answer's own number echoed next to it, never a ratio, a difference, a direction ("too large", "below") or how
+the right answer scales with an argument, never the name of the bug in code the prompt handed out, never a
+pointer to a paragraph that states the fix. A :class:`Result` keeps the case description apart
+(``Result.case``) so a test can tell the inputs a message names from information about the answer.
 
 With ``LAB_EXERCISES=strict`` in the environment (set when the instructor notebooks are executed by the
 tests and the book build, and by the grading command) anything but ``passed`` raises :class:`ExerciseFailed`,
 so a broken solution cannot slip into the book and a wrong answer loses the test cell's points.
 
-Every chapter check is wrapped by :func:`exercise`, which adds ``hidden=True``: the same check on a further
-case set (another seed, twice the trials, plus any extra cases the chapter module adds through
-:func:`hidden`), and a failure then *always* raises, whatever the environment. Those calls sit between
-``### BEGIN HIDDEN TESTS`` and ``### END HIDDEN TESTS`` in each test cell: nbgrader removes them from the
-release notebooks and puts them back when it autogrades, so even a plain ``nbgrader autograde`` (without
-``LAB_EXERCISES=strict``) gives an unsolved or wrong exercise no points, while a student running the release
-notebook sees the friendly message and the notebook runs on.
+**Hidden cases.** Every chapter check is wrapped by :func:`exercise`, which adds ``hidden=``. The test cell's
+hidden section (``### BEGIN HIDDEN TESTS``, which nbgrader strips from the release notebooks and puts back when it
+autogrades) calls the check again with a seed written *literally in the instructor notebook*,
+``ex.check_x(answer, hidden=52817)``, or with cases written there (a list or dict, :func:`hidden_cases`), so no
+``labsrc`` function a student can import holds the hidden cases: :func:`seed_for` and :func:`trials_for` turn
+the seed into the hidden case set (twice the trials). ``hidden=True`` (no seed) is kept for older cells and
+tests. A failure in the hidden cases *always* raises, whatever the environment, so even a plain
+``nbgrader autograde`` gives an unsolved or wrong exercise no points.
+
+**No bypass.** An answer may not call the library function it is asked to write, the checker's own code, or (for
+a prediction or an experiment) the measurement the check makes. :func:`library_use` reads the answer's code
+*and* watches it run (a profile hook sees every Python call, every C function, and any code of a forbidden
+module or package, ``transformers`` included), so a call made through an alias, a closure, an import inside the
+function, a helper, or a context manager's ``__enter__`` is caught. :data:`AUTOGRAD` lists what computes a
+gradient for the student (``torch.enable_grad()`` and ``set_grad_enabled`` included); :func:`guarded` wraps an
+answer so that each call the check makes runs under the guard.
 
 A kernel exercise cannot run where Triton is not installed (macOS, Windows). Its check then prints that it was
 skipped; a student carries on. But a skipped check has judged nothing, so it must not earn points: with
@@ -32,6 +44,9 @@ skipped; a student carries on. But a skipped check has judged nothing, so it mus
 instructor notebooks to build the book sets ``LAB_EXERCISES=build`` instead: strict in every other way (a failed
 or unsolved check raises, hidden cases included), but a kernel that cannot run here is reported as skipped, so
 the book builds on a Mac too.
+
+The kinds of exercise (prediction, derivation, debugging, experiment, kernel, transcription) and which of them
+count as thinking tasks are defined once, in :mod:`labsrc.exercises.kinds`.
 """
 from __future__ import annotations
 
@@ -92,6 +107,9 @@ class Result:
     name: str
     status: str
     message: str = ""
+    case: str = ""
+    """The part of ``message`` that names the failing case (its inputs, shapes, where a tensor first goes wrong):
+    a test that looks for information about the expected answer in a message leaves it out."""
 
     @property
     def passed(self) -> bool:
@@ -126,32 +144,57 @@ def building() -> bool:
     return _mode() == "build"
 
 
-# Set while a check runs with ``hidden=True`` (see :func:`exercise`).
+# The ``hidden=`` value of the check running now (see :func:`exercise`): False, True, a seed or cases.
 _HIDDEN = contextvars.ContextVar("lab_hidden_cases", default=False)
-# Hidden cases draw from a generator seeded this far from the visible one, with HIDDEN_TRIALS times the trials.
+# ``hidden=True`` (no seed from the notebook) draws from a generator seeded this far from the visible one.
+# Every trial count is HIDDEN_TRIALS times the visible one in the hidden cases.
 HIDDEN_SEED_OFFSET, HIDDEN_TRIALS = 1000, 2
 
 
 def hidden() -> bool:
-    """True inside a check called with ``hidden=True``: a chapter check may add cases of its own then."""
-    return _HIDDEN.get()
+    """True inside a check called with ``hidden=...`` (anything but False): a chapter check may add cases then."""
+    value = _HIDDEN.get()
+    return value is not False and value is not None
+
+
+def seed_for(visible: int) -> int:
+    """The seed a check draws its cases from: ``visible`` for the visible cases; in the hidden cases the seed the
+    notebook's hidden section passed (``hidden=52817``), mixed with ``visible`` so that two case sets of one
+    check differ; ``visible + HIDDEN_SEED_OFFSET`` for a plain ``hidden=True``."""
+    value = _HIDDEN.get()
+    if value is False or value is None:
+        return visible
+    if value is True or not isinstance(value, int):
+        return visible + HIDDEN_SEED_OFFSET
+    return (int(value) * 7919 + visible) % (2 ** 31 - 1)
+
+
+def trials_for(visible: int) -> int:
+    """How many trials a check runs: ``visible``, or ``HIDDEN_TRIALS`` times as many in the hidden cases."""
+    return visible * HIDDEN_TRIALS if hidden() else visible
+
+
+def hidden_cases() -> Any:
+    """The cases the notebook's hidden section wrote out for this check (``hidden=[...]`` or ``hidden={...}``),
+    or None: a prediction's hidden settings live there, not in the package."""
+    value = _HIDDEN.get()
+    return value if isinstance(value, (list, tuple, dict)) else None
 
 
 def exercise(check: Callable[..., Result]) -> Callable[..., Result]:
     """Give a chapter check a ``hidden`` keyword (default False).
 
-    ``check(answer, hidden=True)`` runs the hidden case set (:func:`check_function` changes its seed and
-    doubles its trials; a check may add cases when :func:`hidden` is true) and raises
-    :class:`ExerciseFailed` on anything but *passed*, in any environment: hidden calls only exist in the
-    instructor's notebooks and in the copies nbgrader autogrades.
+    ``check(answer, hidden=<seed or cases>)`` runs the hidden case set (:func:`seed_for`, :func:`trials_for`,
+    :func:`hidden_cases`) and raises :class:`ExerciseFailed` on anything but *passed*, in any environment:
+    hidden calls only exist in the instructor's notebooks and in the copies nbgrader autogrades.
     """
     @functools.wraps(check)
-    def wrapped(answer: Any, *, hidden: bool = False) -> Result:
-        if not hidden:
-            return check(answer)
-        token = _HIDDEN.set(True)
+    def wrapped(answer: Any, *args: Any, hidden: Any = False, **kwargs: Any) -> Result:
+        if hidden is False or hidden is None:
+            return check(answer, *args, **kwargs)
+        token = _HIDDEN.set(hidden)
         try:
-            return check(answer)
+            return check(answer, *args, **kwargs)
         finally:
             _HIDDEN.reset(token)
     return wrapped
@@ -250,159 +293,90 @@ def _with_hint(message: str, hint: str) -> str:
     return f"{message} Hint: {hint}" if hint else message
 
 
+def fail(name: str, case: str, invariant: str, hint: str = "") -> Result:
+    """Report a failure: ``case`` names the input on which the answer fails (trial number, shapes, arguments,
+    the element), ``invariant`` what a right answer has there and this one has not, in words that carry nothing
+    about the expected value (no number computed from it, no direction, no ratio)."""
+    message = f"{case}: {invariant}" if case else invariant
+    return _report(Result(name, FAILED, _with_hint(message, hint), case=case))
+
+
+def _number(got: Any) -> Any:
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        return got.item()
+    if isinstance(got, (np.ndarray, np.generic)) and np.size(got) == 1:
+        return got.item()
+    return got
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+WRONG_VALUE = "the answer is not the right value for these inputs"
+"""What a check says of a wrong number: that it is wrong on the case named, nothing about where the right one is."""
+
+
 def check_value(name: str, answer: Any, expected: Any, *, rtol: float = 1e-6, atol: float = 0.0,
-                hint: str = "") -> Result:
+                hint: str = "", case: str = "") -> Result:
     """Check a number (or any value compared with ``==``).
 
     ``answer`` is the student's function (called with no arguments) or the value itself. Numbers are
-    compared with ``rtol``/``atol``; the expected value is never printed.
+    compared with ``rtol``/``atol``; a wrong one is reported as wrong on ``case``, with no direction, ratio or
+    value.
     """
     got, unsolved = _call(answer)
     if unsolved is not None:
         unsolved.name = name
         return _report(unsolved)
-    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
-            got = got.item()
-        if not isinstance(got, (int, float)) or isinstance(got, bool):
-            return _report(Result(name, FAILED, _with_hint(f"expected a number, got {type(got).__name__}.", hint)))
-        if not math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
-            direction = "too large" if got > expected else "too small"
-            return _report(Result(name, FAILED, _with_hint(
-                f"{got!r} is {direction}.{diagnose_number(got, expected)}", hint)))
+    if _is_number(expected):
+        got = _number(got)
+        if not _is_number(got):
+            return fail(name, case, f"expected a number, got {type(got).__name__}.", hint)
+        if not (math.isfinite(got) and math.isclose(got, expected, rel_tol=rtol, abs_tol=atol)):
+            return fail(name, case, f"{WRONG_VALUE}.", hint)
         return _report(Result(name, PASSED))
     if got != expected:
-        return _report(Result(name, FAILED, _with_hint(f"{got!r} is not the expected answer.", hint)))
+        return fail(name, case, "the answer is not the expected one.", hint)
     return _report(Result(name, PASSED))
 
 
-def _simple_ratio(r: float) -> str | None:
-    """``r`` written as a small fraction ``p/q`` (p, q <= 8), a whole number up to 100 or one over such a number,
-    when it is one; else None."""
-    for q in range(1, 9):
-        p = round(r * q)
-        if 1 <= abs(p) <= 8 and math.isclose(r, p / q, rel_tol=1e-6):
-            return f"{p}" if q == 1 else f"{p}/{q}"
-    if r and 1 < abs(round(r)) <= 100 and math.isclose(r, round(r), rel_tol=1e-6):
-        return f"{round(r)}"
-    if r and 1 < abs(round(1 / r)) <= 100 and math.isclose(1 / r, round(1 / r), rel_tol=1e-6):
-        return f"1/{round(1 / r)}"
-    return None
-
-
 def diagnose_number(got: float, expected: float) -> str:
-    """What kind of slip a wrong number looks like, as a sentence (or ''): an exact factor (a term counted twice
-    or left out, a missing scale), an off-by-one, the wrong sign. It names the slip, not the expected value."""
-    if not (math.isfinite(got) and math.isfinite(expected)) or expected == 0:
-        return ""
-    if got == 0:
-        return " It is zero: is every term counted?"
-    ratio = got / expected
-    if math.isclose(ratio, -1.0, rel_tol=1e-9):
-        return " It has the wrong sign."
-    whole = float(got).is_integer() and float(expected).is_integer()
-    if whole and 1 <= abs(got - expected) <= 2 and abs(expected) >= 3:
-        return (f" It is off by {int(got - expected):+d}: check where a count starts and whether its last item "
-                f"is included.")
-    simple = _simple_ratio(ratio)
-    if simple is not None and simple != "1":
-        return f" It is exactly {simple} times the right value: a factor is counted too often or left out."
+    """Deprecated: says nothing. It used to name the exact factor between a wrong number and the right one, which
+    let a few constant answers rebuild the formula; a check now names the failing case instead. Kept (returning
+    '') only so that a module not yet rewritten still imports."""
     return ""
 
 
-def scaling_diagnosis(fn: Callable, reference: Callable, args: tuple, names: Iterable[str]) -> str:
-    """Which argument the answer ``fn`` depends on wrongly, as a sentence (or ''): each numeric argument in turn
-    is doubled, and the first one that changes ``fn``'s result by another factor than the reference's is named
-    (an argument left out, counted twice, or used where another belongs). It says how the answer should react,
-    not what to write."""
-    def value(f, a):
-        try:
-            out = f(*a)
-            out = out.item() if isinstance(out, torch.Tensor) and out.numel() == 1 else out
-            return float(out) if isinstance(out, (int, float)) and not isinstance(out, bool) else None
-        except Exception:  # noqa: BLE001 - an answer that fails on the doubled case says nothing here
-            return None
-
-    got0, exp0 = value(fn, args), value(reference, args)
-    if not got0 or not exp0:
-        return ""
-    for i, name in enumerate(names):
-        if i >= len(args) or isinstance(args[i], bool) or not isinstance(args[i], (int, float)):
-            continue
-        doubled = args[:i] + (args[i] * 2,) + args[i + 1:]
-        got1, exp1 = value(fn, doubled), value(reference, doubled)
-        if got1 is None or exp1 is None:
-            continue
-        want, have = exp1 / exp0, got1 / got0
-        if not math.isclose(want, have, rel_tol=1e-2):   # a clear difference, not a lower-order term
-            def said(r):
-                return "leaves it unchanged" if math.isclose(r, 1.0, rel_tol=1e-9) else f"multiplies it by {r:.4g}"
-            return (f" Doubling {name} {said(want)} in the right answer but {said(have)} in yours: look at how "
-                    f"{name} enters your count.")
-    return ""
-
-
-def _diagnose_tensor(got: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float) -> str:
-    """What kind of slip a wrong tensor of the right shape looks like (or ''): transposed, scaled by one constant,
-    the wrong sign, all zeros, shifted by one position along a dimension."""
-    def close(a, b):
-        return a.shape == b.shape and bool(torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True))
-
-    g, e = got.double(), expected.double()
-    if not torch.isfinite(e).all() or e.numel() < 2:
-        return ""
-    if got.dim() >= 2 and got.shape[-1] == got.shape[-2] and close(g.transpose(-1, -2), e):
-        return " It equals the right result transposed (its last two dimensions swapped)."
-    if not g.any() and e.any():
-        return " It is all zeros."
-    if close(-g, e):
-        return " It has the wrong sign everywhere."
-    nonzero = e.abs() > max(atol, 1e-12)
-    if nonzero.any() and torch.isfinite(g).all():
-        ratio = g[nonzero] / e[nonzero]
-        c = ratio.median().item()
-        if c != 0 and not math.isclose(c, 1.0, rel_tol=1e-9) and close(g, c * e):
-            return (f" Every element is {c:.4g} times the right one: a scale factor is missing, extra or "
-                    f"applied twice.")
-    for d in range(g.dim()):
-        n = g.shape[d]
-        if n < 3:
-            continue
-        if close(g.narrow(d, 1, n - 1), e.narrow(d, 0, n - 1)) or close(g.narrow(d, 0, n - 1),
-                                                                          e.narrow(d, 1, n - 1)):
-            return (f" It is the right result shifted by one position along dimension {d}: an index is off by "
-                    f"one.")
-    return ""
-
-
-def _compare_tensors(got: Any, expected: torch.Tensor, rtol: float | None, atol: float | None) -> str | None:
-    """Return what is wrong with ``got`` compared to ``expected``, or None when they agree. A wrong tensor of the
-    right shape is diagnosed where it can be (:func:`_diagnose_tensor`)."""
+def _compare_tensors(got: Any, expected: torch.Tensor, rtol: float | None, atol: float | None
+                     ) -> tuple[str, str] | None:
+    """``(where, what)`` is wrong with ``got`` against ``expected`` (``where``: the first element that differs,
+    or ''), or None when they agree. It names the broken invariant (shape, dtype, NaN, differs from the
+    reference) and the first element where it breaks, never by how much or in which direction."""
     if not isinstance(got, torch.Tensor):
-        return f"expected a tensor, got {type(got).__name__}."
+        return "", f"expected a tensor, got {type(got).__name__}."
     if got.shape != expected.shape:
-        swapped = got.dim() >= 2 and got.shape[:-2] + got.shape[-2:][::-1] == expected.shape
-        return (f"shape {tuple(got.shape)} should be {tuple(expected.shape)}"
-                + (" (the last two dimensions are swapped)." if swapped else "."))
+        return "", f"the answer has shape {tuple(got.shape)}; this case needs {tuple(expected.shape)}."
     if got.dtype != expected.dtype:
-        return f"dtype {got.dtype} should be {expected.dtype}."
+        return "", f"the answer has dtype {got.dtype}; this case needs {expected.dtype}."
     default_rtol, default_atol = tolerance(expected.dtype)
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
-    got_c, exp_c = got.detach().cpu(), expected.detach().cpu()
-    if torch.isnan(got_c).any() and not torch.isnan(exp_c).any():
-        return f"{int(torch.isnan(got_c).sum())} element(s) are NaN."
-    if not torch.allclose(got_c.double(), exp_c.double(), rtol=rtol, atol=atol, equal_nan=True):
-        diff = (got_c.double() - exp_c.double()).abs()
-        bad = ~torch.isclose(got_c.double(), exp_c.double(), rtol=rtol, atol=atol, equal_nan=True)
-        first = tuple(int(i) for i in bad.nonzero()[0])
-        return (f"{int(bad.sum())} of {bad.numel()} elements differ (largest difference {diff.max().item():.3g}; "
-                f"first at index {first}).{_diagnose_tensor(got_c, exp_c, rtol, atol)}")
-    return None
+    got_c, exp_c = got.detach().cpu().double(), expected.detach().cpu().double()
+    bad = ~torch.isclose(got_c, exp_c, rtol=rtol, atol=atol, equal_nan=True)
+    if not bad.any():
+        return None
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    where = f"first at element {first}" if first else "the one element"
+    if torch.isnan(got_c[first]) and not torch.isnan(exp_c[first]):
+        return where, "the answer is NaN there, the reference is finite."
+    if not torch.isfinite(got_c[first]) and torch.isfinite(exp_c[first]):
+        return where, "the answer is infinite there, the reference is finite."
+    return where, "the answer differs from the reference there."
 
 
 def check_tensor(name: str, answer: Any, expected: torch.Tensor, *, rtol: float | None = None,
-                 atol: float | None = None, hint: str = "") -> Result:
+                 atol: float | None = None, hint: str = "", case: str = "") -> Result:
     """Check a tensor: same shape, same dtype and values within the dtype's tolerance (or the one given)."""
     got, unsolved = _call(answer)
     if unsolved is not None:
@@ -410,55 +384,70 @@ def check_tensor(name: str, answer: Any, expected: torch.Tensor, *, rtol: float 
         return _report(unsolved)
     problem = _compare_tensors(got, expected, rtol, atol)
     if problem:
-        return _report(Result(name, FAILED, _with_hint(problem, hint)))
+        where, what = problem
+        return fail(name, ", ".join(p for p in (case, where) if p), what, hint)
     return _report(Result(name, PASSED))
+
+
+def describe_args(args: tuple) -> str:
+    """The arguments of a case as a student can rebuild it: a tensor by its shape and dtype, a number or a short
+    value as itself."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return f"tensor{tuple(a.shape)}" + ("" if a.dtype == torch.float32 else f" {a.dtype}".replace("torch.", ""))
+        if isinstance(a, (list, tuple)) and len(a) > 8:
+            return f"{type(a).__name__} of {len(a)}"
+        if isinstance(a, float):
+            return f"{a:.6g}"
+        return repr(a) if len(repr(a)) <= 60 else type(a).__name__
+    return "(" + ", ".join(one(a) for a in args) + ")"
 
 
 def check_function(name: str, fn: Callable, reference: Callable, make_inputs: Callable[[torch.Generator], tuple],
                    *, trials: int = 5, seed: int = 0, rtol: float | None = None, atol: float | None = None,
                    hint: str = "", arg_names: Iterable[str] | None = None,
-                   explain: Callable[..., str] | None = None) -> Result:
+                   explain: Callable[..., str] | None = None, forbidden: Iterable[Any] = (),
+                   allowed: Iterable[Any] = (), owner: str = "labsrc") -> Result:
     """Check ``fn`` against ``reference`` on ``trials`` fresh random inputs.
 
-    ``make_inputs(generator)`` returns the argument tuple for one trial. Outputs may be tensors or numbers.
-    The failing inputs' shapes are shown so the student can reproduce the case; a wrong number is diagnosed
-    (an exact factor, an off-by-one) and, with ``arg_names`` (the names of the numeric arguments, in order), so
-    is the argument whose doubling moves the answer differently (:func:`scaling_diagnosis`). ``explain(got,
-    expected, *args)``, when given, adds a chapter's own diagnosis of a failed trial (a sentence, or ''). Inside
-    a check called with ``hidden=True`` (see :func:`exercise`) the trials come from another seed and there are
-    twice as many.
+    ``make_inputs(generator)`` returns the argument tuple for one trial. Outputs may be tensors or numbers. A
+    failure names the trial and its inputs (shapes and arguments, so the student can rebuild the case) and the
+    invariant broken there, nothing more. ``explain`` and ``arg_names`` are accepted for older callers and unused:
+    a chapter's diagnosis of the slip (an exact factor, the doubled argument, the wrong one of two terms) named
+    the bug or said where the answer lies. In the hidden cases (:func:`exercise`) the trials come from the notebook's seed and there
+    are twice as many. With ``forbidden``, every call of ``fn`` runs under :func:`guarded` (``allowed``: helpers
+    the exercise hands out).
     """
-    if hidden():
-        seed, trials = seed + HIDDEN_SEED_OFFSET, trials * HIDDEN_TRIALS
+    seed, trials = seed_for(seed), trials_for(trials)
+    forbidden = tuple(forbidden)
+    if forbidden:
+        fn = guarded(fn, forbidden, allowed=allowed)
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
         args = make_inputs(gen)
-        got, unsolved = _call(fn, *args)
+        try:
+            got, unsolved = _call(fn, *args)
+        except Refused as refused:
+            return refusal(name, refused.names, hint, owner=owner)
         if unsolved is not None:
             unsolved.name = name
             return _report(unsolved)
         expected = reference(*args)
+        case = f"trial {trial + 1} of {trials}, inputs {describe_args(args)}"
         if isinstance(expected, torch.Tensor):
             problem = _compare_tensors(got, expected, rtol, atol)
         else:
-            ok = isinstance(got, (int, float)) and math.isclose(got, expected, rel_tol=rtol or 1e-6, abs_tol=atol or 0.0)
-            if ok:
+            got = _number(got)
+            if _is_number(got) and math.isfinite(got) and math.isclose(
+                    got, expected, rel_tol=rtol or 1e-6, abs_tol=atol or 0.0):
                 problem = None
-            elif isinstance(got, (int, float)) and not isinstance(got, bool):
-                direction = "too large" if got > expected else "too small"
-                problem = (f"returned {got!r}, which is {direction}.{diagnose_number(got, expected)}"
-                           + (scaling_diagnosis(fn, reference, args, arg_names) if arg_names else ""))
+            elif _is_number(got):
+                problem = "", f"{WRONG_VALUE}."
             else:
-                problem = f"returned {got!r}, which is wrong."
+                problem = "", f"expected a number, got {type(got).__name__}."
         if problem:
-            if explain is not None:
-                try:
-                    extra = explain(got, expected, *args)
-                except Exception:  # noqa: BLE001 - an answer too malformed to diagnose keeps the plain message
-                    extra = ""
-                problem = f"{problem} {extra}".strip() if extra else problem
-            shapes = [tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]
-            return _report(Result(name, FAILED, _with_hint(f"trial {trial + 1} with inputs {shapes}: {problem}", hint)))
+            where, what = problem
+            return fail(name, ", ".join(p for p in (case, where) if p), what, hint)
     return _report(Result(name, PASSED, f"agrees with the reference on {trials} random inputs."))
 
 
@@ -511,24 +500,186 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _runtime_calls(fn: Callable, args: tuple, codes: dict) -> set[str]:
-    """Names of the functions whose code is in ``codes`` that ``fn(*args)`` calls, directly or not (a profile
-    hook watches every call). Any exception of ``fn`` is left to the check proper."""
+_SELF_DEFEATING = (sys.setprofile, sys.settrace)
+"""C functions that would switch the guard's profile hook off: calling one inside an answer counts as a refused
+call (the hook sees the call before it takes effect)."""
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_EXERCISES = __name__.rpartition(".")[0]
+"""The checkers' package (its folder and name): the guard refuses an answer that calls into it, but not the
+checkers' own wrappers around the answer (:func:`as_number`, a chapter's conversions), which the guard sees
+too."""
+
+
+class _Watch:
+    """What the runtime guard looks for while an answer runs: the code objects of forbidden Python functions and
+    of the methods of forbidden classes (``__enter__`` of a context manager), forbidden C functions and methods,
+    and the source files of forbidden modules and packages. ``allowed``: helpers the exercise hands out, whose
+    own calls into a forbidden module do not count."""
+
+    _METHODS = ("__init__", "__new__", "__enter__", "__exit__", "__call__")
+
+    def __init__(self, forbidden: Iterable[Any], allowed: Iterable[Any] = ()):
+        self.codes: dict[types.CodeType, str] = {}
+        self.builtins: dict[int, str] = {id(f): f"sys.{f.__name__}" for f in _SELF_DEFEATING}
+        self.methods: list[tuple[type, str, str]] = []     # (class, method name, reported name)
+        prefixes: list[str] = []
+        self.prefix_names: dict[str, str] = {}
+        for f in forbidden:
+            if f is None:
+                continue
+            name = _short_name(f) or repr(f)
+            if isinstance(f, types.ModuleType):
+                path = getattr(f, "__file__", None)
+                if path:
+                    prefix = (os.path.dirname(os.path.abspath(path)) + os.sep
+                              if hasattr(f, "__path__") else os.path.abspath(path))
+                    prefixes.append(prefix)
+                    self.prefix_names[prefix] = f.__name__
+                continue
+            if isinstance(f, type):
+                for attr in self._METHODS:
+                    code = getattr(_plain(f.__dict__.get(attr)), "__code__", None)
+                    if code is not None:
+                        self.codes[code] = name
+                continue
+            code = getattr(_plain(f), "__code__", None)
+            if code is not None:
+                self.codes[code] = name
+            elif isinstance(f, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+                self.builtins[id(f)] = name
+            elif hasattr(f, "__objclass__"):                  # a C method: torch.Tensor.softmax
+                self.methods.append((f.__objclass__, f.__name__, f"{f.__objclass__.__name__}.{f.__name__}"))
+        self.prefixes = tuple(prefixes)
+        self.allowed = {getattr(_plain(a), "__code__", None) for a in allowed} - {None}
+
+    def _allowed_above(self, frame) -> bool:
+        for _ in range(64):
+            frame = frame.f_back
+            if frame is None:
+                return False
+            if frame.f_code in self.allowed:
+                return True
+        return False
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict | None = None, seen: set[str] | None = None
+            ) -> tuple[Any, set[str]]:
+        """``(fn(*args), names of the forbidden things it called)``, the names also added to ``seen``; an
+        exception of ``fn`` propagates, after the hook is off (``seen`` then holds what it called before)."""
+        seen = set() if seen is None else seen
+        codes, builtins, methods, prefixes = self.codes, self.builtins, self.methods, self.prefixes
+        own = _Watch.run.__code__
+
+        def hook(frame, event, arg):
+            if event == "call":
+                code = frame.f_code
+                if code in codes:
+                    seen.add(codes[code])
+                elif (prefixes and code.co_filename.startswith(prefixes) and code not in self.allowed
+                      and not self._allowed_above(frame)):
+                    name = next(n for p, n in self.prefix_names.items() if code.co_filename.startswith(p))
+                    caller = frame.f_back
+                    # the checkers' own wrappers (core's, a chapter's) run inside the guard around the answer:
+                    # checker code counts only when code outside the checkers (the answer) calls it
+                    if name != _EXERCISES or not (caller is None or caller.f_code.co_filename.startswith(_HERE)):
+                        seen.add(name)
+            elif event == "c_call":
+                if frame.f_code is own:                     # the guard switching its own hook off
+                    return
+                if id(arg) in builtins:
+                    seen.add(builtins[id(arg)])
+                elif methods:
+                    owner = getattr(arg, "__self__", None)
+                    for cls, method, name in methods:
+                        if getattr(arg, "__name__", None) == method and isinstance(owner, cls):
+                            seen.add(name)
+
+        previous = sys.getprofile()
+        sys.setprofile(hook)
+        try:
+            out = fn(*args, **(kwargs or {}))
+        finally:
+            sys.setprofile(previous)
+        return out, seen
+
+
+def _runtime_calls(fn: Callable, args: tuple, forbidden: Iterable[Any], allowed: Iterable[Any] = ()) -> set[str]:
+    """Names of the ``forbidden`` things that ``fn(*args)`` calls, directly or not (see :class:`_Watch`). Any
+    exception of ``fn`` is left to the check proper."""
     seen: set[str] = set()
-
-    def hook(frame, event, arg):
-        if event == "call" and frame.f_code in codes:
-            seen.add(codes[frame.f_code])
-
-    previous = sys.getprofile()
-    sys.setprofile(hook)
     try:
-        fn(*args)
+        _Watch(forbidden, allowed).run(fn, args, seen=seen)
     except Exception:  # noqa: BLE001 - a stub or a wrong answer is reported by the check itself
         pass
-    finally:
-        sys.setprofile(previous)
     return seen
+
+
+class Refused(Exception):
+    """Raised by a :func:`guarded` answer that called something the exercise forbids; ``names`` says what."""
+
+    def __init__(self, names: Iterable[str]):
+        self.names = sorted(set(names))
+        super().__init__(", ".join(self.names))
+
+
+def _exercise_package() -> types.ModuleType:
+    return sys.modules[__name__.rpartition(".")[0]]
+
+
+def guarded(fn: Callable, forbidden: Iterable[Any], *, allowed: Iterable[Any] = ()) -> Callable:
+    """``fn`` wrapped so that each call runs under the runtime guard: when the call used one of ``forbidden``
+    (or any code of ``labsrc.exercises``, the checkers themselves, or switched the guard off) it raises
+    :class:`Refused` after the call returns, so no answer it computed reaches the comparison. A
+    ``NotImplementedError`` (the stub) passes through as it is. ``allowed`` names helpers the exercise hands
+    out (their own calls do not count)."""
+    watch = _Watch((*forbidden, _exercise_package()), allowed)
+    static = [f for f in forbidden if f is not None]
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        used = library_use(fn, static)
+        seen: set[str] = set()
+        try:
+            out, _ = watch.run(fn, args, kwargs, seen=seen)
+        except NotImplementedError:
+            raise
+        except Exception:
+            if used or seen:
+                raise Refused([*used, *seen]) from None
+            raise
+        if used or seen:
+            raise Refused([*used, *seen])
+        return out
+    return run
+
+
+def refusal(name: str, used: Iterable[str], hint: str = "", *, owner: str = "labsrc") -> Result:
+    """The reported failure of an answer that used ``used`` (from :class:`Refused` or :func:`library_use`)."""
+    return _report(Result(name, FAILED, _with_hint(
+        f"the answer calls {owner}'s own {', '.join(sorted(used))}, which this exercise does not allow (it asks "
+        f"you to work it out yourself).", hint)))
+
+
+def _autograd() -> tuple:
+    import torch.autograd.functional as functional
+    found = [torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward, torch.enable_grad,
+             torch.set_grad_enabled, torch.inference_mode, torch._C._set_grad_enabled, functional,
+             torch.Tensor.requires_grad_]
+    try:
+        import torch._functorch as functorch       # torch.func.grad, vjp, jacrev ...
+        found.append(functorch)
+    except ImportError:  # pragma: no cover - an older torch
+        pass
+    return tuple(found)
+
+
+AUTOGRAD = _autograd()
+"""What computes a gradient for an answer, or turns on the recording that would: ``torch.autograd.grad`` and
+``backward``, ``torch.func``/functorch, ``torch.autograd.functional``, and the context managers and switches
+that re-enable gradients inside a ``no_grad`` check (``enable_grad``, ``set_grad_enabled``, ``inference_mode``,
+``torch._C._set_grad_enabled``, ``requires_grad_``). Pass it (with the rest) as ``forbidden`` where an exercise
+asks for a gradient by hand."""
 
 
 def library_use(fn: Any, forbidden: Iterable[Any], *, args: tuple | None = None) -> list[str]:
@@ -547,9 +698,10 @@ def library_use(fn: Any, forbidden: Iterable[Any], *, args: tuple | None = None)
       is reported once, by the module's name.
     * ``fn`` itself being forbidden counts.
 
-    With ``args``, ``fn(*args)`` is also run under a profile hook, which adds the forbidden Python functions
-    it calls indirectly (``rope.rope_frequencies(..., "linear")`` calls ``linear_frequencies``), which no
-    reading of the answer's own code can see."""
+    With ``args``, ``fn(*args)`` is also run under a profile hook (:class:`_Watch`), which adds the forbidden
+    things it calls indirectly (``rope.rope_frequencies(..., "linear")`` calls ``linear_frequencies``), inside a
+    context manager, through a C function, or anywhere in a forbidden module or package (``transformers``),
+    which no reading of the answer's own code can see."""
     forbidden = [f for f in forbidden if f is not None]
     plain = {id(_plain(f)): f for f in forbidden}
     by_name = {_short_name(f): f for f in forbidden if _short_name(f)}
@@ -581,9 +733,7 @@ def library_use(fn: Any, forbidden: Iterable[Any], *, args: tuple | None = None)
                  if isinstance(obj, types.ModuleType) or name in bound
                  or id(sys.modules.get(getattr(_plain(obj), "__module__", None) or "")) not in modules}
     if args is not None and callable(fn):
-        codes = {getattr(_plain(f), "__code__", None): _short_name(f) for f in forbidden}
-        codes.pop(None, None)
-        for name in _runtime_calls(fn, args, codes):
+        for name in _runtime_calls(fn, args, forbidden):
             found.setdefault(name, None)
     return sorted(found)
 

@@ -16,8 +16,10 @@ import types
 
 import torch
 
+from labsrc.exercises.core import stub_raised
 from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _code_names, _report, as_number, check_function,
-                                   exercise, randint, refuse_library, stub_raised, triton_missing)
+                                   guarded,
+                                   exercise, randint, refuse_library, triton_missing)
 
 
 
@@ -74,35 +76,6 @@ def _merge_reference(m1, l1, o1, m2, l2, o2):
     return torch.where((total > 0)[:, None], merged, torch.zeros_like(merged))
 
 
-def _explaining_merge(fn):
-    """``explain`` for the merge: what goes wrong on which kind of row, tried on the failing trial's chunks."""
-    def explain(got, expected, m1, l1, o1, m2, l2, o2) -> str:
-        if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-            return ""
-        both_empty = torch.isinf(m1) & torch.isinf(m2)
-        bad = ~torch.isclose(got.double(), expected.double(), rtol=1e-9, atol=1e-9).all(1)
-        if bool((bad & both_empty).any()):
-            row = int((bad & both_empty).nonzero()[0])
-            return (f"Row {row}, for which neither chunk saw a key, comes out "
-                    f"{'NaN' if torch.isnan(got[row]).any() else 'nonzero'}; re-read the -inf rule in "
-                    "'Reading the forward kernel'.")
-        if bool((bad & (torch.isinf(m1) | torch.isinf(m2))).any()) and not bool(bad[~torch.isinf(m1) &
-                                                                                     ~torch.isinf(m2)].any()):
-            return "Only rows for which one chunk is empty are wrong."
-        full = ~torch.isinf(m1) & ~torch.isinf(m2)
-        if not bool(full.any()):
-            return ""
-        f = (m1[full], l1[full], o1[full], m2[full], l2[full], o2[full])
-        level = fn(f[0], f[1], f[2], f[0], f[4], f[5])   # both chunks with the same row max
-        if isinstance(level, torch.Tensor) and level.shape == f[2].shape:
-            if torch.allclose(level, _merge_reference(f[0], f[1], f[2], f[0], f[4], f[5]), rtol=1e-9, atol=1e-9):
-                return "Your merge is right when the two chunks have the same row max, and wrong when they do not."
-            return ("Your merge is wrong even when the two chunks have the same row max: with equal maxima, does "
-                    "a chunk of one key weigh as much as a chunk of forty?")
-        return ""
-    return explain
-
-
 @exercise
 def check_merge(fn) -> Result:
     """Check ``fn(m1, l1, o1, m2, l2, o2) -> o``: the softmax-attention output over the union of two key chunks,
@@ -115,7 +88,7 @@ def check_merge(fn) -> Result:
         return _merge_inputs(gen, empties=next(calls) % 2 == 1)
 
     return check_function("fix the merge of two partial softmax results", fn, _merge_reference, make_inputs,
-                          trials=8, seed=31, rtol=1e-9, atol=1e-9, explain=_explaining_merge(fn),
+                          trials=8, seed=31, rtol=1e-9, atol=1e-9, forbidden=_library_objects(),
                           hint="re-read 'Online softmax' and test your merge on a tiny case against softmax "
                                "attention over both chunks' keys at once: two chunks of different sizes, and a "
                                "row with no keys at all.")
@@ -139,8 +112,7 @@ def check_naive_bytes(fn) -> Result:
     """Check ``fn(T, D, dtype_bytes) -> bytes`` moved by naive single-head attention under the chapter's model:
     every tensor that a separate PyTorch op produces (S, then P) is written to memory and read back."""
     return check_function("bytes moved by naive attention", as_number(fn), _naive_reference, _naive_inputs,
-                          trials=8, seed=32, rtol=1e-12, atol=0.5,
-                          arg_names=("T", "D", "dtype_bytes"),
+                          trials=8, seed=32, rtol=1e-12, atol=0.5, forbidden=_library_objects(),
                           hint="re-read 'How many bytes each version moves': list each op of naive attention "
                                "with every tensor it reads and writes and that tensor's shape.")
 
@@ -175,34 +147,6 @@ _TILED_HINT = ("re-read 'Tiled attention in plain PyTorch' and count, query bloc
                "value rows that block reads under the causal mask.")
 
 
-def _explaining_tiled(fn):
-    """``explain`` for the tiled count: a count that is right when block_m divides T but wrong here has the
-    partial last query block wrong."""
-    def explain(got, expected, T, D, block_m, dtype_bytes) -> str:
-        if T % block_m == 0:
-            return ""
-        whole = block_m * -(-T // block_m)
-        if as_number(fn)(whole, D, block_m, dtype_bytes) == _tiled_causal_reference(whole, D, block_m, dtype_bytes):
-            return (f"Your count is right for T={whole}, a multiple of block_m, and wrong here: look at the last, "
-                    f"partial query block.")
-        return ""
-    return explain
-
-
-def _explain_tile(got, expected, k, start, block_n, block_d) -> str:
-    """Where the wrong lanes of a key tile are: past the last row, past the last column, or inside the matrix."""
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return ""
-    T, D = k.shape
-    bad = ~((got == expected) | (torch.isnan(got) & torch.isnan(expected)))
-    rows = torch.arange(block_n)[:, None] + start
-    cols = torch.arange(block_d)[None, :]
-    places = [((rows < T) & (cols < D), "inside the matrix"), ((rows < T) & (cols >= D), "in columns past D"),
-              ((rows >= T), "in rows past the matrix's last row")]
-    wrong = [where for region, where in places if bool((bad & region).any())]
-    return f"The wrong lanes are {' and '.join(wrong)} (T={T}, D={D}, start={start})." if wrong else ""
-
-
 def _functions_named_by(fn) -> list:
     """The Python functions ``fn``'s code names through its globals (what a measurement runs)."""
     code = getattr(fn, "__code__", None)
@@ -223,12 +167,14 @@ def _check_tiled_causal_bytes(fn, measure) -> Result:
             return refused
     if measure is None:
         return check_function("bytes moved by tiled causal attention", as_number(fn), _tiled_causal_reference,
-                              _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5, explain=_explaining_tiled(fn),
-                              arg_names=("T", "D", "block_m", "dtype_bytes"), hint=_TILED_HINT)
+                              _tiled_inputs, trials=10, seed=33, rtol=1e-12, atol=0.5,
+                              forbidden=_library_objects(),
+                              hint=_TILED_HINT)
     return check_function("predicted vs measured bytes of tiled causal attention", as_number(fn),
                           lambda T, D, block_m, dtype_bytes: measure(T, D, block_m) * dtype_bytes // 4,
-                          _measured_inputs, trials=6, seed=36, rtol=1e-12, atol=0.5, explain=_explaining_tiled(fn),
-                          hint=_TILED_HINT)
+                          _measured_inputs, trials=6, seed=36, rtol=1e-12, atol=0.5, hint=_TILED_HINT,
+                          forbidden=(measure, *(f for f in _functions_named_by(measure) if f is not fn)),
+                          owner="the measurement")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -272,8 +218,8 @@ def _catch_index_error(fn):
     def wrapped(*args):
         try:
             return fn(*args)
-        except IndexError as err:
-            print(f"  (the load went out of bounds: {err})")
+        except IndexError:
+            # a NaN tile, reported as any wrong element is: naming the fault would name the bug
             k, _, block_n, block_d = args
             return torch.full((block_n, block_d), float("nan"), dtype=k.dtype)
     return wrapped
@@ -284,8 +230,9 @@ def check_key_tile(fn) -> Result:
     """Check ``fn(k, start, block_n, block_d) -> tile``: the ``(block_n, block_d)`` tile of rows
     ``start .. start+block_n`` of the contiguous ``(T, D)`` matrix ``k``, zero where the row is ``>= T`` or the
     column is ``>= D``, loaded with :func:`tl_load` on ``k.flatten()``."""
-    return check_function("masked load of a key tile", _catch_index_error(fn), _tile_reference, _tile_inputs,
-                          trials=12, seed=34, rtol=0.0, atol=0.0, explain=_explain_tile,
+    answer = _catch_index_error(guarded(fn, _library_objects(), allowed=(tl_load,)))
+    return check_function("masked load of a key tile", answer, _tile_reference, _tile_inputs,
+                          trials=12, seed=34, rtol=0.0, atol=0.0,
                           hint="re-read 'Reading the forward kernel' on masks, then print your offsets and mask "
                                "for the failing trial's last rows and columns.")
 
@@ -373,21 +320,7 @@ def _dq_launcher(kernel):
     return run
 
 
-def _explain_dq(got, expected, q, k, v, dout, causal, sm_scale) -> str:
-    """Which rows go wrong first: ones that see no key, ones whose visible keys end inside a key block, or any."""
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return ""
-    bad = ~torch.isclose(got.double(), expected.double(), rtol=1e-4, atol=1e-4, equal_nan=False).all(1)
-    if not bad.any():
-        return ""
-    tq, tk = q.shape[0], k.shape[0]
-    row = int(bad.nonzero()[0])
-    sees = min(tk, row + tk - tq + 1) if causal else tk
-    nan = " and comes out NaN" if torch.isnan(got[row]).any() else ""
-    if sees <= 0:
-        return f"Row {row} sees no key at all (causal, Tq={tq} > Tk={tk}){nan}."
-    return (f"Row {row} is the first wrong one{nan}: it sees {sees} of the {tk} keys "
-            f"({'causal' if causal else 'not causal'}, Tq={tq}, D={q.shape[1]}).")
+
 
 
 @exercise
@@ -419,7 +352,7 @@ def check_dq_kernel(kernel) -> Result:
                                             "@triton.jit and launch nothing yourself; the check launches it."))
     atol = 1e-4 if runtime.INTERPRETED else 2e-2  # a GPU's fp32 tl.dot may use TF32 unless told "ieee"
     return check_function(name, _dq_launcher(kernel), lambda *args: _dq_reference(*args)[0].float(), _dq_inputs,
-                          trials=6, seed=37, rtol=1e-4, atol=atol, explain=_explain_dq,
-                          hint="re-read 'The backward pass: recompute P, do not store it' and follow the row named "
-                               "above through your kernel on paper: which keys it sees, and what its P is for the "
+                          trials=6, seed=37, rtol=1e-4, atol=atol,
+                          hint="re-read 'The backward pass: recompute P, do not store it' and follow the row this "
+                               "message names through your kernel on paper: which keys it sees, and what its P is for the "
                                "keys it does not see.")

@@ -14,9 +14,10 @@ import math
 import torch
 
 from labsrc import kv_cache
-from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Result, _report, _with_hint, as_number,
-                                   check_function, exercise, hidden, randint, refuse_library,
-                                   stub_raised, triton_missing)
+from labsrc.exercises.core import stub_raised
+from labsrc.exercises.core import (FAILED, NOT_SOLVED, PASSED, Refused, Result, _report, _with_hint, as_number,
+                                   check_function, exercise, fail, guarded, randint, refusal, refuse_library,
+                                   seed_for, trials_for, triton_missing)
 from labsrc.kernels._triton import HAS_TRITON
 
 
@@ -59,7 +60,7 @@ def check_gqa_bytes(fn) -> Result:
     refused = _asks_library(name, fn, hint)
     return refused if refused is not None else check_function(
         name, as_number(fn), _gqa_reference, _gqa_inputs, trials=8, seed=11, rtol=1e-12, atol=0.5, hint=hint,
-        arg_names=("n_layers", "n_heads", "n_kv_heads", "head_dim", "seq_len", "batch", "dtype_bytes"))
+        forbidden=_library())
 
 
 def _rate_inputs(gen: torch.Generator) -> tuple:
@@ -83,36 +84,18 @@ def _rate_reference(weight_bytes, kv_bytes_per_token, context, hbm_bytes, hbm_by
     return 0.0 if batch == 0 else _rate_at(batch, weight_bytes, kv_bytes_per_token, context, hbm_bytes_per_s)
 
 
-def _explain_rate(got, expected, weight_bytes, kv_bytes_per_token, context, hbm_bytes, hbm_bytes_per_s) -> str:
-    """Whether the failing trial is one where nothing fits, or one where only a few sequences do."""
-    fits = max(0, int((hbm_bytes - weight_bytes) // (context * kv_bytes_per_token)))
-    if isinstance(got, (int, float)) and fits >= 1:
-        # the rates of two plausible slips, to say which one the answer made
-        part = (hbm_bytes - weight_bytes) / (context * kv_bytes_per_token)
-        for batch, slip in ((part, "a batch that is not a whole number of sequences"), (1, "a batch of one")):
-            if math.isclose(got, _rate_at(batch, weight_bytes, kv_bytes_per_token, context, hbm_bytes_per_s),
-                            rel_tol=1e-9):
-                return f"Your value is the ceiling of {slip}, here where {fits} whole sequence(s) fit."
-    if fits == 0:
-        where = "the weights alone" if weight_bytes > hbm_bytes else "the weights and one sequence"
-        return f"In this trial {where} do not fit on the card: what can it serve?"
-    if fits < 20:
-        return f"In this trial only {fits} whole sequence(s) fit beside the weights."
-    return ""
-
-
 @exercise
 def check_decode_rate_ceiling(fn) -> Result:
     """Check ``fn(weight_bytes, kv_bytes_per_token, context, hbm_bytes, hbm_bytes_per_s) -> tokens/s``: the
     bandwidth ceiling of decode on one card that holds the weights and as many whole sequences of ``context``
     tokens as fit beside them (0 when not one fits)."""
     name, hint = ("decode ceiling when memory caps the batch",
-                  "re-read 'What the bytes cost' and 'A calculator': find how many sequences the card can hold, "
-                  "then what one step of that batch reads, then how many tokens that step produces.")
+                  "work the failing trial by hand: how many whole sequences fit, what one step of that batch "
+                  "reads, and how many tokens that step produces.")
     refused = _asks_library(name, fn, hint)
     return refused if refused is not None else check_function(
         name, as_number(fn), _rate_reference, _rate_inputs, trials=12, seed=12, rtol=1e-9, atol=1e-9, hint=hint,
-        explain=_explain_rate)
+        forbidden=_library())
 
 
 def _paged_inputs(gen: torch.Generator) -> tuple:
@@ -146,10 +129,9 @@ def check_paged_utilisation(fn) -> Result:
     refused = _asks_library(name, fn, hint, "predict it yourself")
     if refused is not None:
         return refused
-    trials, seed = (8, 17 + (1000 if hidden() else 0))
-    trials *= 2 if hidden() else 1
-    gen = torch.Generator().manual_seed(seed)
-    predict = as_number(fn)
+    trials = trials_for(8)
+    gen = torch.Generator().manual_seed(seed_for(17))
+    predict = as_number(guarded(fn, _library()))
     for trial in range(trials):
         lengths, block_size = _paged_inputs(gen)
         mean = float(lengths.mean())
@@ -157,15 +139,17 @@ def check_paged_utilisation(fn) -> Result:
             got = predict(mean, block_size)
         except NotImplementedError:
             return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        except Refused as refused:
+            return refusal(name, refused.names, hint)
         measured = kv_cache.paged_utilisation(lengths, block_size)
+        case = (f"trial {trial + 1} of {trials}, {PAGED_REQUESTS} requests of mean length {mean:.1f}, "
+                f"blocks of {block_size}")
         if not isinstance(got, (int, float)) or isinstance(got, bool):
-            return _report(Result(name, FAILED, _with_hint(f"expected a number, got {type(got).__name__}.", hint)))
+            return fail(name, case, f"expected a number, got {type(got).__name__}.", hint)
         if not abs(got - measured) <= PAGED_TOLERANCE:
-            side = "above" if got > measured else "below"
-            return _report(Result(name, FAILED, _with_hint(
-                f"trial {trial + 1} ({PAGED_REQUESTS} requests of mean length {mean:.1f}, blocks of {block_size}): "
-                f"your prediction {got!r} is {abs(got - measured):.3f} {side} the measured utilisation, more than "
-                f"{PAGED_TOLERANCE}.", hint)))
+            # pass or fail only: the gap to the measurement, or its side, would let a search replace the reasoning
+            return fail(name, case, "the prediction is not within the tolerance of the utilisation measured on "
+                                    "this mix.", hint)
     return _report(Result(name, PASSED, f"within {PAGED_TOLERANCE} of the measured utilisation on {trials} "
                                         f"request mixes."))
 
@@ -184,12 +168,12 @@ def check_mla_equivalent_heads(fn) -> Result:
     """Check ``fn(kv_lora_rank, qk_rope_head_dim, head_dim) -> heads``: how many GQA K/V heads of ``head_dim``
     cost as many cache bytes per layer and token as one MLA latent plus its RoPE key (a float)."""
     name, hint = ("MLA as an equivalent number of K/V heads",
-                  "re-read 'MLA and MLKV against the source' and count, for one token and one layer, the "
-                  "numbers each design caches; the failing trial shows which argument your count misuses.")
+                  "count, for one token and one layer, the numbers each design caches, and check your relation "
+                  "on the failing trial's arguments by hand.")
     refused = _asks_library(name, fn, hint)
     return refused if refused is not None else check_function(
         name, as_number(fn), _mla_heads_reference, _mla_heads_inputs, trials=8, seed=14, rtol=1e-9, hint=hint,
-        arg_names=("kv_lora_rank", "qk_rope_head_dim", "head_dim"))
+        forbidden=_library())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -263,11 +247,6 @@ def _kernel_problem(kernel, n_slots, k_new, v_new, slots) -> str | None:
             return f"the kernel wrote outside {name} (past its first or last element)."
         if torch.equal(got.nan_to_num(1e4), want.nan_to_num(1e4)):
             continue
-        token_major = torch.full((n_slots, heads, dim), float("nan"), dtype=new.dtype)
-        token_major[slots.long()] = new
-        if torch.equal(got.flatten().nan_to_num(1e4), token_major.flatten().nan_to_num(1e4)):
-            return (f"{name} holds the rows laid out as [n_slots, n_kv_heads, head_dim], the chapter's layout, "
-                    f"not [n_kv_heads, n_slots, head_dim].")
         written = torch.zeros(n_slots, dtype=torch.bool)
         written[slots.long()] = True
         wrong = (got != want) & ~(torch.isnan(got) & torch.isnan(want))        # (heads, slots, dim)
@@ -292,7 +271,7 @@ def check_kv_store_kernel(kernel) -> Result:
     """
     name = "a store into a head-major cache, as a Triton kernel"
     hint = ("re-read 'The kernel: storing new rows into a preallocated cache' and draw where one new row's "
-            "elements land in a head-major cache: the trial above names the first element that went wrong.")
+            "elements land in a head-major cache; the failing trial names the first element that went wrong.")
     if not HAS_TRITON:
         return triton_missing(name)
     if not _is_kernel(kernel):
@@ -307,8 +286,8 @@ def check_kv_store_kernel(kernel) -> Result:
     refused = _asks_library(name, kernel, hint, "the kernel must do the copy itself")
     if refused is not None:
         return refused
-    trials = 6 * (2 if hidden() else 1)
-    gen = torch.Generator().manual_seed(15 + (1000 if hidden() else 0))
+    trials = trials_for(6)
+    gen = torch.Generator().manual_seed(seed_for(15))
     for trial in range(trials):
         n_slots, k_new, v_new, slots = _store_inputs(gen)
         try:

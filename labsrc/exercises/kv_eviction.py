@@ -23,8 +23,8 @@ import numbers
 import torch
 
 from labsrc import kv_eviction as ev
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, PASSED, Result, _call, _report,
-                                   _with_hint, check_function, exercise, hidden, launch_failed, not_a_kernel,
+from labsrc.exercises.core import (PASSED, Result, _report, fail, seed_for,
+                                   check_function, exercise, hidden, launch_failed, not_a_kernel,
                                    refuse_library, skipped_without_triton)
 
 __all__ = ["hand_case", "check_scores", "reasoning_chain", "check_lru_keep", "check_wrongly_dropped",
@@ -89,36 +89,10 @@ def check_scores(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("value-aware scores", _as(torch.float32)(fn), reference, make, trials=6, rtol=1e-4,
-                          atol=1e-6, explain=_explain_scores,
+                          atol=1e-6, forbidden=(ev.value_aware_scores, ev.ValueAware, ev.recency),
+                          owner="the lab",
                           hint="trial 1 is the hand case of Exercise 1: score it on paper following 'The "
                                "value-aware score, a loop at a time', then compare token by token.")
-
-
-def _explain_scores(got, expected, attn, values, alpha, beta, gamma, lam) -> str:
-    """Recognise scores that leave one factor of the rule out (as if its exponent were 0)."""
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return f"There is one score per token: {attn.shape[-1]} here."
-    for name, exps in (("attention", (0.0, beta, gamma)), ("value-norm", (alpha, 0.0, gamma)),
-                       ("recency", (alpha, beta, 0.0))):
-        if exps != (alpha, beta, gamma) and torch.allclose(
-                got.double(), ev.value_aware_scores(attn, values, *exps, lam).double(), rtol=1e-4, atol=1e-6):
-            return f"Your scores equal the rule without its {name} factor."
-    return ""
-
-
-def _explain_keep(got, expected, *args) -> str:
-    """Say how a wrong set of kept indices is off (counts and order, never which tokens)."""
-    if not isinstance(got, torch.Tensor) or got.dim() != 1:
-        return "Return a 1-D tensor of indices."
-    items = got.tolist()
-    if items != sorted(items):
-        return "The indices are not sorted."
-    if len(set(items)) != len(items):
-        return "An index appears twice."
-    if len(items) != len(expected):
-        return f"You keep {len(items)} tokens; the budget keeps {len(expected)}."
-    extra = len(set(items) - set(expected.tolist()))
-    return f"{extra} of the tokens you keep are ones the policy drops."
 
 
 def reasoning_chain() -> dict:
@@ -176,22 +150,6 @@ def _lru_variant(attn: torch.Tensor, budget: int, threshold: float, *, arrival: 
     return sorted(order[:budget])
 
 
-def _explain_lru(got, expected, attn, budget, threshold) -> str:
-    """Recognise the two slips of the buggy LRU: arrival not counted as a use, ties won by the older token."""
-    if not isinstance(got, torch.Tensor) or got.dim() != 1:
-        return _explain_keep(got, expected)
-    items = got.tolist()
-    for arrival, newer, said in (
-            (False, True, "Your answer ranks a token that no query used above the threshold below every used "
-                          "token, however recently it arrived; re-read what the task counts as a use."),
-            (True, False, "Where two tokens have the same last use, your answer keeps the older one."),
-            (False, False, "Your answer has two slips: a token no query used ranks below every used token "
-                           "however recently it arrived, and a tie of last use goes to the older token.")):
-        if items == _lru_variant(attn, budget, threshold, arrival=arrival, newer_wins=newer):
-            return said
-    return _explain_keep(got, expected)
-
-
 def _lru_inputs(gen: torch.Generator):
     n = int(torch.randint(6, 15, (1,), generator=gen))
     t = int(torch.randint(1, n + 1, (1,), generator=gen))
@@ -222,39 +180,47 @@ def check_lru_keep(fn) -> Result:
         return refused
 
     return check_function("LRU keep", _as(torch.int64)(fn), _lru_keep_reference, make, trials=6,
-                          explain=_explain_lru,
+                          forbidden=(ev.LRU, ev.make_policy, ev.TokenStats), owner="the lab",
                           hint="re-read 'Why FIFO and LRU drop the premise, and dormant tokens' and write down "
                                "each token's last use for the failing trial by hand.")
 
 
-@exercise
-def check_wrongly_dropped(answer) -> Result:
-    """``answer`` (an int, or a function returning one): the index of the token that LRU drops from
-    :func:`reasoning_chain` although the verification step attends it more than any other dropped token."""
-    chain = reasoning_chain()
-    keep = _lru_keep_reference(chain["attn"], chain["budget"], chain["threshold"])
-    dropped = torch.ones(chain["attn"].shape[1], dtype=torch.bool)
+def _dropped_reference(attn, future, budget, threshold) -> int:
+    keep = _lru_keep_reference(attn, budget, threshold)
+    dropped = torch.ones(attn.shape[1], dtype=torch.bool)
     dropped[keep] = False
-    future = chain["future"].masked_fill(~dropped, -1.0)
-    expected = int(torch.argmax(future))
-    name = "token LRU wrongly drops"
-    got, unsolved = _call(answer)
-    if unsolved is not None:
-        unsolved.name = name
-        return _report(unsolved)
-    section = "re-read 'Why FIFO and LRU drop the premise, and dormant tokens'."
-    if isinstance(got, torch.Tensor) and got.numel() == 1 and not got.is_floating_point():
-        got = got.item()            # a one-element integer tensor counts as the index it holds
-    if isinstance(got, numbers.Integral) and not isinstance(got, bool):
-        got = int(got)              # and so does a NumPy integer
-    if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got < len(dropped):
-        return _report(Result(name, FAILED, _with_hint(
-            f"{got!r} is not a token index of the chain (0 to {len(dropped) - 1}).", section)))
-    if got != expected:   # an index is right or wrong: no "too large", which would allow a binary search
-        why = (f"LRU keeps token {got}, so it is not dropped" if not dropped[got] else
-               f"token {got} is dropped, but the verification step attends another dropped token more")
-        return _report(Result(name, FAILED, _with_hint(f"{why}.", section)))
-    return _report(Result(name, PASSED))
+    return int(torch.argmax(future.masked_fill(~dropped, -1.0)))
+
+
+@exercise
+def check_wrongly_dropped(fn) -> Result:
+    """``fn(attn, future, budget, threshold) -> int``: the index of the token LRU drops (see
+    :func:`check_lru_keep`) that the future query's attention ``future (N,)`` weighs most. Trial 1 is
+    :func:`reasoning_chain`; the others are random histories, each with a future query over all N tokens."""
+    chain = reasoning_chain()
+    first = [True]
+
+    def make(gen):
+        if first[0]:
+            first[0] = False
+            return chain["attn"], chain["future"], chain["budget"], chain["threshold"]
+        attn, budget, threshold = _lru_inputs(gen)
+        future = torch.softmax(torch.randn(attn.shape[1], generator=gen) * 2, -1)
+        return attn, future, budget, threshold
+
+    def as_index(*args):
+        got = fn(*args)
+        if isinstance(got, torch.Tensor) and got.numel() == 1 and not got.is_floating_point():
+            got = got.item()            # a one-element integer tensor counts as the index it holds
+        if isinstance(got, numbers.Integral) and not isinstance(got, bool):
+            got = int(got)              # and so does a NumPy integer
+        return got
+
+    # an index is right or wrong: the message says neither whether LRU keeps it nor which way the answer lies
+    return check_function("token LRU wrongly drops", as_index, _dropped_reference, make, trials=6, rtol=0,
+                          atol=0, forbidden=(ev.LRU, ev.make_policy, ev.TokenStats), owner="the lab",
+                          hint="re-read 'Why FIFO and LRU drop the premise, and dormant tokens' and run your fixed "
+                               "LRU on the failing trial by hand.")
 
 
 def _prob_inputs(gen: torch.Generator):
@@ -273,17 +239,6 @@ def _ever_kept_inputs(gen: torch.Generator):
     return scores, budget, int(torch.randint(1, 12, (1,), generator=gen))
 
 
-def _explain_ever_kept(got, expected, scores, budget, rounds) -> str:
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return ""
-    once = ev.inclusion_probabilities(scores, budget)
-    if rounds > 1 and torch.allclose(got.double(), once, rtol=1e-5, atol=1e-6):
-        return f"Your answer is one draw's probability; this trial re-evicts {rounds} times."
-    if (got.double() > 1 + 1e-9).any() or (got.double() < -1e-9).any():
-        return "Some of your values are not probabilities (outside [0, 1])."
-    return ""
-
-
 @exercise
 def check_ever_kept(fn) -> Result:
     """``fn(scores, budget, rounds)`` must return, for each token, the probability (float64) that the
@@ -295,7 +250,8 @@ def check_ever_kept(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("kept at least once", _as(torch.float64)(fn), _ever_kept_reference,
-                          _ever_kept_inputs, trials=8, rtol=1e-5, atol=1e-6, explain=_explain_ever_kept,
+                          _ever_kept_inputs, trials=8, rtol=1e-5, atol=1e-6,
+                          forbidden=(ev.retention_frequencies, ev.stochastic_keep), owner="the lab",
                           hint="test your prediction with rounds = 1 first, where it must equal one draw's "
                                "keep-probabilities; then compare it with the simulation after this exercise.")
 
@@ -330,22 +286,6 @@ def attention_sums_ref(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> t
     return torch.exp(_masked_logits(q, k) - lse.double()[:, None]).sum(0).float()
 
 
-def _explain_sums(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor) -> str:
-    """Recognise a kernel that skips the causal mask, the log-sum-exp or the 1/sqrt(D) scale."""
-    rtol, atol = 1e-4, 1e-5
-    d = q.shape[1]
-    guesses = (("lets a query attend keys after its own position", torch.exp(
-                    _masked_logits(q, k, causal=False) - lse.double()[:, None]).sum(0)),
-               ("does not divide by the row's softmax sum (it ignores lse)",
-                torch.exp(_masked_logits(q, k)).sum(0)),
-               ("leaves the logits unscaled by 1/sqrt(D)",
-                torch.exp(_masked_logits(q, k) * d ** 0.5 - lse.double()[:, None]).sum(0)))
-    for said, alt in guesses:
-        if torch.allclose(out.double(), alt, rtol=rtol, atol=atol):
-            return f" Your kernel {said}."
-    return ""
-
-
 @exercise
 def check_attention_sums_kernel(kernel) -> Result:
     """Check a ``@triton.jit`` kernel ``kernel(q_ptr, k_ptr, lse_ptr, out_ptr, N, W, D, scale, BLOCK_N, BLOCK_D)``
@@ -357,14 +297,14 @@ def check_attention_sums_kernel(kernel) -> Result:
     if (skipped := skipped_without_triton(name)) is not None:
         return skipped
     hint = ("re-read 'Why the library has no eviction kernel' and compute, for the failing sizes, one key's sum by "
-            "hand from the queries that can see it; a message about writes or NaN points at the masks.")
+            "hand from the queries that can see it.")
     if (unlaunchable := not_a_kernel(name, kernel, "a grid of cdiv(N, BLOCK_N) programs")) is not None:
         return _report(unlaunchable)
     import triton  # only reached when Triton is installed
 
-    seed, sizes, block_n = 31, _SUM_SIZES, 8
+    seed, sizes, block_n = seed_for(31), _SUM_SIZES, 8
     if hidden():
-        seed, sizes = seed + HIDDEN_SEED_OFFSET, sizes + tuple((w + 1, n + 5, d + 2) for w, n, d in sizes)
+        sizes = sizes + tuple((w + 1, n + 5, d + 2) for w, n, d in sizes)
     gen = torch.Generator().manual_seed(seed)
     for trial, size in enumerate(sizes):
         q, k, lse = _sum_case(gen, size)
@@ -380,13 +320,13 @@ def check_attention_sums_kernel(kernel) -> Result:
         expected = attention_sums_ref(q, k, lse)
         problem = None
         if not bool(torch.isnan(torch.cat([store[:_SUM_GUARD], store[-_SUM_GUARD:]])).all()):
-            problem = "the kernel wrote outside the output (a key past N stored without a mask?)."
+            problem = "the kernel wrote outside the output."
         elif torch.isnan(out).any():
-            problem = f"{int(torch.isnan(out).sum())} of {n} outputs are NaN or were never written."
+            problem = "some outputs are NaN or were never written."
         elif not torch.allclose(out, expected, rtol=1e-4, atol=1e-5):
             bad = ~torch.isclose(out, expected, rtol=1e-4, atol=1e-5)
-            problem = (f"{int(bad.sum())} of {n} sums differ, the first at key {int(bad.nonzero()[0])}."
-                       f"{_explain_sums(out, q, k, lse)}")
+            where = f"{where}, first at key {int(bad.nonzero()[0])}"
+            problem = "the sum differs from the reference there."
         if problem:
-            return _report(Result(name, FAILED, f"{where}: {problem} Hint: {hint}"))
+            return fail(name, where, problem, hint)
     return _report(Result(name, PASSED, f"equal to the reference on {len(sizes)} launches with odd sizes."))

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 from labsrc import kv_quant, runtime
-from labsrc.exercises.core import (FAILED, NOT_SOLVED, Result, _report, _with_hint, as_number, check_function,
-                                   exercise, hidden, launch_failed, randint, refuse_library, triton_missing)
+from labsrc.exercises.core import (FAILED, NOT_SOLVED, Refused, Result, _report, as_number,
+                                   check_function, exercise, fail, guarded, launch_failed, randint, refusal,
+                                   refuse_library, seed_for, trials_for, triton_missing)
 
 
 # ------------------------------------------------------------------------------------------- own work only
@@ -69,21 +70,11 @@ def check_scale_zero(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("step and zero point of a group", _pair_as_tensor(fn), _scale_zero_reference,
-                          _group_inputs, trials=8, seed=21, rtol=1e-9, atol=1e-12, explain=_explain_scale_zero,
+                          _group_inputs, trials=8, seed=21, rtol=1e-9, atol=1e-12,
+                          forbidden=(kv_quant.scale_zero, kv_quant.quantize),
                           hint="re-read 'Uniform asymmetric quantization' and dequantize the lowest and the "
                                "highest code with your step and zero point: they should land on the ends of "
                                "the group's range.")
-
-
-def _explain_scale_zero(got, expected, group, bits) -> str:
-    if not isinstance(got, torch.Tensor) or got.shape != (2,):
-        return "Return the pair (scale, zero) as two numbers."
-    wrong = [what for i, what in enumerate(("step", "zero point"))
-             if not torch.isclose(got[i], expected[i], rtol=1e-9, atol=1e-12)]
-    said = " and the ".join(wrong)
-    ratio = (got[0] / expected[0]).item() if expected[0] != 0 else float("nan")
-    extra = f" (your step is {ratio:.4g} times the right one)" if "step" in wrong else ""
-    return f"The {said} {'is' if len(wrong) == 1 else 'are'} wrong{extra}, for {bits} bits."
 
 
 # ------------------------------------------------------------------------------------------- MSE ratio
@@ -129,17 +120,17 @@ def _fp16_problem(got, group: torch.Tensor, bits: int) -> str | None:
     if not s > 0:
         return "the stored step is not positive."
     err = (q * s + z - group).abs()
-    if float(err.max()) > s / 2 * (1 + 1e-6) + 1e-12:
-        worst = int(err.flatten().argmax())
-        return (f"element {worst} is {float(err.flatten()[worst]) / s:.2f} stored steps from its reconstruction, "
-                "more than half a step.")
+    far = err > s / 2 * (1 + 1e-6) + 1e-12
+    if bool(far.any()):
+        first = int(far.flatten().nonzero()[0])
+        return (f"element {first} (flat index) is not within half a stored step of its reconstruction "
+                "codes * scale + zero.")
     lo, hi = float(group.min()), float(group.max())
     # a safe rounding moves the zero point down by up to a few fp16 spacings (the library's rule, one part in
     # 1024 of |lo| and then a rounding, moves it by up to 2.5) and the step up by a few parts in 1000
     widest = (hi - lo + 3 * _fp16_spacing(lo)) * (1 + 2.0 ** -8) + levels * 2.0 ** -23
     if levels * s > widest:
-        return (f"the grid spans {levels * s / (hi - lo):.3f} times the group's range: the step is wider than "
-                "fp16 rounding needs, which costs accuracy on every element.")
+        return "the stored grid is wider than the group's range plus what rounding to fp16 requires."
     return None
 
 
@@ -154,20 +145,24 @@ def check_fp16_params(fn) -> Result:
     refused = _own_work(name, fn, (kv_quant.quantize, kv_quant.QuantizedTensor))
     if refused is not None:
         return refused
-    hint = ("re-read step 4 of 'Quantize and pack: one program per (row, group)' and check, for the failing "
-            "group, whether the stored grid still covers its smallest and largest element.")
-    trials, seed = (24, 1041) if hidden() else (12, 41)
-    gen = torch.Generator().manual_seed(seed)
+    hint = ("rebuild the failing group (this message gives its size, mean and bits), run your function on it, "
+            "and compare each element with its reconstruction from what the function returns.")
+    trials = trials_for(12)
+    gen = torch.Generator().manual_seed(seed_for(41))
+    answer = guarded(fn, (kv_quant.quantize, kv_quant.QuantizedTensor))
     for trial in range(trials):
         group, bits = _offset_group_inputs(gen)
         try:
-            got = fn(group.clone(), bits)
+            got = answer(group.clone(), bits)
         except NotImplementedError:
             return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
+        except Refused as refused:
+            return refusal(name, refused.names, hint)
         problem = _fp16_problem(got, group, bits)
         if problem:
-            where = f"trial {trial + 1} (a group of {group.numel()} values around {float(group.mean()):.1f}, {bits} bits)"
-            return _report(Result(name, FAILED, _with_hint(f"{where}: {problem}", hint)))
+            where = (f"trial {trial + 1} of {trials}, a group of {group.numel()} values with mean "
+                     f"{float(group.mean()):.1f}, {bits} bits")
+            return fail(name, where, problem, hint)
     return _report(Result(name, "passed", f"every element within half a stored step in {trials} groups."))
 
 
@@ -195,27 +190,28 @@ def check_group_size(fn) -> Result:
     tokens by all channels share a step, no normalisation) is at most ``max_ratio`` times the per-token MSE,
     while ``2 g`` is over that bound or longer than the head (checked by measuring both)."""
     name = "largest group within an error budget"
-    hint = ("re-read 'Which numbers share a step' and measure, for the failing head, the ratio at your group "
-            "size and at twice it.")
-    trials, seed = (8, 1043) if hidden() else (4, 43)
-    gen = torch.Generator().manual_seed(seed)
+    hint = ("re-read 'Which numbers share a step' and measure, on a head like the failing one, the error of the "
+            "group sizes you are choosing between.")
+    trials = trials_for(4)
+    gen = torch.Generator().manual_seed(seed_for(43))
+    answer = as_number(guarded(fn, (_mse_ratio_at,)))
     for trial in range(trials):
         x, bits, bound = _head_inputs(gen)
         t = x.shape[0]
         try:
-            got = as_number(fn)(x.clone(), bits, bound)
+            got = answer(x.clone(), bits, bound)
         except NotImplementedError:
             return _report(Result(name, NOT_SOLVED, "Fill in the function above, then run this cell again."))
-        where = f"trial {trial + 1} (a head of {t} tokens by {x.shape[1]} channels, INT{bits}, bound {bound:g})"
+        except Refused as refused:
+            return refusal(name, refused.names, hint)
+        where = (f"trial {trial + 1} of {trials}, a head of {t} tokens by {x.shape[1]} channels, INT{bits}, "
+                 f"bound {bound:g}")
         if isinstance(got, bool) or not isinstance(got, int) or got < 1 or got > t or got & (got - 1):
-            return _report(Result(name, FAILED, _with_hint(
-                f"{where}: {got!r} is not a power of two between 1 and the head's {t} tokens.", hint)))
-        if _mse_ratio_at(x, bits, got) > bound:
-            return _report(Result(name, FAILED, _with_hint(
-                f"{where}: at your group size the measured ratio is above the bound.", hint)))
-        if 2 * got <= t and _mse_ratio_at(x, bits, 2 * got) <= bound:
-            return _report(Result(name, FAILED, _with_hint(
-                f"{where}: twice your group size still meets the bound.", hint)))
+            return fail(name, where, "the answer is not a power of two between 1 and the head's length.", hint)
+        if _mse_ratio_at(x, bits, got) > bound or (2 * got <= t and _mse_ratio_at(x, bits, 2 * got) <= bound):
+            # one message whichever way it misses: which way would turn the search into a bisection
+            return fail(name, where, "the group size returned is not the largest power of two whose measured "
+                                     "error meets the bound on this head.", hint)
     return _report(Result(name, "passed", f"measured within the bound, and twice it over, on {trials} heads."))
 
 
@@ -271,15 +267,6 @@ def _launch_unpack(kernel, packed, scale, zero, t, d, group) -> torch.Tensor:
     return out.cpu()
 
 
-def _explain_unpack(got, codes, scale, zero, group) -> str:
-    """Recognise a kernel that reads one step per token group (the chapter's layout) instead of one per channel."""
-    rows = torch.arange(codes.shape[0]) // group
-    shared = codes.float() * scale[rows, :1].float() + zero[rows, :1].float()
-    if torch.allclose(got, shared, rtol=1e-5, atol=1e-6):
-        return " Every channel of a token uses the step and zero point of channel 0 of its group."
-    return ""
-
-
 @exercise
 def check_unpack_kernel(kernel) -> Result:
     """Check a ``@triton.jit`` kernel ``kernel(p_ptr, scale_ptr, zero_ptr, out_ptr, T, DP, GROUP, BLOCK_T,
@@ -310,10 +297,9 @@ def check_unpack_kernel(kernel) -> Result:
     if refused is not None:
         return refused
     hint = ("re-read 'Unpack and dequantize' and the per-channel grouping in 'Grouping: token, channel, group of "
-            "tokens'; the first wrong element's channel (below DP or not) and token (its group) say which load "
-            "to look at.")
-    trials, seed = (12, 1025) if hidden() else (6, 25)
-    gen = torch.Generator().manual_seed(seed)
+            "tokens'; the first wrong element's channel and token say which load to look at.")
+    trials = trials_for(6)
+    gen = torch.Generator().manual_seed(seed_for(25))
     for trial in range(trials):
         x, g = _unpack_inputs(gen)
         t, d = x.shape
@@ -325,13 +311,10 @@ def check_unpack_kernel(kernel) -> Result:
             return _report(launch_failed(UNPACK_KERNEL, err, where, hint))
         expected = per_channel_unpack_ref(codes, scale, zero, g)
         if torch.isnan(got).any():
-            return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
-                f"{where}: {int(torch.isnan(got).sum())} output element(s) were never written.", hint)))
+            return fail(UNPACK_KERNEL, where, "some output elements were never written.", hint)
         if not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
             bad = ~torch.isclose(got, expected, rtol=1e-5, atol=1e-6)
             t0, c0 = (int(i) for i in bad.nonzero()[0])
-            return _report(Result(UNPACK_KERNEL, FAILED, _with_hint(
-                f"{where}: {int(bad.sum())} of {bad.numel()} elements differ, the first at token {t0} (group "
-                f"{t0 // g}), channel {c0} ({'a low' if c0 < d // 2 else 'a high'} nibble)."
-                f"{_explain_unpack(got, codes, scale, zero, g)}", hint)))
+            return fail(UNPACK_KERNEL, f"{where}, first at token {t0}, channel {c0}",
+                        "the output differs from the reference there.", hint)
     return _report(Result(UNPACK_KERNEL, "passed", f"agrees with the reference on {trials} random odd sizes."))

@@ -10,8 +10,8 @@ import torch
 
 import math
 
-from labsrc.exercises.core import (FAILED, HIDDEN_SEED_OFFSET, HIDDEN_TRIALS, PASSED, Result, _call, _report,
-                                   _with_hint, check_function, exercise, hidden, randint, refuse_library)
+from labsrc.exercises.core import (PASSED, Refused, Result, _call, _report, check_function, exercise, fail,
+                                   guarded, randint, refusal, refuse_library, seed_for, trials_for)
 
 
 # ---------------------------------------------------------------------------------- the library-call guard
@@ -53,10 +53,9 @@ def check_parameter_count(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("parameter count of a Llama model", fn, _llama_reference, _llama_inputs, trials=6,
-                          explain=_explain_parameters,
-                          hint="re-read 'The models' and print the named parameters of a small model built from "
-                               "the failing configuration: the difference above says in which part your count "
-                               "is off.")
+                          forbidden=(transformers, torch.Tensor.numel, *_REFERENCES), owner="the lab",
+                          hint="re-read 'The models' and count each kind of weight of the failing configuration "
+                               "by hand, the embeddings and the head included.")
 
 
 # -------------------------------------------------------------------------- 2. how many samples a probe needs
@@ -102,13 +101,13 @@ def _probe_problem(got, p_true: float, threshold: float, power: float) -> str | 
         return f"n={n} is not a positive multiple of {PROBE_STEP}."
     exact = pass_probability_ref(n, p_true, threshold)
     if abs(rate - exact) > PROBE_TOLERANCE:
-        return (f"the pass rate you measured at n={n} is off by more than {PROBE_TOLERANCE} from the probability "
-                f"that n samples pass: is each simulated probe judged as the probe table judges it?")
-    if exact < power - PROBE_TOLERANCE:
-        return f"at n={n} the probe passes less often than {power:.0%} of the time: n is too small."
-    for m in range(PROBE_STEP, n, PROBE_STEP):
-        if pass_probability_ref(m, p_true, threshold) >= power + PROBE_TOLERANCE:
-            return f"a probe of {m} samples already passes at least {power:.0%} of the time: n is not the smallest."
+        return ("the pass rate returned with n is not within the tolerance of the probability that a probe of n "
+                "samples passes: is each simulated probe judged as the probe table judges it?")
+    smaller = any(pass_probability_ref(m, p_true, threshold) >= power + PROBE_TOLERANCE
+                  for m in range(PROBE_STEP, n, PROBE_STEP))
+    if exact < power - PROBE_TOLERANCE or smaller:
+        # one message for both ways of missing: saying which would allow a binary search on n
+        return "n is not the smallest multiple of ten samples whose probe passes with the required probability."
     return None
 
 
@@ -123,18 +122,24 @@ def check_probe_size(fn) -> Result:
     name = "how many samples a probe needs"
     hint = ("re-read 'Which probes `lab-target` passes, and why' for when a probe passes, then simulate many probes "
             "of n samples each for the failing case and count how many pass.")
-    trials = 3 * (HIDDEN_TRIALS if hidden() else 1)
-    gen = torch.Generator().manual_seed(21 + (HIDDEN_SEED_OFFSET if hidden() else 0))
+    trials = trials_for(3)
+    gen = torch.Generator().manual_seed(seed_for(21))
+    # the checker's exact pass probability (pass_probability_ref) is refused inside the answer: a search with it
+    # would replace the simulation the exercise asks for
+    answer = guarded(fn, (pass_probability_ref, _wilson_lower_ends))
     for trial in range(trials):
         case = _probe_inputs(gen)
-        got, unsolved = _call(fn, *case)
+        try:
+            got, unsolved = _call(answer, *case)
+        except Refused as refused:
+            return refusal(name, refused.names, hint, owner="the lab")
         if unsolved is not None:
             unsolved.name = name
             return _report(unsolved)
         problem = _probe_problem(got, *case)
         if problem:
-            what = f"trial {trial + 1} (p_true={case[0]}, threshold={case[1]}, power={case[2]})"
-            return _report(Result(name, FAILED, _with_hint(f"{what}: {problem}", hint)))
+            what = f"trial {trial + 1} of {trials}, p_true={case[0]}, threshold={case[1]}, power={case[2]}"
+            return fail(name, what, problem, hint)
     return _report(Result(name, PASSED, f"the right probe size, and a measured pass rate that agrees, on {trials} "
                                         "cases."))
 
@@ -160,7 +165,7 @@ def check_bucket_perplexity(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("perplexity by position bucket", fn, bucket_perplexity_ref, _bucket_inputs, trials=6,
-                          explain=_explain_buckets,
+                          forbidden=(tasks, *_REFERENCES), owner="the lab",
                           hint="re-read the task of the exercise, then work the sizes of the failing trial "
                                "by hand: which buckets there are, and what the perplexity of one bucket is, pooled "
                                "over every window.")
@@ -191,9 +196,7 @@ def check_pareto_front(fn) -> Result:
     if refused is not None:
         return refused
 
-    name, trials, seed = "Pareto front", 10, 0
-    if hidden():
-        trials, seed = trials * HIDDEN_TRIALS, seed + HIDDEN_SEED_OFFSET
+    name, trials, seed = "Pareto front", trials_for(10), seed_for(0)
     gen = torch.Generator().manual_seed(seed)
     for trial in range(trials):
         points, = _pareto_inputs(gen)
@@ -206,10 +209,11 @@ def check_pareto_front(fn) -> Result:
         except TypeError:
             right = False
         if not right:
-            return _report(Result(name, FAILED, _with_hint(
-                f"trial {trial + 1} with points {points}: {_explain_pareto(got, points)}",
-                "re-read Exercise 4's task on which point beats which, and check the point named above "
-                "against it by hand.")))
+            # the whole set is judged: naming the point that is missing or extra would let a search find it
+            return fail(name, f"trial {trial + 1} of {trials}, points {points}",
+                        "the indices returned are not exactly the points that no other point beats.",
+                        "re-read Exercise 4's task on which point beats which, and check every point of this "
+                        "trial against it by hand.")
     return _report(Result(name, PASSED, f"agrees with the reference on {trials} random inputs."))
 
 
@@ -244,69 +248,9 @@ def check_keys_needed(fn) -> Result:
     if refused is not None:
         return refused
     return check_function("keys needed for a clear pass", fn, keys_needed_ref, _keys_inputs, trials=8,
-                          explain=_explain_keys,
+                          forbidden=(claims, *_REFERENCES), owner="the lab",
                           hint="re-read the Wilson interval in 'Which probes `lab-target` passes, and why' and "
-                               "evaluate its lower end for your n and for n - 1.")
-
-
-# ------------------------------------------------------------------------- what a failed trial looks like
-def _explain_parameters(got, expected, cfg) -> str:
-    """Say in units of the configuration's sizes how far a wrong parameter count is from the real model's."""
-    if not isinstance(got, (int, float)) or isinstance(got, bool):
-        return ""
-    diff, h, vocab = int(got) - int(expected), cfg["hidden_size"], cfg["vocab_size"]
-    sign = "more" if diff > 0 else "fewer"
-    units = [(vocab * h, "vocab_size x hidden_size"), (h * cfg["intermediate_size"], "hidden_size x intermediate_size"),
-             (h * h, "hidden_size x hidden_size"), (h, "hidden_size")]
-    for unit, said in units:
-        if diff and diff % unit == 0:
-            return (f"Your count has {abs(diff) // unit} x ({said}) {sign} parameters than the model "
-                    f"(tie_word_embeddings={cfg['tie_word_embeddings']}).")
-    return f"Your count has {abs(diff)} {sign} parameters than the model."
-
-
-def _explain_buckets(got, expected, nll, bucket) -> str:
-    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return (f"{nll.shape[1]} positions in buckets of {bucket} make {expected.numel()} buckets, the last one "
-                f"holding {nll.shape[1] - bucket * (expected.numel() - 1)} positions.")
-    ok = torch.isclose(got.double(), expected.double(), rtol=1e-5, atol=1e-6)
-    if bool(ok[:-1].all()) and not bool(ok[-1]):
-        return "only the last, shorter bucket is wrong."
-    per_token = torch.stack([nll[..., s:s + bucket].exp().mean() for s in range(0, nll.shape[-1], bucket)])
-    if torch.allclose(got.double(), per_token.double(), rtol=1e-5, atol=1e-6):
-        return ("each of your values averages the per-token perplexities of its bucket, which is not the "
-                "perplexity of the bucket.")
-    return ""
-
-
-def _explain_pareto(got, points) -> str:
-    try:
-        got = sorted(int(i) for i in got)
-    except (TypeError, ValueError):
-        return f"{got!r} is not a list of indices into points."
-    front = _pareto_ref(points)
-    missing = [i for i in front if i not in got]
-    extra = [i for i in got if i not in front]
-    if missing:
-        return f"point {missing[0]} {points[missing[0]]} is beaten by no other point, but your answer leaves it out."
-    if extra:
-        return f"point {extra[0]} {points[extra[0]]} is beaten by another point, but your answer keeps it."
-    return "the indices repeat or are out of range."
-
-
-def _wilson_lower(n: int) -> float:
-    """The 95% Wilson interval's lower end for n right out of n (the value the chapter's table prints)."""
-    from labsrc import claims
-
-    return claims.wilson(n, n)[0]
-
-
-def _explain_keys(got, expected, threshold) -> str:
-    if not isinstance(got, int) or isinstance(got, bool) or got < 1:
-        return "the answer is a whole number of keys, at least 1."
-    if _wilson_lower(got) < threshold:
-        return f"with {got} keys all right the interval's lower end is still below {threshold}."
-    return f"{got - 1} keys all right already clear {threshold}: yours is not the fewest."
+                               "work the interval of the failing threshold by hand.")
 
 
 # The reference solutions themselves (passed in directly) are refused too.
