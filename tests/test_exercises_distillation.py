@@ -89,9 +89,12 @@ CASES = [
 
 
 # ------------------------------------------------------------------------------------- what the hints say
-def test_the_jsd_check_says_the_answer_is_still_the_given_function(lenient, capsys):
-    message = ex.check_jsd_fix(jsd_wrong_as_given).message
-    assert "what the handed-out one returns" in message and "mixture" not in message
+def test_the_jsd_check_names_the_case_not_the_handed_out_bug(lenient, capsys):
+    """Fed the handed-out code unchanged, the check names the failing inputs and nothing about the bug
+    (issue 44: a checker fed the handed-out code must not name its slip)."""
+    result = ex.check_jsd_fix(jsd_wrong_as_given)
+    assert result.status == "failed" and result.case and result.case in result.message
+    assert "mixture" not in result.message and "handed-out" not in result.message
 
 
 def test_the_given_jsd_breaks_the_bound_the_exercise_states():

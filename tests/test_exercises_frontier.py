@@ -66,9 +66,10 @@ def mod_wrong_no_rounding(capacity, T, d):
     return k * (8 * d + k + 1) / (T * (8 * d + T + 1))
 
 
-def test_the_mod_check_names_the_routed_count(lenient, capsys):
+def test_the_mod_check_names_the_failing_case_not_the_slip(lenient, capsys):
     result = ex.check_mod_block_fraction(mod_wrong_no_rounding)
-    assert result.status == "failed" and "whole number" in result.message
+    assert result.status == "failed" and result.case and result.case in result.message
+    assert "whole number" not in result.message and "round" not in result.message
 
 
 def test_the_mod_reference_is_the_chapter_count_for_one_layer():

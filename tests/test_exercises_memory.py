@@ -51,9 +51,10 @@ def test_the_sharded_reference_is_what_a_simulation_measures():
         assert abs(ex._sharded_recall_ref(k, shards, per_shard) - simulated_recall(k, shards, per_shard)) < 0.01
 
 
-def test_the_sharded_check_names_a_prediction_that_is_not_one_with_one_shard(lenient, capsys):
+def test_the_sharded_check_names_the_failing_case_not_the_slip(lenient, capsys):
     result = ex.check_sharded_recall(lambda k, s, p: p / k)
-    assert result.status == "failed" and "single shard" in result.message
+    assert result.status == "failed" and result.case and result.case in result.message
+    assert "single shard" not in result.message
 
 
 # ----------------------------------------------------------------------------- the smallest nprobe
