@@ -16,7 +16,7 @@ PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 NOT_IMPORTED = {"ipykernel", "jupyterlab", "jupyter-book", "django-static-mathjax", "nbmake", "pytest-xdist",
                 "pytest-playwright"}
 # The package and the repository's own scripts and test helpers, which import each other by file name.
-LOCAL = {"labsrc"} | {p.stem for folder in ("tools", "tests") for p in (ROOT / folder).rglob("*.py")}
+LOCAL = {"labsrc", "tests"} | {p.stem for folder in ("tools", "tests") for p in (ROOT / folder).rglob("*.py")}
 
 
 def _name(requirement: str) -> str:

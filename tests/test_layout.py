@@ -81,7 +81,7 @@ def test_every_file_of_a_chapter_carries_its_name(stem):
 
 
 @pytest.mark.parametrize("folder, private", [("kernels", set()), ("bench", set()), ("sweeps", {"cli"}),
-                                             ("exercises", {"core", "grade", "student"})])
+                                             ("exercises", {"core", "grade", "student", "kinds"})])
 def test_every_kernel_bench_sweep_and_exercise_module_is_named_for_a_chapter(folder, private):
     found = {p.stem if p.suffix == ".py" else p.name for p in (LABSRC / folder).iterdir()
              if (p.suffix == ".py" or (p / "__init__.py").is_file()) and not p.name.startswith("_")}

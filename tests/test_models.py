@@ -416,13 +416,15 @@ def test_eval_card_progress_bar_counts_every_stage(monkeypatch):
         def close(self):
             self.closed = True
 
+    from labsrc.models import card as eval_card  # the eval card's module: train re-exports evaluate from it
+
     grid = torch.ones(len(training.PASSKEY_FRACTIONS), len(training.PASSKEY_DEPTHS))
-    monkeypatch.setattr(training, "tqdm", Bar)
+    monkeypatch.setattr(eval_card, "tqdm", Bar)
     monkeypatch.setattr(training.tasks, "perplexity_by_position", lambda *a, **k: {
         "overall": 1.0, "n_windows": 1, "positions": [], "perplexity": []})
     monkeypatch.setattr(training.tasks, "passkey_grid", lambda *a, **k: grid)
     monkeypatch.setattr(training.tasks, "variable_tracking_accuracy", lambda *a, **k: 1.0)
-    monkeypatch.setattr(training, "probe", lambda *a, **k: {"accuracy": 1.0})
+    monkeypatch.setattr(eval_card, "probe", lambda *a, **k: {"accuracy": 1.0})
     for ctx in (512, 768):
         card = training.evaluate(None, None, context_len=ctx)
         assert bars[-1].closed and bars[-1].n == bars[-1].total, (ctx, bars[-1].n, bars[-1].total)
